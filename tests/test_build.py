@@ -1,0 +1,66 @@
+"""The package imports, reports how it was built, and checks the torch it runs against."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import torch
+import torch.distributed as dist
+
+import fastddp
+
+from .distributed import RankFailure, run_distributed
+
+
+def test_version_and_build_info() -> None:
+    info = fastddp.build_info()
+    assert fastddp.__version__ == info["version"]
+    assert info["torch_version"] == torch.__version__
+    assert isinstance(info["cuda"], bool)
+    if info["cuda"]:
+        assert {"80", "90"} <= set(info["cuda_archs"])
+    assert info["gloo_available"] == dist.is_gloo_available()
+
+
+def test_torch_version_mismatch_is_a_clear_error(tmp_path) -> None:
+    # Simulate a build against another torch: the loader must refuse before touching _C.
+    code = (
+        "import sys, types, importlib\n"
+        "fake = types.ModuleType('fastddp._build_info')\n"
+        "fake.TORCH_VERSION = '1.0.0'\n"
+        "sys.modules['fastddp._build_info'] = fake\n"
+        "try:\n"
+        "    import fastddp\n"
+        "except ImportError as e:\n"
+        "    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "built against torch 1.0.0" in out.stdout
+    assert torch.__version__ in out.stdout
+    assert "pip install --no-build-isolation" in out.stdout
+
+
+def _sum_ranks(rank: int, world_size: int, scale: float) -> float:
+    t = torch.tensor([float(rank) * scale])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def _fail_on_rank_one(rank: int, world_size: int) -> None:
+    if rank == 1:
+        raise ValueError("boom on rank one")
+    dist.barrier()
+
+
+def test_distributed_helper_returns_results() -> None:
+    assert run_distributed(_sum_ranks, world_size=3, args=(2.0,)) == [6.0, 6.0, 6.0]
+
+
+def test_distributed_helper_reports_failing_rank() -> None:
+    try:
+        run_distributed(_fail_on_rank_one, world_size=2, timeout=60)
+    except RankFailure as exc:
+        assert "rank 1" in str(exc) and "boom on rank one" in str(exc)
+    else:
+        raise AssertionError("a failing rank must fail the test")
