@@ -35,8 +35,9 @@ def build_info() -> dict[str, Any]:
     the CUDA kernels were compiled (and for which architectures), whether torch.distributed and
     NCCL are available at run time, and the compiled capabilities.
     """
-    from . import _build_info as b
     import torch
+
+    from . import _build_info as b
 
     info = dict(_C._build_info())
     info["cuda_archs"] = [a for a in b.CUDA_ARCHS.split(";") if a]

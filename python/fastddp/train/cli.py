@@ -1,0 +1,249 @@
+"""Command line of ``fastddp.train``: the flags of the classic ``main_multi_gpu.py``, a config
+file (YAML or JSON) that can set every flag, and validation that fails before any training."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from .models import MODES
+
+
+class UsageError(ValueError):
+    """A bad flag or input; the launcher prints it as one line and exits with status 2."""
+
+
+# Keys of the classic configs/multi_gpu.yaml and configs/distributed.yaml -> our flags.
+NESTED_KEYS = {
+    "training.batch_size": "batch_size",
+    "training.lr": "lr",
+    "training.learning_rate": "lr",
+    "training.epochs": "epochs",
+    "training.weight_decay": "weight_decay",
+    "training.warmup_epochs": "warmup_epochs",
+    "training.grad_accum_steps": "grad_accum_steps",
+    "training.num_workers": "num_workers",
+    "training.amp": "amp",
+    "training.clip_grad": "clip_grad",
+    "training.seed": "seed",
+    "training.mode": "mode",
+    "training.save_dir": "save_dir",
+    "model.mode": "mode",
+    "data.data_dir": "data_dir",
+    "data.num_workers": "num_workers",
+    "distributed.backend": "backend",
+    "distributed.find_unused_parameters": "find_unused_parameters",
+    "distributed.sync_batchnorm": "sync_batchnorm",
+    "distributed.multi_gpu": "multi_gpu",
+    "distributed.gpu_ids": "gpu_ids",
+    "distributed.comm_dtype": "comm_dtype",
+    "distributed.timeout": "timeout",
+}
+
+
+def under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or (
+        "WORLD_SIZE" in os.environ and "RANK" in os.environ and "LOCAL_RANK" in os.environ
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m fastddp.train",
+        description=(
+            "Train the HAR activity-recognition task (UCI HAR or the embedded synthetic data) "
+            "with fastddp's DDPWrapper, GradScaler, DistributedSampler and PrefetchLoader. "
+            "Multi-process: torchrun --nproc_per_node=N -m fastddp.train --multi-gpu ddp ..."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--multi-gpu", choices=["none", "dp", "ddp"], default=None,
+                   help="ddp: one process per GPU/CPU rank through DDPWrapper (default under "
+                        "torchrun); dp: torch.nn.DataParallel in one process (needs >= 1 GPU; "
+                        "DDP is faster, prefer it); none: a single process (default otherwise)")
+    g.add_argument("--gpu-ids", default=None,
+                   help="comma-separated GPU ids to use, e.g. 0,1 (dp: the replicas; ddp: "
+                        "LOCAL_RANK indexes into this list)")
+    g.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
+                   help="process-group backend (auto: nccl on GPUs, gloo on CPU)")
+    g.add_argument("--timeout", type=float, default=300.0,
+                   help="seconds a collective may wait for a lost rank before the job stops")
+    g.add_argument("--find-unused-parameters", action="store_true",
+                   help="let DDPWrapper tolerate parameters that get no gradient in a step")
+    g.add_argument("--sync-batchnorm", action="store_true",
+                   help="convert BatchNorm layers to SyncBatchNorm (ddp only)")
+    g.add_argument("--comm-dtype", choices=["none", "bf16", "fp16"], default="none",
+                   help="compress gradients to this dtype for the all-reduce")
+
+    g = p.add_argument_group("model and data")
+    g.add_argument("--mode", default="flatten",
+                   help=f"model: {', '.join(MODES)} (flatten: MLP over the 9x128 window; "
+                        "conv1d and lstm over the sequence)")
+    g.add_argument("--model", default=None, help="your own model: pkg.module:factory")
+    g.add_argument("--dataset", default=None,
+                   help="your own data: pkg.module:factory returning (train, test) datasets of "
+                        "(x, y) tensors, e.g. two TensorDatasets")
+    g.add_argument("--data-dir", default=None,
+                   help="root of the real UCI HAR data set (default: the embedded synthetic data)")
+    g.add_argument("--class-weights", choices=["auto", "none"], default="none",
+                   help="auto: weight the loss by inverse class frequency")
+
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--epochs", type=int, default=5, help="training epochs")
+    g.add_argument("--batch-size", type=int, default=64,
+                   help="batch size per process (effective = batch x world x accum)")
+    g.add_argument("--lr", type=float, default=1e-3, help="base learning rate (AdamW)")
+    g.add_argument("--scale-lr", choices=["linear", "sqrt", "none"], default="none",
+                   help="scale --lr by the world size x accumulation steps")
+    g.add_argument("--warmup-epochs", type=float, default=1.0,
+                   help="linear warm-up epochs, then cosine decay")
+    g.add_argument("--weight-decay", type=float, default=1e-2, help="AdamW weight decay")
+    g.add_argument("--grad-accum-steps", type=int, default=1,
+                   help="micro-batches per optimizer step (no_sync on all but the last)")
+    g.add_argument("--amp", action=argparse.BooleanOptionalAction, default=None,
+                   help="mixed precision (default: on with CUDA, off on CPU)")
+    g.add_argument("--amp-dtype", choices=["fp16", "bf16"], default="fp16",
+                   help="autocast dtype; fp16 uses fastddp.GradScaler")
+    g.add_argument("--clip-grad", type=float, default=1.0,
+                   help="max global grad norm (0 disables clipping)")
+    g.add_argument("--seed", type=int, default=42, help="random seed (per-rank streams derived)")
+    g.add_argument("--max-nan-steps", type=int, default=5,
+                   help="abort after this many consecutive non-finite losses (AMP off)")
+
+    g = p.add_argument_group("input pipeline")
+    g.add_argument("--num-workers", type=int, default=2, help="loader threads per process")
+
+    g = p.add_argument_group("output")
+    g.add_argument("--save-dir", default="runs/har", help="checkpoints, metrics, plots")
+    g.add_argument("--resume", default="auto",
+                   help="auto: continue from SAVE_DIR/last.pt if present; a path; or none")
+    g.add_argument("--save-interval", type=int, default=0,
+                   help="also write last.pt every N optimizer steps (mid-epoch resume); 0: per epoch")
+    g.add_argument("--log-interval", type=int, default=50, help="steps between log lines")
+    g.add_argument("--tensorboard", action="store_true", help="write TensorBoard events")
+    g.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
+    g.add_argument("--config", default=None,
+                   help="YAML or JSON file setting any flag (flat names or the classic "
+                        "training./distributed. sections); flags on the command line win")
+    return p
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def load_config(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """Read a config file into ``{dest: value}``; unknown keys are an error naming them."""
+    file = Path(path)
+    if not file.is_file():
+        raise UsageError(f"--config {path}: no such file")
+    text = file.read_text()
+    if file.suffix in (".yaml", ".yml"):
+        try:
+            import yaml
+        except ImportError:
+            raise UsageError(f"--config {path}: reading YAML needs PyYAML (pip install pyyaml), "
+                             "or give a .json file") from None
+        data = yaml.safe_load(text) or {}
+    else:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise UsageError(f"--config {path}: invalid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"--config {path}: expected a mapping of settings at the top level")
+    dests = {a.dest for a in parser._actions}
+    resolved: dict[str, Any] = {}
+    unknown = []
+    for key, value in _flatten(data).items():
+        dest = NESTED_KEYS.get(key) or key.replace("-", "_")
+        if "." in key and key not in NESTED_KEYS:
+            dest = key.split(".")[-1].replace("-", "_")
+        if dest in dests and dest not in ("help", "config"):
+            resolved[dest] = value
+        else:
+            unknown.append(key)
+    if unknown:
+        raise UsageError(f"--config {path}: unknown keys {', '.join(sorted(unknown))} "
+                         "(see python -m fastddp.train --help for the settable flags)")
+    return resolved
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
+    pre, _ = parser.parse_known_args(argv)
+    if pre.config:
+        parser.set_defaults(**load_config(pre.config, parser))
+    args = parser.parse_args(argv)
+    if args.multi_gpu is None:
+        args.multi_gpu = "ddp" if under_torchrun() else "none"
+    return args
+
+
+def validate(args: argparse.Namespace, cuda_count: int) -> None:
+    """Check every flag that can be checked before a process group or data exist."""
+    if args.mode not in MODES and not args.model:
+        raise UsageError(f"unknown --mode {args.mode!r}: choose one of {', '.join(MODES)}")
+    for name in ("epochs", "batch_size", "grad_accum_steps", "log_interval"):
+        value = getattr(args, name)
+        if not isinstance(value, int) or value <= 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+    if args.lr <= 0:
+        raise UsageError(f"--lr must be > 0, got {args.lr}")
+    if args.num_workers < 0:
+        raise UsageError(f"--num-workers must be >= 0, got {args.num_workers}")
+    if args.clip_grad < 0:
+        raise UsageError(f"--clip-grad must be >= 0 (0 disables), got {args.clip_grad}")
+    if args.warmup_epochs < 0:
+        raise UsageError(f"--warmup-epochs must be >= 0, got {args.warmup_epochs}")
+    args.gpu_list = parse_gpu_ids(args.gpu_ids, cuda_count)
+    if args.multi_gpu == "dp" and cuda_count == 0:
+        raise UsageError("--multi-gpu dp needs at least one CUDA GPU and none is visible; "
+                         "use --multi-gpu ddp (works on CPU with gloo) or none")
+    if args.multi_gpu == "ddp" and not under_torchrun() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UsageError("--multi-gpu ddp with WORLD_SIZE>1 must be started by torchrun "
+                         "(torchrun --nproc_per_node=N -m fastddp.train ...)")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if args.backend == "nccl":
+        if cuda_count == 0:
+            raise UsageError("--backend nccl needs CUDA GPUs and none is visible; use gloo")
+        usable = len(args.gpu_list) if args.gpu_list else cuda_count
+        if local_world > usable:
+            raise UsageError(f"{local_world} ranks on this node but only {usable} GPU(s) usable "
+                             "with NCCL: lower --nproc_per_node or use --backend gloo")
+    if args.data_dir is not None:
+        root = Path(args.data_dir)
+        if not root.is_dir() or not os.access(root, os.R_OK):
+            raise UsageError(f"--data-dir {args.data_dir}: not a readable directory")
+    if args.resume not in ("auto", "none") and not Path(args.resume).is_file():
+        raise UsageError(f"--resume {args.resume}: no such checkpoint file "
+                         "(use auto, none or a path to a .pt written by fastddp.train)")
+
+
+def parse_gpu_ids(spec: str | None, cuda_count: int) -> list[int]:
+    if spec in (None, ""):
+        return []
+    try:
+        ids = [int(s) for s in str(spec).split(",") if s.strip() != ""]
+    except ValueError:
+        raise UsageError(f"--gpu-ids must be comma-separated integers, got {spec!r}") from None
+    absent = [i for i in ids if i < 0 or i >= cuda_count]
+    if absent:
+        raise UsageError(f"--gpu-ids {spec}: GPU(s) {absent} not present "
+                         f"({cuda_count} visible: ids 0..{cuda_count - 1})" if cuda_count
+                         else f"--gpu-ids {spec}: no CUDA GPU is visible on this machine")
+    if len(set(ids)) != len(ids):
+        raise UsageError(f"--gpu-ids {spec}: an id is repeated")
+    return ids
