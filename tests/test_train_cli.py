@@ -1,0 +1,106 @@
+"""fastddp.train's command line: flags of main_multi_gpu.py, config files, bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from fastddp.train.cli import UsageError, build_parser, parse_args, validate
+
+CLASSIC_FLAGS = ["--multi-gpu", "--gpu-ids", "--mode", "--epochs", "--batch-size", "--lr",
+                 "--warmup-epochs", "--weight-decay", "--num-workers", "--save-dir",
+                 "--grad-accum-steps"]
+OUR_FLAGS = ["--scale-lr", "--amp", "--no-amp", "--clip-grad", "--seed", "--data-dir",
+             "--class-weights", "--sync-batchnorm", "--find-unused-parameters", "--comm-dtype",
+             "--config", "--resume", "--log-interval", "--tensorboard", "--model", "--dataset"]
+
+
+def test_help_lists_every_flag_of_main_multi_gpu() -> None:
+    out = subprocess.run([sys.executable, "-m", "fastddp.train", "--help"], capture_output=True,
+                         text=True, check=True).stdout
+    for flag in CLASSIC_FLAGS + OUR_FLAGS:
+        assert flag in out, flag
+    assert "DDP is faster" in out
+
+
+def test_defaults_outside_torchrun(monkeypatch) -> None:
+    for var in ("TORCHELASTIC_RUN_ID", "WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    args = parse_args([])
+    assert args.multi_gpu == "none" and args.mode == "flatten" and args.resume == "auto"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    assert parse_args([]).multi_gpu == "ddp"
+
+
+def test_config_file_sets_flags_and_cli_wins(tmp_path) -> None:
+    cfg = tmp_path / "multi_gpu.json"
+    cfg.write_text(json.dumps({
+        "training": {"batch_size": 128, "lr": 0.003, "epochs": 7},
+        "distributed": {"backend": "gloo", "find_unused_parameters": True,
+                        "sync_batchnorm": True},
+        "mode": "conv1d",
+    }))
+    args = parse_args(["--config", str(cfg), "--epochs", "2"])
+    assert (args.batch_size, args.lr, args.epochs, args.mode) == (128, 0.003, 2, "conv1d")
+    assert args.backend == "gloo" and args.find_unused_parameters and args.sync_batchnorm
+
+
+def test_config_yaml(tmp_path) -> None:
+    pytest.importorskip("yaml")
+    cfg = tmp_path / "distributed.yaml"
+    cfg.write_text("training:\n  batch_size: 16\ndistributed:\n  backend: gloo\n")
+    args = parse_args(["--config", str(cfg)])
+    assert args.batch_size == 16 and args.backend == "gloo"
+
+
+def test_config_unknown_keys_are_named(tmp_path) -> None:
+    cfg = tmp_path / "bad.json"
+    cfg.write_text(json.dumps({"training": {"batch_sise": 3}, "colour": "red"}))
+    with pytest.raises(UsageError, match=r"unknown keys colour, training\.batch_sise"):
+        parse_args(["--config", str(cfg)])
+
+
+@pytest.mark.parametrize(
+    ("argv", "cuda_count", "message"),
+    [
+        (["--mode", "transformer"], 0, "unknown --mode 'transformer'"),
+        (["--batch-size", "0"], 0, "--batch-size must be a positive integer"),
+        (["--batch-size", "-4"], 0, "--batch-size must be a positive integer"),
+        (["--gpu-ids", "0,3"], 2, r"GPU\(s\) \[3\] not present"),
+        (["--gpu-ids", "0"], 0, "no CUDA GPU is visible"),
+        (["--multi-gpu", "dp"], 0, "dp needs at least one CUDA GPU"),
+        (["--backend", "nccl"], 0, "nccl needs CUDA GPUs"),
+        (["--data-dir", "/nonexistent/har"], 0, "not a readable directory"),
+        (["--resume", "/nonexistent/last.pt"], 0, "no such checkpoint file"),
+        (["--lr", "0"], 0, "--lr must be > 0"),
+    ],
+)
+def test_bad_input_is_one_clear_error(argv, cuda_count, message) -> None:
+    args = parse_args(argv)
+    with pytest.raises(UsageError, match=message):
+        validate(args, cuda_count)
+
+
+def test_more_ranks_than_gpus_with_nccl(monkeypatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    args = parse_args(["--backend", "nccl"])
+    with pytest.raises(UsageError, match=r"4 ranks on this node but only 2 GPU\(s\)"):
+        validate(args, cuda_count=2)
+
+
+def test_bad_input_exits_2_with_one_line() -> None:
+    proc = subprocess.run([sys.executable, "-m", "fastddp.train", "--mode", "nope"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines == ["fastddp.train: error: unknown --mode 'nope': choose one of flatten, conv1d, lstm"]
+
+
+def test_parser_builds() -> None:
+    assert build_parser().prog == "python -m fastddp.train"
