@@ -9,7 +9,7 @@ from fastddp.train import checkpoint
 
 
 def _state(v: float) -> dict:
-    return {"w": torch.full((64,), v), "epoch": int(v)}
+    return {"w": torch.full((64,), float(v)), "epoch": int(v)}
 
 
 def test_round_trip_and_previous_kept(tmp_path) -> None:
