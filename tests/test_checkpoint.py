@@ -49,5 +49,5 @@ def test_corrupt_without_previous_is_clear_error(tmp_path) -> None:
     path = tmp_path / "last.pt"
     checkpoint.save(_state(1), path)
     path.write_bytes(path.read_bytes()[:10])
-    with pytest.raises(checkpoint.CheckpointError, match="checksum mismatch.*--resume none"):
+    with pytest.raises(checkpoint.CheckpointError, match=r"checksum mismatch.*--resume none"):
         checkpoint.load(path)

@@ -362,7 +362,8 @@ def _train(args: argparse.Namespace, ctx: Context) -> dict[str, Any]:
         row = {"epoch": epoch + 1, "train_loss": float(stats[0] / stats[2].clamp_min(1)),
                "train_acc": float(stats[1] / stats[2].clamp_min(1)), **val,
                "lr": scheduler.get_last_lr()[0], "epoch_time_s": epoch_time,
-               "samples_per_s": float(stats[2]) / epoch_time}
+               "samples_per_s": float(stats[2]) / epoch_time,
+               "elapsed_s": time.perf_counter() - t_start}
         history.append(row)
         is_best = row["val_f1"] > best_f1
         best_f1 = max(best_f1, row["val_f1"])
