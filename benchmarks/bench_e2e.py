@@ -1,0 +1,82 @@
+"""End to end: ``fastddp.train`` vs the plain-PyTorch reference, same flags, seed and machine.
+
+    pytest benchmarks/bench_e2e.py -s          # CPU: 1 and 2 processes (gloo); GPU: 1 process
+
+Both runs train the HAR task on the embedded data; we compare samples/s, time per epoch, time
+to 90 % validation accuracy and the final accuracy/F1 (which must agree within 1 point).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from .common import SMOKE, record
+
+ROOT = Path(__file__).resolve().parent.parent
+EPOCHS = 1 if SMOKE else 5
+
+
+def _cmd(nproc: int, target: list[str]) -> list[str]:
+    if nproc == 1:
+        return [sys.executable, *target]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc_per_node={nproc}", *target]
+
+
+def _run(cmd: list[str]) -> None:
+    env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // 2)))
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+
+
+def _time_to(history: list[dict], key: str, target: float) -> float | None:
+    for row in history:
+        if row[key] >= target:
+            return row["elapsed_s"]
+    return None
+
+
+@pytest.mark.parametrize("batch", [64] if SMOKE else [64, 512])
+@pytest.mark.parametrize("nproc", [1] if SMOKE or torch.cuda.is_available() else [1, 2])
+def test_e2e_vs_reference(tmp_path, nproc: int, batch: int) -> None:
+    flags = ["--epochs", str(EPOCHS), "--batch-size", str(batch), "--num-workers", "2",
+             "--seed", "42", "--mode", "flatten"]
+    ours_dir = tmp_path / "fastddp"
+    _run(_cmd(nproc, ["-m", "fastddp.train", *flags, "--save-dir", str(ours_dir),
+                      "--resume", "none", "--no-progress"]
+                       + (["--multi-gpu", "ddp"] if nproc > 1 else [])))
+    ref_json = tmp_path / "reference.json"
+    _run(_cmd(nproc, [str(ROOT / "benchmarks" / "reference" / "torch_har.py"), *flags,
+                      "--json-out", str(ref_json)]))
+
+    with open(ours_dir / "metrics.csv") as f:
+        ours = [{k: float(v) for k, v in row.items()} for row in csv.DictReader(f)]
+    ref = json.loads(ref_json.read_text())["history"]
+    # Epoch 1 includes start-up (thread pools, allocator warm-up) on both sides: compare the rest.
+    steady = slice(1, None) if len(ours) > 1 else slice(0, None)
+    ours_sps = sum(r["samples_per_s"] for r in ours[steady]) / len(ours[steady])
+    ref_sps = sum(r["samples_per_s"] for r in ref[steady]) / len(ref[steady])
+    result = {
+        "device": "cuda" if torch.cuda.is_available() else "cpu",
+        "nproc": nproc, "batch": batch, "epochs": EPOCHS,
+        "fastddp_samples_per_s": ours_sps, "torch_samples_per_s": ref_sps,
+        "speedup": ours_sps / ref_sps,
+        "fastddp_epoch_s": ours[-1]["epoch_time_s"], "torch_epoch_s": ref[-1]["epoch_time_s"],
+        "fastddp_time_to_90": _time_to(ours, "val_acc", 0.90),
+        "torch_time_to_90": _time_to(ref, "val_acc", 0.90),
+        "fastddp_val_acc": ours[-1]["val_acc"], "torch_val_acc": ref[-1]["val_acc"],
+        "fastddp_val_f1": ours[-1]["val_f1"], "torch_val_f1": ref[-1]["val_f1"],
+        "command": "pytest benchmarks/bench_e2e.py -s",
+    }
+    print(json.dumps(result, indent=1))
+    record("e2e", f"{result['device']}-np{nproc}-b{batch}", result)
+    if not SMOKE:
+        assert abs(result["fastddp_val_acc"] - result["torch_val_acc"]) <= 0.01 + 1e-9, result

@@ -1,0 +1,115 @@
+"""Collect the latest benchmark JSON results into docs/benchmarks.md tables and docs/img plots.
+
+    python benchmarks/report.py [--results benchmarks/results] [--out docs]
+
+Each ``results/<capability>.json`` (written by ``benchmarks/common.record``) becomes one table:
+machine, torch version, the measured numbers (ratios first) and the command that produced them.
+The narrative around the tables lives in ``docs/benchmarks.md`` between the markers
+``<!-- report:begin -->`` and ``<!-- report:end -->``, which this script rewrites.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+BEGIN, END = "<!-- report:begin -->", "<!-- report:end -->"
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}"
+    if v is None:
+        return "–"
+    return str(v)
+
+
+def table(capability: str, rows: list[dict[str, Any]]) -> str:
+    keys: list[str] = []
+    for r in rows:
+        for k in r:
+            if k not in ("name", "machine", "time", "command") and k not in keys:
+                keys.append(k)
+    keys.sort(key=lambda k: (not any(w in k for w in ("ratio", "speedup")), keys.index(k)))
+    lines = [f"### {capability}", ""]
+    machines = {json.dumps(r.get("machine", {}), sort_keys=True) for r in rows}
+    for m in machines:
+        lines.append(f"Machine: `{m}`")
+    commands = sorted({r.get("command", "") for r in rows if r.get("command")})
+    for c in commands:
+        lines.append(f"Command: `{c}`")
+    lines += ["", "| name | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
+    for r in rows:
+        lines.append(f"| {r['name']} | " + " | ".join(_fmt(r.get(k)) for k in keys) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plots(results: dict[str, list[dict[str, Any]]], img: Path) -> list[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    made = []
+    img.mkdir(parents=True, exist_ok=True)
+    e2e = results.get("e2e", [])
+    if e2e:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        for side in ("fastddp", "torch"):
+            for nproc in sorted({r["nproc"] for r in e2e}):
+                rows = sorted((r for r in e2e if r["nproc"] == nproc), key=lambda r: r["batch"])
+                ax.plot([r["batch"] for r in rows], [r[f"{side}_samples_per_s"] for r in rows],
+                        marker="o", label=f"{side}, {nproc} proc")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size per process")
+        ax.set_ylabel("samples/s")
+        ax.set_title("HAR end to end")
+        ax.legend()
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(img / "e2e_samples_per_s.png", dpi=100)
+        plt.close(fig)
+        made.append("img/e2e_samples_per_s.png")
+    scaling = results.get("scaling", [])
+    if scaling:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        for r in scaling:
+            ax.plot(r["gpus"], r["efficiency"], marker="o", label=r["name"])
+        ax.set_xlabel("GPUs")
+        ax.set_ylabel("projected scaling efficiency")
+        ax.set_title("Projected (model, not measurement)")
+        ax.legend()
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(img / "projected_scaling.png", dpi=100)
+        plt.close(fig)
+        made.append("img/projected_scaling.png")
+    return made
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--results", default=str(Path(__file__).parent / "results"))
+    p.add_argument("--out", default=str(Path(__file__).parent.parent / "docs"))
+    args = p.parse_args()
+    results = {f.stem: json.loads(f.read_text()) for f in sorted(Path(args.results).glob("*.json"))}
+    out = Path(args.out)
+    body = "\n".join(table(cap, rows) for cap, rows in results.items())
+    for path in plots(results, out / "img"):
+        body += f"\n![{Path(path).stem}]({path})\n"
+    doc = out / "benchmarks.md"
+    text = doc.read_text() if doc.exists() else f"# Benchmarks\n\n{BEGIN}\n{END}\n"
+    if BEGIN not in text:
+        text += f"\n{BEGIN}\n{END}\n"
+    head, rest = text.split(BEGIN, 1)
+    tail = rest.split(END, 1)[1] if END in rest else ""
+    doc.write_text(f"{head}{BEGIN}\n{body}\n{END}{tail}")
+    print(f"wrote {doc} ({len(results)} capabilities)")
+
+
+if __name__ == "__main__":
+    main()
