@@ -1,0 +1,97 @@
+"""fastddp.train end to end on CPU: accuracy, torchrun with 2 ranks, resume, bad input."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _train(args: list[str], nproc: int = 1, env: dict | None = None, check: bool = True,
+           timeout: float = 600) -> subprocess.CompletedProcess:
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "fastddp.train", *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={nproc}", "-m", "fastddp.train", "--multi-gpu", "ddp", *args]
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True,
+                          timeout=timeout)
+    if check:
+        assert proc.returncode == 0, f"{cmd}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    return proc
+
+
+def _metrics(save_dir: Path) -> list[dict[str, float]]:
+    with open(save_dir / "metrics.csv") as f:
+        return [{k: float(v) for k, v in row.items()} for row in csv.DictReader(f)]
+
+
+COMMON = ["--epochs", "3", "--mode", "flatten", "--no-progress", "--num-workers", "1",
+          "--resume", "none"]
+
+
+@pytest.fixture(scope="module")
+def single_run(tmp_path_factory) -> Path:
+    save = tmp_path_factory.mktemp("single")
+    _train([*COMMON, "--save-dir", str(save)])
+    return save
+
+
+def test_single_process_reaches_90_percent(single_run: Path) -> None:
+    rows = _metrics(single_run)
+    assert len(rows) == 3
+    assert rows[-1]["val_acc"] >= 0.90, rows[-1]
+    assert rows[-1]["val_n"] == 2947  # every test sample evaluated exactly once
+    for name in ("config.json", "metrics.csv", "last.pt", "best.pt", "summary.json"):
+        assert (single_run / name).exists(), name
+    cfg = json.loads((single_run / "config.json").read_text())
+    assert cfg["world_size"] == 1 and cfg["mode"] == "flatten"
+
+
+def test_torchrun_two_ranks_same_accuracy(single_run: Path, tmp_path: Path) -> None:
+    _train([*COMMON, "--save-dir", str(tmp_path)], nproc=2)
+    two = _metrics(tmp_path)[-1]
+    one = _metrics(single_run)[-1]
+    assert two["val_n"] == 2947
+    assert two["val_acc"] >= 0.90, two
+    assert abs(two["val_acc"] - one["val_acc"]) <= 0.01 + 1e-9, (one, two)
+
+
+def test_resume_after_kill_matches_uninterrupted(single_run: Path, tmp_path: Path) -> None:
+    args = [a for a in COMMON if a not in ("--resume", "none")]
+    killed = _train([*args, "--save-dir", str(tmp_path)], check=False,
+                    env={"FASTDDP_FAULT_KILL_AFTER_EPOCH": "1"})
+    assert killed.returncode != 0
+    assert len(_metrics(tmp_path)) == 1
+    resumed = _train([*args, "--save-dir", str(tmp_path), "--resume", "auto"])
+    assert "resumed from" in resumed.stdout
+    got, want = _metrics(tmp_path), _metrics(single_run)
+    assert len(got) == 3
+    for a, b in zip(got, want):
+        for key in ("train_loss", "val_loss", "val_acc", "val_f1"):
+            assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), (key, a, b)
+
+
+def test_unwritable_save_dir_fails_at_start(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    proc = _train([*COMMON, "--save-dir", str(blocker / "sub")], check=False)
+    assert proc.returncode == 2
+    assert "--save-dir" in proc.stderr and "cannot write there" in proc.stderr
+    assert "epoch 1" not in proc.stdout
+
+
+def test_checkpoint_of_another_model_is_refused(single_run: Path, tmp_path: Path) -> None:
+    proc = _train(["--epochs", "1", "--mode", "conv1d", "--no-progress",
+                   "--resume", str(single_run / "last.pt"), "--save-dir", str(tmp_path)],
+                  check=False)
+    assert proc.returncode == 2
+    assert "was written for model 'flatten'" in proc.stderr
