@@ -14,11 +14,13 @@ namespace {
 // Grain for at::parallel_for: big enough that thread start-up is amortised.
 constexpr int64_t kGrain = 1 << 15;
 
-// ---- stateless order: a keyed Feistel bijection over [0, 2^bits) with cycle walking ----
-// Cycle walking (re-applying the bijection until the value lands below `length`) turns a
-// bijection of the power-of-two domain into a bijection of [0, length); the domain is at
-// most 4x the length, so the expected number of walks per index is below 4.
-inline uint64_t mix64(uint64_t x) {  // splitmix64 finaliser: a strong 64-bit mixer
+// ---- stateless order: a keyed bijection of [0, 2^bits) with cycle walking ----
+// Each round is a composition of bijections of Z/2^bits (xor with a key, multiply by an odd
+// number, xorshift within the width), so the whole map is a bijection of the power-of-two
+// domain; cycle walking (re-applying it until the value lands below `length`) turns that
+// into a bijection of [0, length). With bits = ceil(log2(length)) the domain is under twice
+// the length, so fewer than two applications are needed per index on average.
+inline uint64_t mix64(uint64_t x) {  // splitmix64 finaliser: a strong 64-bit mixer for keys
   x ^= x >> 30;
   x *= 0xbf58476d1ce4e5b9ULL;
   x ^= x >> 27;
@@ -27,14 +29,18 @@ inline uint64_t mix64(uint64_t x) {  // splitmix64 finaliser: a strong 64-bit mi
   return x;
 }
 
-class FeistelPermutation {
+class HashPermutation {
  public:
-  FeistelPermutation(int64_t length, uint64_t key) : length_(static_cast<uint64_t>(length)) {
-    int bits = 2;
-    while ((uint64_t{1} << bits) < length_) bits += 2;  // even, so both halves are equal
-    half_bits_ = bits / 2;
-    half_mask_ = (uint64_t{1} << half_bits_) - 1;
-    for (int r = 0; r < kRounds; ++r) round_keys_[r] = mix64(key + 0x9e3779b97f4a7c15ULL * (r + 1));
+  HashPermutation(int64_t length, uint64_t key) : length_(static_cast<uint64_t>(length)) {
+    int bits = 1;
+    while (bits < 64 && (uint64_t{1} << bits) < length_) ++bits;
+    bits_ = bits;
+    mask_ = bits >= 64 ? ~uint64_t{0} : (uint64_t{1} << bits) - 1;
+    shift_ = bits_ / 2 + 1;
+    for (int r = 0; r < kRounds; ++r) {
+      xor_keys_[r] = mix64(key + 0x9e3779b97f4a7c15ULL * (2 * r + 1)) & mask_;
+      multipliers_[r] = mix64(key + 0x9e3779b97f4a7c15ULL * (2 * r + 2)) | 1;  // odd
+    }
   }
 
   uint64_t operator()(uint64_t x) const {
@@ -45,23 +51,25 @@ class FeistelPermutation {
   }
 
  private:
-  static constexpr int kRounds = 6;
+  static constexpr int kRounds = 4;
 
   uint64_t encrypt(uint64_t x) const {
-    uint64_t left = x >> half_bits_;
-    uint64_t right = x & half_mask_;
     for (int r = 0; r < kRounds; ++r) {
-      const uint64_t next = left ^ (mix64(right ^ round_keys_[r]) & half_mask_);
-      left = right;
-      right = next;
+      x ^= xor_keys_[r];
+      x = (x * multipliers_[r]) & mask_;
+      x ^= x >> shift_;
+      x = (x * 0x2545f4914f6cdd1dULL) & mask_;
+      x ^= x >> (shift_ > 2 ? shift_ - 2 : 1);
     }
-    return (left << half_bits_) | right;
+    return x;
   }
 
   uint64_t length_;
-  int half_bits_ = 1;
-  uint64_t half_mask_ = 1;
-  uint64_t round_keys_[kRounds] = {};
+  int bits_ = 1;
+  uint64_t mask_ = 1;
+  int shift_ = 1;
+  uint64_t xor_keys_[kRounds] = {};
+  uint64_t multipliers_[kRounds] = {};
 };
 
 template <typename perm_t>
@@ -104,7 +112,7 @@ at::Tensor epoch_indices(const Plan& plan) {
   }
 
   if (plan.order == Order::kStateless) {
-    const FeistelPermutation perm(n, mix64(static_cast<uint64_t>(plan.seed)) ^
+    const HashPermutation perm(n, mix64(static_cast<uint64_t>(plan.seed)) ^
                                          mix64(static_cast<uint64_t>(plan.epoch) + 0x632be59bd9b4e019ULL));
     at::parallel_for(0, count, kGrain, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i)
