@@ -176,5 +176,10 @@ def load_uci_har(root: str | Path, cache: bool = True) -> HARData:
                     np.save(cache_dir / f"{n}.npy", arr)
             except OSError:
                 pass  # a read-only data directory just means no cache
-    t = {n: torch.from_numpy(np.ascontiguousarray(a)) for n, a in arrays.items()}
+    import warnings
+
+    with warnings.catch_warnings():
+        # Cached arrays are read-only memory maps: the loader only ever reads them.
+        warnings.simplefilter("ignore", UserWarning)
+        t = {n: torch.from_numpy(np.ascontiguousarray(a)) for n, a in arrays.items()}
     return HARData(t["x_train"], t["y_train"], t["s_train"], t["x_test"], t["y_test"], t["s_test"])

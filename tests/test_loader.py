@@ -1,0 +1,217 @@
+"""PrefetchLoader yields exactly dataset[sampler indices], batch by batch, for every dataset kind."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import Dataset, RandomSampler, SequentialSampler, TensorDataset
+from torch.utils.data.distributed import DistributedSampler as TorchSampler
+
+import fastddp
+
+N = 1000
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(N, 9, 16, generator=g), torch.randint(0, 6, (N,), generator=g)
+
+
+class _IndexSampler:
+    def __init__(self, idx: torch.Tensor) -> None:
+        self.idx = idx
+
+    def indices(self) -> torch.Tensor:
+        return self.idx
+
+    def __len__(self) -> int:
+        return len(self.idx)
+
+
+class _MapDataset(Dataset):
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, fail_at: int | None = None) -> None:
+        self.x, self.y, self.fail_at = x, y, fail_at
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        if i == self.fail_at:
+            raise KeyError(f"sample {i} is broken")
+        return self.x[i], self.y[i]
+
+
+def _expected(idx: torch.Tensor, batch: int, drop_last: bool) -> list[torch.Tensor]:
+    end = (len(idx) // batch) * batch if drop_last else len(idx)
+    return list(idx[:end].split(batch))
+
+
+def _check(loader, x, y, idx, batch, drop_last) -> None:
+    want = _expected(idx, batch, drop_last)
+    got = list(loader)
+    assert len(got) == len(want) == len(loader)
+    for (bx, by), widx in zip(got, want):
+        assert torch.equal(bx, x[widx]) and torch.equal(by, y[widx])
+
+
+@pytest.mark.parametrize("kind", ["tensors", "npy", "generic"])
+@pytest.mark.parametrize("batch", [1, 32, 333])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_batches_equal_dataset_at_sampler_indices(tmp_path, kind, batch, drop_last) -> None:
+    x, y = _data()
+    if kind == "tensors":
+        ds = TensorDataset(x, y)
+    elif kind == "npy":
+        np.save(tmp_path / "x.npy", x.numpy())
+        np.save(tmp_path / "y.npy", y.numpy())
+        ds = (str(tmp_path / "x.npy"), str(tmp_path / "y.npy"))
+    else:
+        ds = _MapDataset(x, y)
+    sampler = fastddp.DistributedSampler(N, num_replicas=3, rank=1, seed=7)
+    loader = fastddp.PrefetchLoader(ds, batch_size=batch, sampler=sampler, num_workers=3,
+                                    drop_last=drop_last)
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        _check(loader, x, y, sampler.indices(), batch, drop_last)
+
+
+@pytest.mark.parametrize(
+    "make_sampler",
+    [lambda: TorchSampler(range(N), num_replicas=2, rank=0, seed=1),
+     lambda: RandomSampler(range(N), generator=torch.Generator().manual_seed(5)),
+     lambda: SequentialSampler(range(N)),
+     lambda: _IndexSampler(torch.randperm(N)[:700])],
+)
+def test_any_sampler_order(make_sampler) -> None:
+    x, y = _data()
+    sampler = make_sampler()
+    loader = fastddp.PrefetchLoader(TensorDataset(x, y), batch_size=64, sampler=sampler)
+    if hasattr(sampler, "indices"):
+        idx = sampler.indices()
+    else:
+        state = sampler.generator.get_state() if getattr(sampler, "generator", None) else None
+        idx = torch.tensor(list(sampler))
+        if state is not None:
+            sampler.generator.set_state(state)
+    _check(loader, x, y, idx, 64, False)
+
+
+def test_shuffle_without_sampler_changes_per_epoch() -> None:
+    x, y = _data()
+    loader = fastddp.PrefetchLoader({"x": x, "y": y}, batch_size=100, shuffle=True, seed=3)
+    first = torch.cat([b["y"].clone() for b in loader])
+    again = torch.cat([b["y"].clone() for b in loader])
+    loader.set_epoch(1)
+    second = torch.cat([b["y"].clone() for b in loader])
+    assert torch.equal(first, again)
+    assert torch.equal(torch.sort(first).values, torch.sort(y).values)
+    assert not torch.equal(first, second)
+    perm = torch.randperm(N, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(first, y[perm])
+
+
+def test_mid_epoch_resume() -> None:
+    x, y = _data()
+    sampler = fastddp.DistributedSampler(N, num_replicas=2, rank=0, seed=2)
+    loader = fastddp.PrefetchLoader(TensorDataset(x, y), batch_size=50, sampler=sampler)
+    loader.set_epoch(3)
+    full = [b.clone() for _, b in loader]
+    it = iter(loader)
+    head = [next(it)[1].clone() for _ in range(4)]
+    state = loader.state_dict()
+    assert state["epoch"] == 3 and state["batches_done"] == 4
+    del it
+    sampler2 = fastddp.DistributedSampler(N, num_replicas=2, rank=0, seed=2)
+    resumed = fastddp.PrefetchLoader(TensorDataset(x, y), batch_size=50, sampler=sampler2)
+    resumed.load_state_dict(state)
+    tail = [b.clone() for _, b in resumed]
+    assert len(head) + len(tail) == len(full)
+    for a, b in zip(head + tail, full):
+        assert torch.equal(a, b)
+
+
+def test_early_break_and_reiterate_and_no_leaked_threads() -> None:
+    x, y = _data()
+    before = threading.active_count()
+    loader = fastddp.PrefetchLoader(TensorDataset(x, y), batch_size=10, num_workers=4, prefetch=2)
+    for _ in range(20):
+        for i, _batch in enumerate(loader):
+            if i == 3:
+                break
+    got = torch.cat([b.clone() for _, b in loader])
+    assert torch.equal(got, y)
+    assert threading.active_count() == before  # C++ workers are not Python threads; pool joined
+
+
+def test_kept_batches_stay_valid() -> None:
+    x, y = _data()
+    loader = fastddp.PrefetchLoader(TensorDataset(x, y), batch_size=7, prefetch=2, num_workers=2)
+    kept = list(loader)  # hold every batch: slots must not be overwritten under us
+    assert torch.equal(torch.cat([b for _, b in kept]), y)
+
+
+def test_worker_exception_reaches_consumer_with_traceback() -> None:
+    x, y = _data()
+    loader = fastddp.PrefetchLoader(_MapDataset(x, y, fail_at=123), batch_size=10, num_workers=2)
+    with pytest.raises(KeyError, match="sample 123 is broken") as info:
+        list(loader)
+    assert any("__getitem__" in str(entry.name) for entry in info.traceback)
+
+
+def test_bad_index_is_clear_error() -> None:
+    x, y = _data()
+    loader = fastddp.PrefetchLoader(TensorDataset(x, y), batch_size=4,
+                                    sampler=_IndexSampler(torch.tensor([1, 2, N + 5])))
+    with pytest.raises(RuntimeError, match=f"index {N + 5} in batch 0 is out of range"):
+        list(loader)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "message"),
+    [
+        ({"batch_size": 0}, ValueError, "batch_size must be a positive integer"),
+        ({"num_workers": -1}, ValueError, "num_workers must be >= 0"),
+        ({"shuffle": True, "sampler": SequentialSampler(range(N))}, ValueError, "mutually exclusive"),
+    ],
+)
+def test_bad_arguments(kwargs, exc, message) -> None:
+    x, y = _data()
+    with pytest.raises(exc, match=message):
+        fastddp.PrefetchLoader(TensorDataset(x, y), **kwargs)
+
+
+def test_mismatched_tensors() -> None:
+    with pytest.raises(ValueError, match="same first dimension"):
+        fastddp.PrefetchLoader((torch.zeros(10, 2), torch.zeros(9)), batch_size=2)
+
+
+def test_unsupported_dataset_type() -> None:
+    with pytest.raises(TypeError, match="cannot load from int"):
+        fastddp.PrefetchLoader(42, batch_size=2)
+
+
+def test_device_resident_on_cpu_matches() -> None:
+    x, y = _data()
+    sampler = fastddp.DistributedSampler(N, num_replicas=1, rank=0, seed=1)
+    loader = fastddp.PrefetchLoader(TensorDataset(x, y), batch_size=128, sampler=sampler,
+                                    device_resident=True)
+    _check(loader, x, y, sampler.indices(), 128, False)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("resident", [False, True])
+def test_cuda_device_batches(resident) -> None:
+    x, y = _data()
+    sampler = fastddp.DistributedSampler(N, num_replicas=2, rank=1, seed=4)
+    loader = fastddp.PrefetchLoader(TensorDataset(x, y), batch_size=64, sampler=sampler,
+                                    device="cuda", device_resident=resident, num_workers=2)
+    idx = sampler.indices()
+    got = [(bx.cpu(), by.cpu()) for bx, by in loader]
+    for (bx, by), widx in zip(got, _expected(idx, 64, False)):
+        assert torch.equal(bx, x[widx]) and torch.equal(by, y[widx])
+    # consumer work on the yielded tensors while later slots refill
+    total = sum(float(bx.sum()) for bx, _ in loader)
+    assert total == pytest.approx(float(x[idx].sum()), rel=1e-4)
