@@ -74,7 +74,7 @@ def _write_uci(root: Path, n: int, split: str, seed: int, bad: str | None = None
 
 def test_uci_layout_round_trip_and_cache(tmp_path) -> None:
     x_tr, y_tr, s_tr = _write_uci(tmp_path, 12, "train", 0)
-    x_te, y_te, _ = _write_uci(tmp_path, 5, "test", 1)
+    _x_te, y_te, _ = _write_uci(tmp_path, 5, "test", 1)
     d = load_uci_har(tmp_path)
     torch.testing.assert_close(d.x_train, torch.from_numpy(x_tr), rtol=1e-6, atol=1e-6)
     assert d.y_train.tolist() == y_tr.tolist() and d.s_train.tolist() == s_tr.tolist()
