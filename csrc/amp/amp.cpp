@@ -1,0 +1,175 @@
+#include "amp/amp.h"
+
+#include "amp/multi_tensor.h"
+#include "common/checks.h"
+
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+
+#include <cmath>
+#include <limits>
+
+namespace fastddp::amp {
+namespace {
+
+constexpr int64_t kChunk = 1 << 16;
+
+void check_grads(const std::vector<at::Tensor>& grads, const c10::Device& device, const char* op) {
+  for (size_t i = 0; i < grads.size(); ++i) {
+    const auto& g = grads[i];
+    TORCH_CHECK(g.device() == device, op, ": gradient ", i, " is on ", g.device(), " but the others are on ",
+                device, "; all gradients handled in one call must share a device");
+    TORCH_CHECK(g.is_contiguous(), op, ": gradient ", i, " must be contiguous (strides ", g.strides(), ")");
+    TORCH_CHECK(at::isFloatingType(g.scalar_type()), op, ": gradient ", i, " has dtype ", g.scalar_type(),
+                "; expected a floating type");
+  }
+}
+
+bool on_cuda(const std::vector<at::Tensor>& grads, const at::Tensor& other) {
+  return other.is_cuda() || (!grads.empty() && grads[0].is_cuda());
+}
+
+void require_cuda_build(const char* op) {
+#ifndef FASTDDP_WITH_CUDA
+  TORCH_CHECK(false, op, ": CUDA tensors need fastddp built with CUDA; rebuild with FASTDDP_WITH_CUDA=1");
+#endif
+}
+
+}  // namespace
+
+void accumulate_stats_(const std::vector<at::Tensor>& grads, at::Tensor& stats) {
+  TORCH_CHECK(stats.scalar_type() == at::kDouble && stats.numel() == 1,
+              "accumulate_stats_: stats must be a float64 tensor of 1 element, got ", stats.scalar_type(),
+              " of shape ", stats.sizes());
+  check_grads(grads, stats.device(), "accumulate_stats_");
+  if (on_cuda(grads, stats)) {
+    require_cuda_build("accumulate_stats_");
+#ifdef FASTDDP_WITH_CUDA
+    cuda::accumulate_stats_(grads, stats);
+#endif
+    return;
+  }
+  const auto plan = plan_chunks(grads, kChunk);
+  std::vector<double> partial(plan.size(), 0.0);
+  for_each_chunk(plan, [&](int64_t i, const Chunk& c) {
+    const auto& g = grads[c.tensor];
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, g.scalar_type(), "accumulate_stats_", [&] {
+      const scalar_t* p = g.const_data_ptr<scalar_t>();
+      // Four independent accumulators let the compiler vectorise the loop.
+      double acc[4] = {0, 0, 0, 0};
+      int64_t k = c.begin;
+      for (; k + 4 <= c.end; k += 4) {
+        for (int j = 0; j < 4; ++j) {
+          const double v = static_cast<double>(p[k + j]);
+          acc[j] += v * v;
+        }
+      }
+      for (; k < c.end; ++k) {
+        const double v = static_cast<double>(p[k]);
+        acc[0] += v * v;
+      }
+      partial[i] = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+    });
+  });
+  double total = 0;
+  for (double v : partial) total += v;
+  stats.data_ptr<double>()[0] += total;
+}
+
+std::vector<at::Tensor> finalize(const at::Tensor& stats, const at::Tensor& scale, double max_norm, double eps) {
+  TORCH_CHECK(stats.scalar_type() == at::kDouble && stats.numel() == 1,
+              "finalize: stats must be a float64 tensor of 1 element, got ", stats.scalar_type());
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == 1,
+              "finalize: scale must be a float32 tensor of 1 element, got ", scale.scalar_type(), " of shape ",
+              scale.sizes());
+  TORCH_CHECK(stats.device() == scale.device(), "finalize: stats on ", stats.device(), " but scale on ",
+              scale.device(), "; keep the loss scale on the gradients' device");
+  if (stats.is_cuda()) {
+    require_cuda_build("finalize");
+#ifdef FASTDDP_WITH_CUDA
+    return cuda::finalize(stats, scale, max_norm, eps);
+#endif
+  }
+  const auto opts = scale.options();
+  at::Tensor found_inf = at::empty({1}, opts);
+  at::Tensor norm = at::empty({}, opts);
+  at::Tensor coef = at::empty({1}, opts);
+  at::Tensor inv_coef = at::empty({1}, opts);
+  const double sumsq = stats.data_ptr<double>()[0];
+  const float inv_scale = static_cast<float>(1.0 / static_cast<double>(scale.data_ptr<float>()[0]));
+  const bool finite = std::isfinite(sumsq);
+  const float total = static_cast<float>(std::sqrt(sumsq)) * inv_scale;
+  float c = inv_scale;
+  if (max_norm > 0 && finite) {
+    // torch.nn.utils.clip_grad_norm_: clip_coef = max_norm / (total_norm + eps), clamped to 1
+    const float clip = static_cast<float>(max_norm) / (total + static_cast<float>(eps));
+    c = inv_scale * std::min(clip, 1.0f);
+  }
+  found_inf.data_ptr<float>()[0] = finite ? 0.f : 1.f;
+  norm.data_ptr<float>()[0] = finite ? total : std::numeric_limits<float>::infinity();
+  coef.data_ptr<float>()[0] = c;
+  inv_coef.data_ptr<float>()[0] = 1.0f / c;
+  return {found_inf, norm, coef, inv_coef};
+}
+
+void scale_(const std::vector<at::Tensor>& grads, const at::Tensor& coef) {
+  TORCH_CHECK(coef.scalar_type() == at::kFloat && coef.numel() == 1,
+              "scale_: coef must be a float32 tensor of 1 element, got ", coef.scalar_type());
+  check_grads(grads, coef.device(), "scale_");
+  if (on_cuda(grads, coef)) {
+    require_cuda_build("scale_");
+#ifdef FASTDDP_WITH_CUDA
+    cuda::scale_(grads, coef);
+#endif
+    return;
+  }
+  const float c = coef.data_ptr<float>()[0];
+  const auto plan = plan_chunks(grads, kChunk);
+  for_each_chunk(plan, [&](int64_t, const Chunk& ch) {
+    const auto& g = grads[ch.tensor];
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, g.scalar_type(), "scale_", [&] {
+      using opmath_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+      scalar_t* p = g.data_ptr<scalar_t>();
+      for (int64_t k = ch.begin; k < ch.end; ++k)
+        p[k] = static_cast<scalar_t>(static_cast<opmath_t>(p[k]) * static_cast<opmath_t>(c));
+    });
+  });
+}
+
+void update_scale_(at::Tensor& scale, at::Tensor& growth_tracker, const at::Tensor& found_inf,
+                   double growth_factor, double backoff_factor, int64_t growth_interval) {
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == 1, "update_scale_: scale must be float32[1]");
+  TORCH_CHECK(growth_tracker.scalar_type() == at::kInt && growth_tracker.numel() == 1,
+              "update_scale_: growth_tracker must be int32[1], got ", growth_tracker.scalar_type());
+  TORCH_CHECK(found_inf.scalar_type() == at::kFloat && found_inf.numel() == 1,
+              "update_scale_: found_inf must be float32[1]");
+  TORCH_CHECK(scale.device() == growth_tracker.device() && scale.device() == found_inf.device(),
+              "update_scale_: scale, growth_tracker and found_inf must share a device, got ", scale.device(),
+              ", ", growth_tracker.device(), ", ", found_inf.device());
+  TORCH_CHECK(growth_interval > 0, "update_scale_: growth_interval must be > 0, got ", growth_interval);
+  if (scale.is_cuda()) {
+    require_cuda_build("update_scale_");
+#ifdef FASTDDP_WITH_CUDA
+    cuda::update_scale_(scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval);
+#endif
+    return;
+  }
+  float* s = scale.data_ptr<float>();
+  int32_t* tracker = growth_tracker.data_ptr<int32_t>();
+  if (found_inf.data_ptr<float>()[0] != 0.f) {
+    s[0] = static_cast<float>(static_cast<double>(s[0]) * backoff_factor);
+    tracker[0] = 0;
+  } else {
+    const int32_t successful = tracker[0] + 1;
+    if (successful == growth_interval) {
+      const float grown = static_cast<float>(static_cast<double>(s[0]) * growth_factor);
+      if (std::isfinite(grown)) s[0] = grown;
+      tracker[0] = 0;
+    } else {
+      tracker[0] = successful;
+    }
+  }
+}
+
+}  // namespace fastddp::amp

@@ -1,0 +1,199 @@
+"""``fastddp.GradScaler``: AMP loss scaling with unscale, inf/NaN check, grad-norm clipping and
+the scale update fused in C++/CUDA, with no host sync on the fused-optimizer path."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Optional
+
+import torch
+from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
+
+from ._ext import C
+
+CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s epsilon
+
+
+class GradScaler(torch.amp.GradScaler):
+    """Drop-in for :class:`torch.amp.GradScaler` (same constructor, calls and ``state_dict``).
+
+    The work on gradients runs in fastddp's kernels: one read pass over all gradients computes
+    the inf/NaN flag and the sum of squares; a one-thread kernel turns that into ``found_inf``,
+    the global norm and one coefficient ``inv_scale * min(1, max_norm / (norm + 1e-6))``; one
+    multiply pass applies it — or none at all with torch's fused optimizers
+    (``AdamW(fused=True)`` etc.), which receive the coefficient as ``grad_scale`` together with
+    ``found_inf`` and skip the update on the device.
+
+    Beyond torch's API, :meth:`step` takes ``max_grad_norm`` (unscale + check + clip + step in
+    one call, returning the unscaled global norm as a device tensor, like
+    ``clip_grad_norm_``) and ``grads`` (operate on these tensors instead of the optimizer's
+    ``.grad``s, e.g. :meth:`fastddp.DDPWrapper.bucket_buffers`, so a few flat buffers replace
+    hundreds of small tensors).
+
+    Host syncs: none with a fused optimizer. With any other optimizer, deciding whether to skip
+    the step reads ``found_inf`` once per step (as torch's scaler does).
+    """
+
+    def __init__(
+        self,
+        device: str = "cuda",
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+    ) -> None:
+        super().__init__(device, init_scale=init_scale, growth_factor=growth_factor,
+                         backoff_factor=backoff_factor, growth_interval=growth_interval,
+                         enabled=enabled)
+        if self._enabled and (not isinstance(growth_interval, int) or growth_interval <= 0):
+            raise ValueError(f"GradScaler: growth_interval must be a positive integer, got {growth_interval!r}")
+
+    # ------------------------------------------------------------------ helpers
+    @staticmethod
+    def _collect(optimizer: torch.optim.Optimizer, grads: Optional[list[torch.Tensor]]) -> list[torch.Tensor]:
+        if grads is None:
+            grads = [p.grad for group in optimizer.param_groups for p in group["params"]
+                     if p.grad is not None]
+        out = []
+        for g in grads:
+            if g.is_sparse:
+                raise TypeError("fastddp.GradScaler does not handle sparse gradients; use "
+                                "torch.amp.GradScaler for models with sparse embeddings")
+            if not g.is_contiguous():
+                raise ValueError(f"fastddp.GradScaler: a gradient of shape {tuple(g.shape)} is not "
+                                 "contiguous; make it contiguous or use torch.amp.GradScaler")
+            out.append(g)
+        devices = {g.device for g in out}
+        if len(devices) > 1:
+            raise ValueError("fastddp.GradScaler: this optimizer's gradients are on several devices "
+                             f"({', '.join(sorted(map(str, devices)))}); it handles one device per "
+                             "optimizer. Use one optimizer per device, or torch.amp.GradScaler")
+        return out
+
+    @staticmethod
+    def _stats(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+        stats = torch.zeros(1, dtype=torch.float64, device=device)
+        if grads:
+            C.amp_accumulate_stats_(grads, stats)
+        return stats
+
+    def _device_of(self, grads: list[torch.Tensor]) -> torch.device:
+        if self._scale is not None:
+            if grads and grads[0].device != self._scale.device:
+                raise ValueError(f"fastddp.GradScaler: gradients are on {grads[0].device} but the "
+                                 f"loss scale lives on {self._scale.device} (where scale() first "
+                                 "ran); keep the loss and the parameters on one device")
+            return self._scale.device
+        return grads[0].device if grads else torch.device(self._device)
+
+    # ------------------------------------------------------------------ API
+    def unscale_(self, optimizer: torch.optim.Optimizer, grads: Optional[list[torch.Tensor]] = None) -> None:
+        """Divide the gradients by the scale (one fused check+norm pass and one multiply pass).
+
+        Raises RuntimeError when called twice before :meth:`update`, or after :meth:`step`,
+        exactly as torch's scaler does.
+        """
+        if not self._enabled:
+            return
+        scale, _ = self._check_scale_growth_tracker("unscale_")
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.UNSCALED:
+            raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
+        if state["stage"] is OptState.STEPPED:
+            raise RuntimeError("unscale_() is being called after step().")
+        g = self._collect(optimizer, grads)
+        self._device_of(g)
+        found_inf, norm, coef, _ = C.amp_finalize(self._stats(g, scale.device), scale.view(1), 0.0, CLIP_EPS)
+        if g:
+            C.amp_scale_(g, coef)
+        state["found_inf_per_device"] = {scale.device: found_inf.view(())}
+        state["norm"] = norm
+        state["stage"] = OptState.UNSCALED
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, max_grad_norm: Optional[float] = None,
+             grads: Optional[list[torch.Tensor]] = None, **kwargs: Any) -> Any:
+        """Unscale (unless :meth:`unscale_` ran), check for inf/NaN, optionally clip to
+        ``max_grad_norm``, and step the optimizer unless a gradient was inf/NaN.
+
+        Returns the optimizer's return value, or, when ``max_grad_norm`` is given, the global
+        norm of the unscaled gradients as a device tensor (before clipping, like
+        ``torch.nn.utils.clip_grad_norm_``).
+        """
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"GradScaler.step: max_grad_norm must be > 0, got {max_grad_norm!r} "
+                             "(pass None to step without clipping)")
+        if not self._enabled:
+            if max_grad_norm is None:
+                return optimizer.step(*args, **kwargs)
+            g = self._collect(optimizer, grads)
+            if not g:
+                optimizer.step(*args, **kwargs)
+                return torch.zeros((), device=self._device)
+            one = torch.ones(1, dtype=torch.float32, device=g[0].device)
+            _, norm, coef, _ = C.amp_finalize(self._stats(g, g[0].device), one, float(max_grad_norm), CLIP_EPS)
+            C.amp_scale_(g, coef)
+            optimizer.step(*args, **kwargs)
+            return norm
+        if "closure" in kwargs:
+            raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
+        scale, _ = self._check_scale_growth_tracker("step")
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+        g = self._collect(optimizer, grads)
+        device = self._device_of(g)
+        clip = float(max_grad_norm) if max_grad_norm is not None else 0.0
+        if state["stage"] is OptState.READY:
+            found_inf, norm, coef, inv_coef = C.amp_finalize(self._stats(g, device), scale.view(1), clip, CLIP_EPS)
+            rescale = True
+        else:  # UNSCALED: gradients are already divided by the scale (and maybe edited since)
+            found_inf = state["found_inf_per_device"][device].view(1)
+            norm = state["norm"]
+            rescale = max_grad_norm is not None
+            if rescale:
+                one = torch.ones(1, dtype=torch.float32, device=device)
+                _, norm, coef, inv_coef = C.amp_finalize(self._stats(g, device), one, clip, CLIP_EPS)
+        if getattr(optimizer, "_step_supports_amp_scaling", False):
+            # Fused optimizers divide by grad_scale and skip on found_inf inside their kernel:
+            # the gradients are never rewritten and nothing is read back to the host.
+            optimizer.grad_scale = inv_coef.view(()) if rescale else None  # type: ignore[attr-defined]
+            optimizer.found_inf = found_inf.view(())  # type: ignore[attr-defined]
+            try:
+                retval = optimizer.step(*args, **kwargs)
+            finally:
+                del optimizer.grad_scale  # type: ignore[attr-defined]
+                del optimizer.found_inf  # type: ignore[attr-defined]
+        else:
+            if rescale and g:
+                C.amp_scale_(g, coef)
+            retval = None
+            if not bool(found_inf.item()):  # the one host sync of the non-fused path
+                retval = optimizer.step(*args, **kwargs)
+        state["found_inf_per_device"] = {device: found_inf.view(())}
+        state["norm"] = norm
+        state["stage"] = OptState.STEPPED
+        return norm.view(()) if max_grad_norm is not None else retval
+
+    def update(self, new_scale: Optional[float | torch.Tensor] = None) -> None:
+        """Update the scale with torch's rule, in one device kernel (no host sync)."""
+        if not self._enabled:
+            return
+        if new_scale is not None:
+            super().update(new_scale)
+            return
+        scale, tracker = self._check_scale_growth_tracker("update")
+        found_infs = [fi.to(scale.device, non_blocking=True)
+                      for st in self._per_optimizer_states.values()
+                      for fi in st["found_inf_per_device"].values()]
+        if not found_infs:
+            raise AssertionError("No inf checks were recorded prior to update.")
+        combined = found_infs[0].reshape(1)
+        for fi in found_infs[1:]:
+            combined = combined + fi.reshape(1)
+        C.amp_update_scale_(scale, tracker, combined, float(self._growth_factor),
+                            float(self._backoff_factor), int(self._growth_interval))
+        self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+
+
+__all__ = ["GradScaler"]

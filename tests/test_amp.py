@@ -1,0 +1,193 @@
+"""fastddp.GradScaler against torch.amp.GradScaler (+ clip_grad_norm_), step by step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import fastddp
+from fastddp._ext import C
+
+from .conftest import devices
+
+
+def _model(device: str, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(),
+                         nn.Linear(32, 4)).to(device)
+
+
+def _optim(kind: str, params, device: str):
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=False)
+    if kind == "adamw_fused":
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, fused=True)
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def _run(device: str, opt_kind: str, clip: float | None, explicit_unscale: bool):
+    ours_m, ref_m = _model(device), _model(device)
+    ours_o, ref_o = _optim(opt_kind, ours_m.parameters(), device), _optim(opt_kind, ref_m.parameters(), device)
+    kw = {"init_scale": 2.0**10, "growth_interval": 3}
+    ours_s, ref_s = fastddp.GradScaler(device, **kw), torch.amp.GradScaler(device, **kw)
+    g = torch.Generator().manual_seed(1)
+    scales = []
+    for step in range(12):
+        x = torch.randn(8, 16, generator=g).to(device)
+        y = torch.randn(8, 4, generator=g).to(device)
+        for m, o, s in ((ours_m, ours_o, ours_s), (ref_m, ref_o, ref_s)):
+            o.zero_grad()
+            loss = nn.functional.mse_loss(m(x), y)
+            s.scale(loss).backward()
+            if step in (4, 9):  # inject an inf / a NaN into one gradient
+                m[2].weight.grad[0, 0] = float("inf") if step == 4 else float("nan")
+        if explicit_unscale:
+            ours_s.unscale_(ours_o)
+        ours_norm = ours_s.step(ours_o, max_grad_norm=clip)
+        ref_s.unscale_(ref_o)
+        ref_norm = nn.utils.clip_grad_norm_(ref_m.parameters(), clip) if clip else None
+        ref_s.step(ref_o)
+        ours_s.update()
+        ref_s.update()
+        assert ours_s.get_scale() == ref_s.get_scale(), step
+        scales.append(ours_s.get_scale())
+        assert ours_s._get_growth_tracker() == ref_s._get_growth_tracker(), step
+        if clip and step not in (4, 9):
+            torch.testing.assert_close(ours_norm, ref_norm)
+        for a, b in zip(ours_m.parameters(), ref_m.parameters()):
+            torch.testing.assert_close(a, b)
+    # clean steps grew the scale and the injected infs backed it off
+    assert any(b > a for a, b in zip(scales, scales[1:]))
+    assert any(b < a for a, b in zip(scales, scales[1:]))
+    return ours_s, ref_s
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("opt_kind", ["adamw", "adamw_fused", "sgd"])
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_matches_torch_scaler(device, opt_kind, clip) -> None:
+    _run(device, opt_kind, clip, explicit_unscale=False)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_explicit_unscale_then_step(device) -> None:
+    _run(device, "adamw", 0.5, explicit_unscale=True)
+
+
+def test_state_dict_round_trips_with_torch() -> None:
+    ours, ref = _run("cpu", "sgd", None, explicit_unscale=False)
+    sd = ours.state_dict()
+    assert set(sd) == set(ref.state_dict())
+    assert sd == ref.state_dict()
+    loaded_into_torch = torch.amp.GradScaler("cpu")
+    loaded_into_torch.load_state_dict(sd)
+    loaded_into_ours = fastddp.GradScaler("cpu")
+    loaded_into_ours.load_state_dict(ref.state_dict())
+    for s in (loaded_into_torch, loaded_into_ours):
+        s.scale(torch.ones(()))
+        assert s.get_scale() == ref.get_scale()
+        assert s._get_growth_tracker() == ref._get_growth_tracker()
+
+
+def _one_step_setup():
+    m = _model("cpu")
+    o = torch.optim.SGD(m.parameters(), lr=0.1)
+    s = fastddp.GradScaler("cpu")
+    s.scale(m(torch.randn(2, 16)).sum()).backward()
+    return m, o, s
+
+
+def test_unscale_twice_is_an_error() -> None:
+    _, o, s = _one_step_setup()
+    s.unscale_(o)
+    with pytest.raises(RuntimeError, match="unscale_\\(\\) has already been called"):
+        s.unscale_(o)
+
+
+def test_step_twice_and_unscale_after_step_are_errors() -> None:
+    _, o, s = _one_step_setup()
+    s.step(o)
+    with pytest.raises(RuntimeError, match="step\\(\\) has already been called"):
+        s.step(o)
+    with pytest.raises(RuntimeError, match="unscale_\\(\\) is being called after step\\(\\)"):
+        s.unscale_(o)
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0])
+def test_bad_max_grad_norm(bad) -> None:
+    _, o, s = _one_step_setup()
+    with pytest.raises(ValueError, match="max_grad_norm must be > 0"):
+        s.step(o, max_grad_norm=bad)
+
+
+def test_mixed_devices_rejected() -> None:
+    _, o, s = _one_step_setup()
+    grads = [torch.zeros(3), torch.zeros(3, device="meta")]
+    with pytest.raises(ValueError, match="several devices"):
+        s.step(o, grads=grads)
+
+
+def test_disabled_scaler_clips_like_clip_grad_norm() -> None:
+    ours_m, ref_m = _model("cpu"), _model("cpu")
+    ours_o = torch.optim.SGD(ours_m.parameters(), lr=0.1)
+    ref_o = torch.optim.SGD(ref_m.parameters(), lr=0.1)
+    s = fastddp.GradScaler("cpu", enabled=False)
+    x = torch.randn(4, 16)
+    for m in (ours_m, ref_m):
+        (m(x) ** 2).sum().mul(100).backward()
+    norm = s.step(ours_o, max_grad_norm=1.0)
+    ref_norm = nn.utils.clip_grad_norm_(ref_m.parameters(), 1.0)
+    ref_o.step()
+    torch.testing.assert_close(norm, ref_norm)
+    for a, b in zip(ours_m.parameters(), ref_m.parameters()):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_kernels_on_many_tensors_and_dtypes(device, dtype) -> None:
+    g = torch.Generator().manual_seed(0)
+    # sizes around the chunk size and a count beyond one launch's tensor list
+    sizes = [1, 7, 65536, 65537, 200_000] + [33] * 60
+    grads = [torch.randn(n, generator=g).to(device=device, dtype=dtype) for n in sizes]
+    stats = torch.zeros(1, dtype=torch.float64, device=device)
+    C.amp_accumulate_stats_(grads, stats)
+    ref = sum(float(t.double().pow(2).sum()) for t in grads)
+    assert float(stats) == pytest.approx(ref, rel=1e-9)
+    scale = torch.full((1,), 4.0, device=device)
+    found, norm, coef, inv = C.amp_finalize(stats, scale, 2.0, 1e-6)
+    ref_norm = ref ** 0.5 / 4.0
+    assert float(found) == 0.0 and float(norm) == pytest.approx(ref_norm, rel=1e-6)
+    assert float(coef) == pytest.approx(0.25 * 2.0 / (ref_norm + 1e-6), rel=1e-6)
+    assert float(inv) == pytest.approx(1 / float(coef), rel=1e-6)
+    before = [t.clone() for t in grads]
+    C.amp_scale_(grads, coef)
+    for a, b in zip(grads, before):
+        torch.testing.assert_close(a, (b.float() * float(coef)).to(dtype))
+    grads[-1][3] = float("nan")
+    stats.zero_()
+    C.amp_accumulate_stats_(grads, stats)
+    found, *_ = C.amp_finalize(stats, scale, 2.0, 1e-6)
+    assert float(found) == 1.0
+
+
+@pytest.mark.cuda
+def test_fused_step_makes_no_host_sync() -> None:
+    m = _model("cuda")
+    o = torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True)
+    s = fastddp.GradScaler("cuda")
+    x = torch.randn(8, 16, device="cuda")
+    for _ in range(3):  # warm up lazily initialised state first
+        o.zero_grad()
+        s.scale(m(x).sum()).backward()
+        s.step(o, max_grad_norm=1.0)
+        s.update()
+    o.zero_grad()
+    s.scale(m(x).sum()).backward()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        s.step(o, max_grad_norm=1.0)
+        s.update()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
