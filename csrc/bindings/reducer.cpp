@@ -1,0 +1,35 @@
+#include "bindings/registry.h"
+#include "reducer/reducer.h"
+
+#include <torch/csrc/utils/pybind.h>
+
+namespace py = pybind11;
+
+namespace {
+
+void bind_reducer(py::module_& m) {
+  py::class_<fastddp::reducer::Reducer, std::shared_ptr<fastddp::reducer::Reducer>>(
+      m, "Reducer", "Bucketed gradient all-reduce overlapped with backward (DDPWrapper's core).")
+      .def(py::init([](std::vector<at::Tensor> params, std::vector<std::string> names,
+                       std::vector<std::vector<int64_t>> buckets,
+                       const c10::intrusive_ptr<c10d::ProcessGroup>& pg, bool grad_as_view, bool find_unused,
+                       std::optional<at::ScalarType> comm_dtype) {
+             auto r = std::make_shared<fastddp::reducer::Reducer>(std::move(params), std::move(names), buckets, pg,
+                                                                  grad_as_view, find_unused, comm_dtype);
+             r->register_hooks();
+             return r;
+           }),
+           py::arg("params"), py::arg("names"), py::arg("buckets"), py::arg("process_group"),
+           py::arg("gradient_as_bucket_view"), py::arg("find_unused_parameters"), py::arg("comm_dtype"))
+      .def("prepare_for_backward", &fastddp::reducer::Reducer::prepare_for_backward, py::arg("outputs"),
+           py::arg("sync"), "Arm the reducer for the next backward (sync=False: accumulate locally).",
+           py::call_guard<py::gil_scoped_release>())
+      .def("bucket_buffers", &fastddp::reducer::Reducer::bucket_buffers, "The flat gradient buffers.")
+      .def("bucket_indices", &fastddp::reducer::Reducer::bucket_indices, "Parameter indices of each bucket.")
+      .def("bucket_allreduce_ms", &fastddp::reducer::Reducer::bucket_allreduce_ms,
+           "Per bucket: milliseconds from launch to completion in the last reduced backward (-1: none yet).");
+}
+
+}  // namespace
+
+FASTDDP_BINDING(reducer, bind_reducer);

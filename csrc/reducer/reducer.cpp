@@ -1,0 +1,268 @@
+#include "reducer/reducer.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mul.h>
+#include <ATen/ops/zeros.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/utils/lambda_post_hook.h>
+
+#include <unordered_map>
+#include <unordered_set>
+
+namespace fastddp::reducer {
+
+Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
+                 const std::vector<std::vector<int64_t>>& bucket_indices,
+                 c10::intrusive_ptr<c10d::ProcessGroup> process_group, bool gradient_as_bucket_view,
+                 bool find_unused_parameters, std::optional<at::ScalarType> comm_dtype)
+    : params_(std::move(params)),
+      names_(std::move(names)),
+      process_group_(std::move(process_group)),
+      gradient_as_bucket_view_(gradient_as_bucket_view),
+      find_unused_(find_unused_parameters),
+      comm_dtype_(comm_dtype) {
+  TORCH_CHECK(process_group_, "DDPWrapper: process group is null");
+  TORCH_CHECK(names_.size() == params_.size(), "DDPWrapper: ", params_.size(), " parameters but ",
+              names_.size(), " names");
+  inv_world_ = 1.0 / static_cast<double>(process_group_->getSize());
+  const int64_t n = static_cast<int64_t>(params_.size());
+  param_bucket_.assign(n, -1);
+  param_slot_.assign(n, -1);
+  for (const auto& indices : bucket_indices) {
+    TORCH_CHECK(!indices.empty(), "DDPWrapper: empty bucket");
+    Bucket bucket;
+    int64_t total = 0;
+    const auto& first = params_.at(indices.front());
+    for (int64_t i : indices) {
+      TORCH_CHECK(i >= 0 && i < n, "DDPWrapper: bucket names parameter ", i, " of ", n);
+      TORCH_CHECK(param_bucket_[i] == -1, "DDPWrapper: parameter ", names_[i], " is in two buckets");
+      const auto& p = params_[i];
+      TORCH_CHECK(p.device() == first.device() && p.scalar_type() == first.scalar_type(),
+                  "DDPWrapper: bucket mixes ", first.device(), "/", first.scalar_type(), " with ", names_[i], " on ",
+                  p.device(), "/", p.scalar_type());
+      param_bucket_[i] = static_cast<int64_t>(buckets_.size());
+      param_slot_[i] = static_cast<int64_t>(bucket.params.size());
+      bucket.params.push_back(i);
+      bucket.offsets.push_back(total);
+      total += p.numel();
+    }
+    bucket.buffer = at::zeros({total}, first.options().requires_grad(false));
+    if (comm_dtype_ && *comm_dtype_ != first.scalar_type()) {
+      bucket.comm = at::empty({total}, first.options().dtype(*comm_dtype_).requires_grad(false));
+    }
+    buckets_.push_back(std::move(bucket));
+  }
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(param_bucket_[i] >= 0, "DDPWrapper: parameter ", names_[i], " is in no bucket");
+  ready_.assign(n, 0);
+  locally_used_.assign(n, 0);
+
+  if (gradient_as_bucket_view_) {
+    // Gradients that already exist move into the buckets now, so later backward passes
+    // accumulate straight into the flat buffers.
+    for (int64_t i = 0; i < n; ++i) {
+      auto& grad = params_[i].mutable_grad();
+      if (grad.defined()) {
+        auto view = bucket_view(i);
+        view.copy_(grad);
+        grad = view;
+      }
+    }
+  }
+}
+
+at::Tensor Reducer::bucket_view(int64_t index) const {
+  const auto& bucket = buckets_[param_bucket_[index]];
+  const auto& p = params_[index];
+  return bucket.buffer.narrow(0, bucket.offsets[param_slot_[index]], p.numel()).view(p.sizes());
+}
+
+void Reducer::register_hooks() {
+  std::weak_ptr<Reducer> weak = weak_from_this();
+  TORCH_CHECK(!weak.expired(), "DDPWrapper: the reducer must be owned by a shared_ptr before hooks are registered");
+  for (int64_t i = 0; i < static_cast<int64_t>(params_.size()); ++i) {
+    auto acc = torch::autograd::impl::grad_accumulator(params_[i]);
+    TORCH_CHECK(acc, "DDPWrapper: parameter ", names_[i], " has no gradient accumulator (is it a leaf "
+                "tensor that requires grad?)");
+    acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+        [weak, i](const torch::autograd::variable_list& outputs, const torch::autograd::variable_list&) {
+          if (auto reducer = weak.lock()) reducer->mark_ready(i);
+          return outputs;
+        }));
+    grad_accumulators_.push_back(std::move(acc));
+  }
+}
+
+void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs, bool sync) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  expect_sync_ = sync;
+  callback_queued_ = false;
+  next_launch_ = 0;
+  std::fill(ready_.begin(), ready_.end(), 0);
+  std::fill(locally_used_.begin(), locally_used_.end(), 0);
+  for (auto& b : buckets_) {
+    b.pending = static_cast<int64_t>(b.params.size());
+    b.work.reset();
+  }
+  if (!sync || !find_unused_) return;
+
+  // Walk the autograd graph from the outputs: parameters whose AccumulateGrad is not reached
+  // get no gradient this iteration and are ready right away (zero contribution).
+  std::unordered_map<const torch::autograd::Node*, int64_t> accumulator_index;
+  for (int64_t i = 0; i < static_cast<int64_t>(grad_accumulators_.size()); ++i)
+    accumulator_index[grad_accumulators_[i].get()] = i;
+  std::unordered_set<const torch::autograd::Node*> seen;
+  std::vector<const torch::autograd::Node*> stack;
+  for (const auto& out : outputs) {
+    if (!out.defined() || !out.requires_grad()) continue;
+    const auto edge = torch::autograd::impl::gradient_edge(out);
+    if (edge.function && seen.insert(edge.function.get()).second) stack.push_back(edge.function.get());
+  }
+  std::vector<char> reached(params_.size(), 0);
+  while (!stack.empty()) {
+    const auto* node = stack.back();
+    stack.pop_back();
+    auto it = accumulator_index.find(node);
+    if (it != accumulator_index.end()) reached[it->second] = 1;
+    for (const auto& edge : node->next_edges()) {
+      if (edge.function && seen.insert(edge.function.get()).second) stack.push_back(edge.function.get());
+    }
+  }
+  for (int64_t i = 0; i < static_cast<int64_t>(params_.size()); ++i)
+    if (!reached[i]) mark_unused_locked(i);
+  launch_ready_buckets_locked();
+}
+
+void Reducer::mark_unused_locked(int64_t index) {
+  auto& grad = params_[index].mutable_grad();
+  auto view = bucket_view(index);
+  // The bucket region must contribute zero; a .grad that is that region keeps its values.
+  if (grad.defined() && grad.is_alias_of(view)) grad = view.clone();
+  view.zero_();
+  ready_[index] = 1;
+  --buckets_[param_bucket_[index]].pending;
+}
+
+void Reducer::mark_ready(int64_t index) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!expect_sync_) return;  // no_sync(), or a backward not preceded by a forward
+  if (!callback_queued_) {
+    callback_queued_ = true;
+    std::weak_ptr<Reducer> weak = weak_from_this();
+    torch::autograd::Engine::get_default_engine().queue_callback([weak] {
+      if (auto reducer = weak.lock()) reducer->finalize_backward();
+    });
+  }
+  TORCH_CHECK(!ready_[index], "DDPWrapper: parameter '", names_[index], "' received its gradient twice in one "
+              "backward pass. This happens when a parameter is used in several reentrant backward passes "
+              "(e.g. torch.utils.checkpoint with use_reentrant=True) or when find_unused_parameters=True "
+              "marked it unused although the graph uses it later. Use static_graph=True, "
+              "use_reentrant=False, or set find_unused_parameters=False.");
+  ready_[index] = 1;
+  locally_used_[index] = 1;
+  auto& grad = params_[index].mutable_grad();
+  auto view = bucket_view(index);
+  if (grad.defined()) {
+    if (grad.is_alias_of(view)) {
+      view.mul_(inv_world_);  // accumulated in place (bucket view): pre-divide there
+    } else {
+      // Copy into the bucket and divide by the world size in the same pass.
+      at::mul_out(view, grad, at::scalar_tensor(inv_world_, view.options().dtype(at::kDouble)));
+      if (gradient_as_bucket_view_) grad = view;
+    }
+  } else {
+    view.zero_();
+  }
+  if (--buckets_[param_bucket_[index]].pending == 0) launch_ready_buckets_locked();
+}
+
+void Reducer::launch_ready_buckets_locked() {
+  // Buckets launch strictly in index order, so every rank issues the same collectives in the
+  // same sequence whatever order its gradients arrive in.
+  while (next_launch_ < static_cast<int64_t>(buckets_.size()) && buckets_[next_launch_].pending == 0) {
+    auto& bucket = buckets_[next_launch_++];
+    std::vector<at::Tensor> tensors;
+    if (bucket.comm.defined()) {
+      bucket.comm.copy_(bucket.buffer);
+      tensors.push_back(bucket.comm);
+    } else {
+      tensors.push_back(bucket.buffer);
+    }
+    bucket.launched = std::chrono::steady_clock::now();
+    c10d::AllreduceOptions opts;
+    opts.reduceOp = c10d::ReduceOp::SUM;
+    bucket.work = process_group_->allreduce(tensors, opts);
+  }
+}
+
+void Reducer::finalize_backward() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  callback_queued_ = false;
+  if (!expect_sync_) return;
+  expect_sync_ = false;
+  std::string missing;
+  int64_t missing_count = 0;
+  for (int64_t i = 0; i < static_cast<int64_t>(params_.size()); ++i) {
+    if (!ready_[i]) {
+      if (missing_count++ < 20) missing += (missing.empty() ? "" : ", ") + names_[i];
+    }
+  }
+  TORCH_CHECK(missing_count == 0, "DDPWrapper: ", missing_count, " parameter(s) received no gradient in this "
+              "backward pass: ", missing, (missing_count > 20 ? ", ..." : ""), ". Their reduction cannot finish. "
+              "If some parameters are legitimately unused in some iterations, pass find_unused_parameters=True; "
+              "also make sure every forward output that depends on parameters takes part in the loss.");
+  launch_ready_buckets_locked();
+
+  at::Tensor global_used;
+  if (find_unused_) {
+    // Which parameters were used on any rank: those unused everywhere keep their .grad.
+    auto used = at::empty({static_cast<int64_t>(params_.size())}, at::TensorOptions().dtype(at::kInt));
+    auto* u = used.data_ptr<int32_t>();
+    for (size_t i = 0; i < locally_used_.size(); ++i) u[i] = locally_used_[i];
+    auto used_dev = used.to(buckets_.empty() ? at::Device(at::kCPU) : buckets_[0].buffer.device());
+    std::vector<at::Tensor> t{used_dev};
+    process_group_->allreduce(t)->wait();
+    global_used = used_dev.cpu();
+  }
+  for (auto& bucket : buckets_) {
+    bucket.work->wait();
+    bucket.last_allreduce_ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - bucket.launched).count();
+    bucket.work.reset();
+    if (bucket.comm.defined()) bucket.buffer.copy_(bucket.comm);
+  }
+  const int32_t* gu = global_used.defined() ? global_used.data_ptr<int32_t>() : nullptr;
+  for (int64_t i = 0; i < static_cast<int64_t>(params_.size()); ++i) {
+    auto& grad = params_[i].mutable_grad();
+    if (gu && gu[i] == 0) continue;  // unused on every rank: .grad untouched, as in torch DDP
+    auto view = bucket_view(i);
+    if (gradient_as_bucket_view_) {
+      if (!grad.defined() || !grad.is_alias_of(view)) grad = view;
+    } else if (!grad.defined()) {
+      grad = view.clone();
+    } else {
+      grad.copy_(view);
+    }
+  }
+}
+
+std::vector<at::Tensor> Reducer::bucket_buffers() const {
+  std::vector<at::Tensor> out;
+  for (const auto& b : buckets_) out.push_back(b.buffer);
+  return out;
+}
+
+std::vector<std::vector<int64_t>> Reducer::bucket_indices() const {
+  std::vector<std::vector<int64_t>> out;
+  for (const auto& b : buckets_) out.push_back(b.params);
+  return out;
+}
+
+std::vector<double> Reducer::bucket_allreduce_ms() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<double> out;
+  for (const auto& b : buckets_) out.push_back(b.last_allreduce_ms);
+  return out;
+}
+
+}  // namespace fastddp::reducer

@@ -1,0 +1,80 @@
+// The DDPWrapper reducer: gradients are written into flat per-bucket buffers by C++ hooks on
+// the parameters' AccumulateGrad nodes, each full bucket is all-reduced asynchronously through
+// a c10d ProcessGroup while backward continues, and an autograd-engine callback waits for the
+// reductions at the end of backward.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/intrusive_ptr.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <chrono>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace fastddp::reducer {
+
+struct Bucket {
+  std::vector<int64_t> params;   // indices into the reducer's parameter list
+  std::vector<int64_t> offsets;  // element offset of each parameter in `buffer`
+  at::Tensor buffer;             // flat gradients, the parameters' dtype and device
+  at::Tensor comm;               // flat buffer in the communication dtype (compression)
+  int64_t pending = 0;           // parameters not yet ready in this backward
+  c10::intrusive_ptr<c10d::Work> work;
+  std::chrono::steady_clock::time_point launched;
+  double last_allreduce_ms = -1;  // launch to completion seen by the waiting thread
+};
+
+class Reducer : public std::enable_shared_from_this<Reducer> {
+ public:
+  Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
+          const std::vector<std::vector<int64_t>>& bucket_indices,
+          c10::intrusive_ptr<c10d::ProcessGroup> process_group, bool gradient_as_bucket_view,
+          bool find_unused_parameters, std::optional<at::ScalarType> comm_dtype);
+
+  // Installs the AccumulateGrad post hooks; called once right after construction, when
+  // shared_from_this() is usable (the hooks hold only a weak reference to the reducer).
+  void register_hooks();
+
+  // Called by forward. sync=false inside no_sync(): gradients only accumulate locally. With
+  // find_unused_parameters, `outputs` are searched for the parameters this iteration reaches.
+  void prepare_for_backward(const std::vector<at::Tensor>& outputs, bool sync);
+
+  std::vector<at::Tensor> bucket_buffers() const;
+  std::vector<std::vector<int64_t>> bucket_indices() const;
+  std::vector<double> bucket_allreduce_ms() const;
+
+ private:
+  void mark_ready(int64_t index);
+  void mark_unused_locked(int64_t index);
+  void launch_ready_buckets_locked();
+  void finalize_backward();
+  at::Tensor bucket_view(int64_t index) const;
+
+  using NodePtr = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
+
+  std::vector<at::Tensor> params_;
+  std::vector<std::string> names_;
+  std::vector<Bucket> buckets_;
+  std::vector<int64_t> param_bucket_;     // parameter -> bucket
+  std::vector<int64_t> param_slot_;       // parameter -> position inside its bucket
+  std::vector<NodePtr> grad_accumulators_;  // kept alive so our hooks stay installed
+  c10::intrusive_ptr<c10d::ProcessGroup> process_group_;
+  bool gradient_as_bucket_view_;
+  bool find_unused_;
+  std::optional<at::ScalarType> comm_dtype_;
+  double inv_world_;
+
+  mutable std::mutex mutex_;
+  bool expect_sync_ = false;      // a forward asked for a reduction in the coming backward
+  bool callback_queued_ = false;  // finalize_backward is queued on the autograd engine
+  int64_t next_launch_ = 0;       // buckets launch strictly in index order
+  std::vector<char> ready_;
+  std::vector<char> locally_used_;
+};
+
+}  // namespace fastddp::reducer

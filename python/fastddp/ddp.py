@@ -1,0 +1,253 @@
+"""``fastddp.DDPWrapper``: drop-in for ``torch.nn.parallel.DistributedDataParallel`` on a C++
+reducer (bucketed all-reduce through c10d, overlapped with backward)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from ._ext import C
+
+FIRST_BUCKET_MB = 1.0  # a small first bucket so communication starts early in backward
+
+
+def _find_tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for o in obj for t in _find_tensors(o)]
+    if isinstance(obj, dict):
+        return [t for o in obj.values() for t in _find_tensors(o)]
+    return []
+
+
+def assign_buckets(params: list[torch.Tensor], bucket_cap_mb: float,
+                   first_bucket_mb: float = FIRST_BUCKET_MB) -> list[list[int]]:
+    """Bucket indices: reverse registration order (gradients of the last layers arrive first),
+    grouped by (device, dtype), at most ``bucket_cap_mb`` each, the first one smaller."""
+    buckets: list[list[int]] = []
+    open_buckets: dict[tuple, tuple[list[int], int]] = {}
+    cap_first = int(first_bucket_mb * 2**20)
+    cap = int(bucket_cap_mb * 2**20)
+    for i in reversed(range(len(params))):
+        p = params[i]
+        key = (p.device, p.dtype)
+        size = p.numel() * p.element_size()
+        current, used = open_buckets.get(key, (None, 0))
+        limit = cap_first if (current is not None and current is buckets[0]) else cap
+        if current is not None and used + size > limit:
+            current = None
+        if current is None:
+            current, used = [], 0
+            buckets.append(current)
+        current.append(i)
+        open_buckets[key] = (current, used + size)
+    return buckets
+
+
+class DDPWrapper(nn.Module):
+    """Distributed data parallelism with the constructor and behaviour of
+    :class:`torch.nn.parallel.DistributedDataParallel`.
+
+    Replace ``DistributedDataParallel(model, device_ids=[rank])`` with
+    ``DDPWrapper(model, device_ids=[rank])``. ``.module``, ``.no_sync()``, ``forward`` and the
+    ``state_dict`` keys (``module.``-prefixed) are the same, so checkpoints move between the two.
+
+    Extras: ``comm_dtype=torch.bfloat16|torch.float16`` all-reduces the gradients in that dtype
+    (they are divided by the world size before the cast, so the sum cannot overflow, and are
+    copied back into the parameters' dtype); :meth:`bucket_report`; :meth:`bucket_buffers`
+    (the flat gradient buffers, for :class:`fastddp.GradScaler`'s ``grads=``).
+
+    ``gradient_as_bucket_view`` defaults to True: ``param.grad`` is a view into its bucket, so
+    gradients are never copied when they accumulate in place (``zero_grad(set_to_none=False)``).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        device_ids: Optional[list[int | torch.device]] = None,
+        output_device: Optional[int | torch.device] = None,
+        dim: int = 0,
+        broadcast_buffers: bool = True,
+        process_group: Optional[dist.ProcessGroup] = None,
+        bucket_cap_mb: Optional[float] = None,
+        find_unused_parameters: bool = False,
+        check_reduction: bool = False,
+        gradient_as_bucket_view: bool = True,
+        static_graph: bool = False,
+        comm_dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        super().__init__()
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("DDPWrapper: the default process group is not initialised. Call "
+                               "torch.distributed.init_process_group(...) first (torchrun sets "
+                               "up the environment for it).")
+        if comm_dtype not in (None, torch.float16, torch.bfloat16, torch.float32):
+            raise ValueError(f"DDPWrapper: comm_dtype must be torch.bfloat16, torch.float16 or None, got {comm_dtype}")
+        bucket_cap_mb = 25.0 if bucket_cap_mb is None else float(bucket_cap_mb)
+        if bucket_cap_mb <= 0:
+            raise ValueError(f"DDPWrapper: bucket_cap_mb must be > 0, got {bucket_cap_mb}")
+        self.module = module
+        self.device_ids = device_ids
+        self.output_device = output_device
+        self.dim = dim
+        self.broadcast_buffers = broadcast_buffers
+        self.find_unused_parameters = find_unused_parameters
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.static_graph = static_graph
+        self.comm_dtype = comm_dtype
+        self.process_group = process_group if process_group is not None else dist.group.WORLD
+        self.require_backward_grad_sync = True
+        self.world_size = dist.get_world_size(self.process_group)
+        self.rank = dist.get_rank(self.process_group)
+
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if not named:
+            raise RuntimeError("DDPWrapper: the module has no parameter that requires a gradient")
+        self._check_devices(named, device_ids)
+        self._verify_across_ranks(named)
+        self._sync_module_states()
+        self._param_names = [n for n, _ in named]
+        params = [p for _, p in named]
+        self._buckets = assign_buckets(params, bucket_cap_mb)
+        self._bucket_cap_mb = bucket_cap_mb
+        self._reducer = C.Reducer(params, self._param_names, self._buckets, self.process_group,
+                                  gradient_as_bucket_view, find_unused_parameters,
+                                  None if comm_dtype is None else comm_dtype)
+
+    # ------------------------------------------------------------------ construction checks
+    def _check_devices(self, named: list[tuple[str, nn.Parameter]], device_ids) -> None:
+        devices = {p.device for _, p in named}
+        if device_ids:
+            if len(device_ids) != 1:
+                raise ValueError(f"DDPWrapper: device_ids must name one device per process, got {device_ids}")
+            want = torch.device("cuda", device_ids[0]) if isinstance(device_ids[0], int) else torch.device(device_ids[0])
+            wrong = [n for n, p in named if p.device != want]
+            if wrong:
+                raise ValueError(f"DDPWrapper: device_ids={device_ids} but parameter {wrong[0]!r} is on "
+                                 f"{dict(named)[wrong[0]].device}; move the module with "
+                                 f"module.to({str(want)!r}) before wrapping it")
+        elif len(devices) > 1 and any(d.type == "cuda" for d in devices):
+            raise ValueError(f"DDPWrapper: module spans devices {sorted(map(str, devices))}; "
+                             "multi-device modules need device_ids=None and are not supported")
+
+    def _verify_across_ranks(self, named: list[tuple[str, nn.Parameter]]) -> None:
+        if self.world_size == 1:
+            return
+        device = named[0][1].device if dist.get_backend(self.process_group) == "nccl" else torch.device("cpu")
+        meta = [[p.numel(), p.dim(), *list(p.shape)[:4], int(p.requires_grad), _dtype_code(p.dtype)]
+                for _, p in named]
+        width = 8
+        local = torch.tensor([len(meta)] + [v for row in meta for v in (row + [0] * width)[:width]],
+                             dtype=torch.int64, device=device)
+        sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(self.world_size)]
+        dist.all_gather(sizes, torch.tensor([local.numel()], device=device), group=self.process_group)
+        counts = [int(s) for s in sizes]
+        if len(set(counts)) > 1:
+            raise RuntimeError("DDPWrapper: ranks have different numbers of parameters: "
+                               + ", ".join(f"rank {r}: {(c - 1) // width}" for r, c in enumerate(counts)))
+        gathered = [torch.zeros_like(local) for _ in range(self.world_size)]
+        dist.all_gather(gathered, local, group=self.process_group)
+        rows = [g[1:].view(-1, width).cpu() for g in gathered]
+        for i, (name, p) in enumerate(named):
+            for r in range(self.world_size):
+                if not torch.equal(rows[r][i], rows[0][i]):
+                    raise RuntimeError(
+                        f"DDPWrapper: parameter {i} ({name!r}) differs between ranks: rank 0 has "
+                        f"{_describe(rows[0][i])}, rank {r} has {_describe(rows[r][i])}. Every rank "
+                        "must build the same model.")
+
+    @torch.no_grad()
+    def _sync_module_states(self) -> None:
+        """Broadcast parameters and buffers from rank 0 (one collective per dtype/device)."""
+        if self.world_size == 1:
+            return
+        tensors = [p.data for p in self.module.parameters()] + [b for b in self.module.buffers()]
+        self._broadcast_coalesced(tensors)
+
+    def _broadcast_coalesced(self, tensors: list[torch.Tensor]) -> None:
+        groups: dict[tuple, list[torch.Tensor]] = {}
+        for t in tensors:
+            groups.setdefault((t.device, t.dtype), []).append(t)
+        for group in groups.values():
+            flat = _flatten_dense_tensors(group)
+            dist.broadcast(flat, src=dist.get_global_rank(self.process_group, 0)
+                           if self.process_group is not dist.group.WORLD else 0,
+                           group=self.process_group)
+            for t, synced in zip(group, _unflatten_dense_tensors(flat, group)):
+                t.copy_(synced)
+
+    # ------------------------------------------------------------------ forward / no_sync
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        grad_enabled = torch.is_grad_enabled()
+        if self.broadcast_buffers and self.world_size > 1:
+            buffers = list(self.module.buffers())
+            if buffers:
+                with torch.no_grad():
+                    self._broadcast_coalesced(buffers)
+        output = self.module(*inputs, **kwargs)
+        if grad_enabled:
+            sync = self.require_backward_grad_sync
+            self._reducer.prepare_for_backward(
+                _find_tensors(output) if (sync and self.find_unused_parameters) else [], sync)
+        return output
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally; the first backward after the block reduces the sum."""
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
+
+    # ------------------------------------------------------------------ extras
+    def bucket_buffers(self) -> list[torch.Tensor]:
+        """The flat gradient buffers (``param.grad`` are views into them with
+        ``gradient_as_bucket_view=True``)."""
+        return self._reducer.bucket_buffers()
+
+    def bucket_report(self) -> dict[str, Any]:
+        """Bucket sizes, which parameter sits in which bucket, and the last measured
+        all-reduce time of each bucket (launch to completion, ms; -1 before any)."""
+        buffers = self._reducer.bucket_buffers()
+        times = self._reducer.bucket_allreduce_ms()
+        buckets = []
+        for b, (indices, buf) in enumerate(zip(self._reducer.bucket_indices(), buffers)):
+            buckets.append({
+                "index": b, "bytes": buf.numel() * buf.element_size(), "numel": buf.numel(),
+                "dtype": str(buf.dtype), "device": str(buf.device),
+                "params": [self._param_names[i] for i in indices],
+                "allreduce_ms": times[b] if times[b] >= 0 else None,
+            })
+        return {"world_size": self.world_size, "bucket_cap_mb": self._bucket_cap_mb,
+                "first_bucket_mb": FIRST_BUCKET_MB, "comm_dtype": str(self.comm_dtype),
+                "buckets": buckets,
+                "param_to_bucket": {self._param_names[i]: b for b, idx in
+                                    enumerate(self._reducer.bucket_indices()) for i in idx}}
+
+
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+           torch.uint8, torch.int8, torch.bool, torch.complex64]
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    return _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
+
+
+def _describe(row: torch.Tensor) -> str:
+    numel, ndim = int(row[0]), int(row[1])
+    shape = tuple(int(v) for v in row[2:2 + min(ndim, 4)])
+    code = int(row[7])
+    dtype = _DTYPES[code] if code < len(_DTYPES) else "other"
+    return f"shape {shape} ({numel} elements), dtype {dtype}"
+
+
+__all__ = ["DDPWrapper", "assign_buckets"]

@@ -1,0 +1,277 @@
+"""DDPWrapper against torch's DistributedDataParallel: same gradients and parameters after
+every step, on gloo ranks (world sizes 1, 2, 3)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+import fastddp
+
+from .distributed import run_distributed
+
+
+class TiedNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 8, bias=False)
+        self.mid = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 8, bias=False)
+        self.out.weight = self.embed.weight  # tied: counted once
+
+    def forward(self, x):
+        return self.out(torch.relu(self.mid(self.embed(x))))
+
+
+class BranchNet(nn.Module):
+    """`extra` is used only when the input asks for it; `never` is never used."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(8, 8)
+        self.extra = nn.Linear(8, 8)
+        self.never = nn.Linear(8, 8)
+
+    def forward(self, x, use_extra: bool):
+        h = torch.relu(self.body(x))
+        return self.extra(h) if use_extra else h
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def _conv_bn() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
+                         nn.Conv2d(8, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4), nn.Flatten(),
+                         nn.Linear(4 * 6 * 6, 5))
+
+
+def _frozen() -> nn.Module:
+    m = _mlp()
+    for p in m[0].parameters():
+        p.requires_grad_(False)
+    return m
+
+
+def _mixed() -> nn.Module:
+    m = _mlp()
+    m[2].to(torch.bfloat16)
+    return _CastIn(m)
+
+
+class _CastIn(nn.Module):
+    def __init__(self, m: nn.Module) -> None:
+        super().__init__()
+        self.m = m
+
+    def forward(self, x):
+        h = torch.relu(self.m[0](x))
+        h = torch.relu(self.m[2](h.bfloat16())).float()
+        return self.m[4](h)
+
+
+def _pair(factory, ddp_kwargs: dict, ours_kwargs: dict | None = None):
+    torch.manual_seed(1234)
+    a = factory()
+    b = factory()
+    b.load_state_dict(a.state_dict())
+    # Ranks start from different weights: both wrappers must broadcast rank 0's.
+    with torch.no_grad():
+        for p in list(a.parameters()) + list(b.parameters()):
+            p.add_(dist.get_rank() * 0.01)
+    ours = fastddp.DDPWrapper(a, **{**ddp_kwargs, **(ours_kwargs or {})})
+    ref = TorchDDP(b, **ddp_kwargs)
+    return ours, ref
+
+
+def _compare(ours, ref, grads: bool = True, **tol) -> None:
+    for (name, p), q in zip(ours.module.named_parameters(), ref.module.parameters()):
+        if grads:
+            if q.grad is None:
+                assert p.grad is None, name
+            else:
+                torch.testing.assert_close(p.grad, q.grad, msg=lambda m: f"{name}.grad: {m}", **tol)
+        torch.testing.assert_close(p, q, msg=lambda m: f"{name}: {m}", **tol)
+    for (name, x), y in zip(ours.module.named_buffers(), ref.module.buffers()):
+        torch.testing.assert_close(x, y, msg=lambda m: f"buffer {name}: {m}", **tol)
+
+
+def _train(ours, ref, make_input, steps=3, opt="sgd", set_to_none=True, forward=None, tol=None) -> None:
+    mk = (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)) if opt == "sgd" else (
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+    opt_a, opt_b = mk(ours.parameters()), mk(ref.parameters())
+    g = torch.Generator().manual_seed(100 + dist.get_rank())
+    for step in range(steps):
+        x = make_input(g)
+        for model, o in ((ours, opt_a), (ref, opt_b)):
+            o.zero_grad(set_to_none=set_to_none)
+            out = forward(model, x, step) if forward else model(x)
+            out.float().pow(2).mean().backward()
+        _compare(ours, ref, grads=True, **(tol or {}))
+        opt_a.step()
+        opt_b.step()
+        _compare(ours, ref, grads=False, **(tol or {}))
+
+
+def _vec(g, n=6):
+    return torch.randn(n, 8, generator=g)
+
+
+def _parity_suite(rank: int, world_size: int) -> list[str]:
+    done = []
+    # MLP, many tiny buckets, both zero_grad styles, both gradient layouts
+    for set_to_none in (True, False):
+        for as_view in (True, False):
+            ours, ref = _pair(_mlp, {"bucket_cap_mb": 0.001},
+                              {"gradient_as_bucket_view": as_view})
+            _train(ours, ref, _vec, set_to_none=set_to_none)
+            assert len(ours.bucket_report()["buckets"]) >= 4
+            done.append(f"mlp set_to_none={set_to_none} view={as_view}")
+    # conv net with BatchNorm (buffers broadcast from rank 0 before each forward)
+    ours, ref = _pair(_conv_bn, {})
+    _train(ours, ref, lambda g: torch.randn(4, 3, 6, 6, generator=g), opt="adamw")
+    done.append("conv+bn")
+    # tied weights
+    ours, ref = _pair(TiedNet, {})
+    _train(ours, ref, _vec)
+    assert len(ours.bucket_report()["param_to_bucket"]) == 3  # the tied weight once
+    done.append("tied")
+    # frozen layers
+    ours, ref = _pair(_frozen, {})
+    _train(ours, ref, _vec)
+    assert all(p.grad is None for p in ours.module[0].parameters())
+    done.append("frozen")
+    # a branch used on some steps and ranks only; a layer never used anywhere
+    ours, ref = _pair(BranchNet, {"find_unused_parameters": True})
+    _train(ours, ref, _vec, steps=4,
+           forward=lambda m, x, step: m(x, use_extra=(step + rank) % 2 == 0))
+    assert ours.module.never.weight.grad is None
+    done.append("find_unused")
+    # mixed fp32 / bf16 parameters: separate buckets per dtype
+    ours, ref = _pair(_mixed, {})
+    _train(ours, ref, _vec)
+    dtypes = {b["dtype"] for b in ours.bucket_report()["buckets"]}
+    assert dtypes == {"torch.float32", "torch.bfloat16"}
+    done.append("mixed dtypes")
+    # no_sync: 4 micro-batches accumulate locally, the 4th reduces the sum
+    ours, ref = _pair(_mlp, {"bucket_cap_mb": 0.001})
+    opt_a = torch.optim.SGD(ours.parameters(), lr=0.1)
+    opt_b = torch.optim.SGD(ref.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(2):
+        for o in (opt_a, opt_b):
+            o.zero_grad()
+        for micro in range(4):
+            x = _vec(g)
+            for model in (ours, ref):
+                ctx = model.no_sync() if micro < 3 else torch.enable_grad()
+                with ctx:
+                    model(x).pow(2).mean().backward()
+        _compare(ours, ref)
+        opt_a.step()
+        opt_b.step()
+    _compare(ours, ref)
+    done.append("no_sync")
+    # state_dict keys equal torch DDP's and load both ways
+    assert list(ours.state_dict()) == list(ref.state_dict())
+    ref.load_state_dict(ours.state_dict())
+    ours.load_state_dict(ref.state_dict())
+    done.append("state_dict")
+    # bf16 gradient compression: close to fp32 reduction within bf16 rounding
+    ours, ref = _pair(_mlp, {}, {"comm_dtype": torch.bfloat16})
+    # tolerance: bf16 keeps 8 mantissa bits (relative rounding 2**-8 = 0.0039 per value)
+    _train(ours, ref, _vec, steps=2, tol={"rtol": 2e-2, "atol": 2e-3})
+    done.append("comm bf16")
+    return done
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_parity_with_torch_ddp(world_size: int) -> None:
+    results = run_distributed(_parity_suite, world_size=world_size, timeout=300)
+    assert all(len(r) == 12 for r in results), results
+
+
+def _errors(rank: int, world_size: int) -> list[str]:
+    seen = []
+    # a parameter that gets no gradient without find_unused_parameters: named in the error
+    torch.manual_seed(0)
+    model = fastddp.DDPWrapper(BranchNet())
+    try:
+        model(torch.randn(2, 8), use_extra=False).sum().backward()
+    except RuntimeError as exc:
+        assert "extra.weight" in str(exc) and "find_unused_parameters=True" in str(exc), exc
+        seen.append("unused")
+    # ranks with different models: the first mismatch and the ranks are named
+    torch.manual_seed(0)
+    width = 8 if rank == 0 else 9
+    try:
+        fastddp.DDPWrapper(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, width)))
+    except RuntimeError as exc:
+        assert "parameter 2 ('1.weight') differs between ranks" in str(exc), exc
+        assert "rank 1 has shape (9, 4)" in str(exc), exc
+        seen.append("mismatch")
+    try:
+        fastddp.DDPWrapper(nn.Sequential(*[nn.Linear(2, 2) for _ in range(rank + 1)]))
+    except RuntimeError as exc:
+        assert "different numbers of parameters: rank 0: 2, rank 1: 4" in str(exc), exc
+        seen.append("count")
+    # device_ids that do not match the module
+    try:
+        fastddp.DDPWrapper(_mlp(), device_ids=[0])
+    except ValueError as exc:
+        assert "device_ids=[0]" in str(exc) and "module.to('cuda:0')" in str(exc), exc
+        seen.append("device")
+    return seen
+
+
+def test_errors_are_clear() -> None:
+    assert run_distributed(_errors, world_size=2) == [["unused", "mismatch", "count", "device"]] * 2
+
+
+def test_needs_process_group() -> None:
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        fastddp.DDPWrapper(_mlp())
+
+
+def test_bucket_assignment_order_and_caps() -> None:
+    params = [torch.zeros(2**18) for _ in range(8)]  # 1 MiB each (fp32)
+    buckets = fastddp.ddp.assign_buckets(params, bucket_cap_mb=2.5)
+    assert buckets == [[7], [6, 5], [4, 3], [2, 1], [0]]
+    mixed = [torch.zeros(4), torch.zeros(4, dtype=torch.bfloat16), torch.zeros(4)]
+    assert sorted(map(sorted, fastddp.ddp.assign_buckets(mixed, 25))) == [[0, 2], [1]]
+
+
+@pytest.mark.cuda
+def test_nccl_world_one_parity_under_autocast() -> None:
+    import os
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        a, b = _mlp().cuda(), _mlp().cuda()
+        b.load_state_dict(a.state_dict())
+        ours = fastddp.DDPWrapper(a, device_ids=[0])
+        ref = TorchDDP(b, device_ids=[0])
+        opt_a = torch.optim.AdamW(ours.parameters(), lr=1e-3, fused=True)
+        opt_b = torch.optim.AdamW(ref.parameters(), lr=1e-3, fused=True)
+        for _ in range(3):
+            x = torch.randn(16, 8, device="cuda")
+            for m, o in ((ours, opt_a), (ref, opt_b)):
+                o.zero_grad()
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    loss = m(x).float().pow(2).mean()
+                loss.backward()
+                o.step()
+            for p, q in zip(ours.parameters(), ref.parameters()):
+                torch.testing.assert_close(p, q)
+    finally:
+        dist.destroy_process_group()
