@@ -10,6 +10,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import fastddp
+from fastddp.ddp import assign_buckets
 
 from .distributed import run_distributed
 
@@ -94,10 +95,10 @@ def _compare(ours, ref, grads: bool = True, **tol) -> None:
             if q.grad is None:
                 assert p.grad is None, name
             else:
-                torch.testing.assert_close(p.grad, q.grad, msg=lambda m: f"{name}.grad: {m}", **tol)
-        torch.testing.assert_close(p, q, msg=lambda m: f"{name}: {m}", **tol)
+                torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"{name}.grad: {m}", **tol)
+        torch.testing.assert_close(p, q, msg=lambda m, name=name: f"{name}: {m}", **tol)
     for (name, x), y in zip(ours.module.named_buffers(), ref.module.buffers()):
-        torch.testing.assert_close(x, y, msg=lambda m: f"buffer {name}: {m}", **tol)
+        torch.testing.assert_close(x, y, msg=lambda m, name=name: f"buffer {name}: {m}", **tol)
 
 
 def _train(ours, ref, make_input, steps=3, opt="sgd", set_to_none=True, forward=None, tol=None) -> None:
@@ -239,10 +240,10 @@ def test_needs_process_group() -> None:
 
 def test_bucket_assignment_order_and_caps() -> None:
     params = [torch.zeros(2**18) for _ in range(8)]  # 1 MiB each (fp32)
-    buckets = fastddp.ddp.assign_buckets(params, bucket_cap_mb=2.5)
+    buckets = assign_buckets(params, bucket_cap_mb=2.5)
     assert buckets == [[7], [6, 5], [4, 3], [2, 1], [0]]
     mixed = [torch.zeros(4), torch.zeros(4, dtype=torch.bfloat16), torch.zeros(4)]
-    assert sorted(map(sorted, fastddp.ddp.assign_buckets(mixed, 25))) == [[0, 2], [1]]
+    assert sorted(map(sorted, assign_buckets(mixed, 25))) == [[0, 2], [1]]
 
 
 @pytest.mark.cuda

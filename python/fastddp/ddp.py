@@ -155,7 +155,7 @@ class DDPWrapper(nn.Module):
         gathered = [torch.zeros_like(local) for _ in range(self.world_size)]
         dist.all_gather(gathered, local, group=self.process_group)
         rows = [g[1:].view(-1, width).cpu() for g in gathered]
-        for i, (name, p) in enumerate(named):
+        for i, (name, _param) in enumerate(named):
             for r in range(self.world_size):
                 if not torch.equal(rows[r][i], rows[0][i]):
                     raise RuntimeError(
