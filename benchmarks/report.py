@@ -30,7 +30,8 @@ def table(capability: str, rows: list[dict[str, Any]]) -> str:
     keys: list[str] = []
     for r in rows:
         for k in r:
-            if k not in ("name", "machine", "time", "command") and k not in keys:
+            if (k not in ("name", "machine", "time", "command") and k not in keys
+                    and not isinstance(r[k], (list, dict))):
                 keys.append(k)
     keys.sort(key=lambda k: (not any(w in k for w in ("ratio", "speedup")), keys.index(k)))
     lines = [f"### {capability}", ""]

@@ -1,5 +1,5 @@
-"""Shared pytest configuration: the ``cuda`` marker auto-skips without a GPU, RNG state is
-restored around each test, and ``--run-slow`` opts into ``slow``-marked tests."""
+"""Test fixtures: RNG state restored around each test; ``devices()`` for cpu/cuda
+parametrisation. The ``cuda``/``slow`` markers are handled in the repository's conftest.py."""
 
 from __future__ import annotations
 
@@ -7,21 +7,6 @@ import random
 
 import pytest
 import torch
-
-
-def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--run-slow", action="store_true", help="also run tests marked slow")
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    has_cuda = torch.cuda.is_available()
-    skip_cuda = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
-    skip_slow = pytest.mark.skip(reason="slow: run with --run-slow")
-    for item in items:
-        if "cuda" in item.keywords and not has_cuda:
-            item.add_marker(skip_cuda)
-        if "slow" in item.keywords and not config.getoption("--run-slow"):
-            item.add_marker(skip_slow)
 
 
 @pytest.fixture(autouse=True)

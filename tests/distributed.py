@@ -58,6 +58,23 @@ def _worker(
         results.put((rank, False, traceback.format_exc()))
 
 
+def _failure_report(rank: int, tb: str, world_size: int, results: Any, procs: list) -> str:
+    """All failing ranks' tracebacks: the first to arrive may only be a peer's lost
+    connection, so wait briefly for the others (the root cause among them)."""
+    failures = {rank: tb}
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline and len(failures) < world_size:
+        try:
+            r, ok, value = results.get(timeout=0.5)
+        except queue.Empty:
+            if all(p.exitcode is not None for p in procs):
+                break
+            continue
+        if not ok:
+            failures[r] = value
+    return "\n".join(f"rank {r} of {world_size} failed:\n{failures[r]}" for r in sorted(failures))
+
+
 def run_distributed(
     fn: Callable[..., Any],
     world_size: int,
@@ -106,7 +123,7 @@ def run_distributed(
                     else:
                         continue
                 if not ok:
-                    raise RankFailure(f"rank {rank} of {world_size} failed:\n{value}")
+                    raise RankFailure(_failure_report(rank, value, world_size, results, procs))
                 collected[rank] = value
         finally:
             for p in procs:

@@ -33,7 +33,7 @@ def assign_buckets(params: list[torch.Tensor], bucket_cap_mb: float,
     grouped by (device, dtype), at most ``bucket_cap_mb`` each, the first one smaller."""
     buckets: list[list[int]] = []
     open_buckets: dict[tuple, tuple[list[int], int]] = {}
-    cap_first = int(first_bucket_mb * 2**20)
+    cap_first = int(min(first_bucket_mb, bucket_cap_mb) * 2**20)
     cap = int(bucket_cap_mb * 2**20)
     for i in reversed(range(len(params))):
         p = params[i]

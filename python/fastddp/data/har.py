@@ -76,12 +76,12 @@ def _split(n: int, subjects: torch.Tensor, gen: torch.Generator) -> tuple[torch.
         2 * math.pi * 0.3 * t).view(1, 1, -1)
 
     gravity = torch.tensor([_GRAVITY[c] for c in range(6)])[y]            # n × 3
-    gravity = gravity + 0.07 * tr[:, 3:6] + 0.05 * torch.randn(n, 3, generator=gen)
+    gravity = gravity + 0.09 * tr[:, 3:6] + 0.07 * torch.randn(n, 3, generator=gen)
     gravity = gravity / gravity.norm(dim=1, keepdim=True)
     total = gravity.unsqueeze(-1) + body
 
     x = torch.cat([body, gyro, total], dim=1)
-    x = x + 0.06 * torch.randn(x.shape, generator=gen)                    # sensor noise
+    x = x + 0.15 * torch.randn(x.shape, generator=gen)                    # sensor noise
     return x.float().contiguous(), y.to(torch.int64), s.to(torch.int64)
 
 

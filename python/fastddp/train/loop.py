@@ -378,13 +378,13 @@ def _train(args: argparse.Namespace, ctx: Context) -> dict[str, Any]:
                    epoch, global_step, best_f1, history, epoch_done=True)
         if ctx.is_main:
             write_metrics(save_dir, history)
-        if os.environ.get("FASTDDP_FAULT_KILL_AFTER_EPOCH") == str(epoch + 1):
-            # Fault injection for the reliability tests: die like a SIGKILLed job would.
-            os.kill(os.getpid(), 9)
             if is_best:
                 checkpoint.save({"model": unwrap(model).state_dict(), "mode": args.model or args.mode,
                                  "signature": model_signature(model), "epoch": epoch,
                                  "metrics": row}, save_dir / "best.pt")
+        if os.environ.get("FASTDDP_FAULT_KILL_AFTER_EPOCH") == str(epoch + 1):
+            # Fault injection for the reliability tests: die like a SIGKILLed job would.
+            os.kill(os.getpid(), 9)
 
     total = time.perf_counter() - t_start
     summary = {

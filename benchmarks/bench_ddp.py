@@ -1,0 +1,81 @@
+"""DDPWrapper vs torch DistributedDataParallel: step time (forward + backward + optimizer),
+same model, data and process group, measured alternately in the same ranks.
+
+    pytest benchmarks/bench_ddp.py -s          # CPU, gloo, world size 2
+
+Models: an MLP of ~10 M parameters (few large gradients) and a stack of 100 small linear
+layers (~200 parameters: per-parameter overhead dominates).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from tests.distributed import run_distributed
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+import fastddp
+
+from .common import SMOKE, record
+
+STEPS = 2 if SMOKE else 30
+
+
+def _big() -> nn.Module:
+    w = 64 if SMOKE else 2048
+    return nn.Sequential(nn.Linear(w // 2, w), nn.ReLU(), nn.Linear(w, w), nn.ReLU(),
+                         nn.Linear(w, w), nn.ReLU(), nn.Linear(w, w // 2))
+
+
+def _small() -> nn.Module:
+    return nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(100)])
+
+
+MODELS = {"mlp_10M": (_big, lambda: torch.randn(32, (64 if SMOKE else 2048) // 2)),
+          "small_200": (_small, lambda: torch.randn(64, 32))}
+
+
+def _bench(rank: int, world_size: int, name: str) -> dict:
+    torch.set_num_threads(1)
+    factory, make_x = MODELS[name]
+    torch.manual_seed(0)
+    models = {"fastddp": fastddp.DDPWrapper(factory()), "torch": TorchDDP(factory())}
+    opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in models.items()}
+    x = make_x()
+
+    def step(kind: str) -> float:
+        m, o = models[kind], opts[kind]
+        t0 = time.perf_counter()
+        o.zero_grad()
+        m(x).pow(2).mean().backward()
+        o.step()
+        return time.perf_counter() - t0
+
+    for kind in models:  # warm-up (allocations, first-iteration work)
+        for _ in range(3):
+            step(kind)
+    times: dict[str, list[float]] = {k: [] for k in models}
+    for _ in range(STEPS):
+        for kind in models:  # alternate so both see the same machine state
+            dist.barrier()
+            times[kind].append(step(kind))
+    n_params = sum(p.numel() for p in models["torch"].parameters())
+    return {k: statistics.median(v) for k, v in times.items()} | {"params": n_params,
+                                                                   "tensors": len(list(models["torch"].parameters()))}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_ddp_step_time_cpu_world2(name: str) -> None:
+    res = run_distributed(_bench, world_size=2, args=(name,), timeout=900)[0]
+    result = {"model": name, "params": res["params"], "tensors": res["tensors"], "world_size": 2,
+              "backend": "gloo", "fastddp_step_ms": res["fastddp"] * 1e3,
+              "torch_step_ms": res["torch"] * 1e3, "time_ratio": res["fastddp"] / res["torch"],
+              "command": "pytest benchmarks/bench_ddp.py -s"}
+    print(json.dumps(result, indent=1))
+    record("ddp", f"cpu-gloo-w2-{name}", result)
