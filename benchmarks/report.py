@@ -33,7 +33,8 @@ def table(capability: str, rows: list[dict[str, Any]]) -> str:
             if (k not in ("name", "machine", "time", "command") and k not in keys
                     and not isinstance(r[k], (list, dict))):
                 keys.append(k)
-    keys.sort(key=lambda k: (not any(w in k for w in ("ratio", "speedup")), keys.index(k)))
+    order = {k: i for i, k in enumerate(keys)}
+    keys.sort(key=lambda k: (not any(w in k for w in ("ratio", "speedup")), order[k]))
     lines = [f"### {capability}", ""]
     machines = {json.dumps(r.get("machine", {}), sort_keys=True) for r in rows}
     for m in machines:

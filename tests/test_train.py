@@ -95,3 +95,58 @@ def test_checkpoint_of_another_model_is_refused(single_run: Path, tmp_path: Path
                   check=False)
     assert proc.returncode == 2
     assert "was written for model 'flatten'" in proc.stderr
+
+
+def test_corrupt_checkpoint_falls_back_or_stops(single_run: Path, tmp_path: Path) -> None:
+    import shutil
+
+    for name in ("last.pt", "last.pt.sha256"):
+        shutil.copy(single_run / name, tmp_path / name)
+    data = bytearray((tmp_path / "last.pt").read_bytes())
+    data[len(data) // 3] ^= 0xFF
+    (tmp_path / "last.pt").write_bytes(bytes(data))
+    proc = _train(["--epochs", "4", "--mode", "flatten", "--no-progress", "--num-workers", "1",
+                   "--save-dir", str(tmp_path)], check=False)
+    assert proc.returncode == 2
+    assert "checksum mismatch" in proc.stderr and "--resume none" in proc.stderr
+
+
+def test_nan_loss_is_skipped_then_aborts(tmp_path: Path) -> None:
+    proc = _train(["--epochs", "1", "--no-progress", "--num-workers", "1", "--lr", "1e30",
+                   "--clip-grad", "0", "--warmup-epochs", "0", "--max-nan-steps", "3",
+                   "--save-dir", str(tmp_path), "--resume", "none"], check=False)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "non-finite loss" in proc.stderr
+    assert "loss was non-finite for 3 steps in a row" in proc.stderr
+
+
+def test_selftest_passes_on_cpu() -> None:
+    proc = subprocess.run([sys.executable, "-m", "fastddp.selftest"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env=dict(os.environ, MASTER_PORT="29587"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "all-reduce (gloo, 1 rank(s))  PASS" in proc.stdout or "PASS" in proc.stdout
+    assert "selftest: PASS" in proc.stdout
+
+
+def test_launch_spawn_two_cpu_ranks(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "fastddp.launch", "--nproc", "2", "--spawn",
+                           "--epochs", "1", "--no-progress", "--num-workers", "1",
+                           "--save-dir", str(tmp_path), "--resume", "none"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "ddp world=2" in proc.stdout
+    assert _metrics(tmp_path)[-1]["val_n"] == 2947
+
+
+def test_launch_rejects_bad_nproc() -> None:
+    proc = subprocess.run([sys.executable, "-m", "fastddp.launch", "--nproc", "0"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--nproc must be positive, got 0" in proc.stderr
+
+
+@pytest.mark.cuda
+def test_dp_mode_on_gpu(tmp_path: Path) -> None:
+    _train(["--multi-gpu", "dp", "--gpu-ids", "0", "--epochs", "1", "--no-progress",
+            "--save-dir", str(tmp_path), "--resume", "none"])
+    assert _metrics(tmp_path)[-1]["val_n"] == 2947

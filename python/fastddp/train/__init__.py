@@ -26,6 +26,9 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             print(f"fastddp.train: error: {exc}", file=sys.stderr, flush=True)
         return 2
+    except FloatingPointError as exc:
+        print(f"fastddp.train: rank {rank}: error: {exc}", file=sys.stderr, flush=True)
+        return 1
     except KeyboardInterrupt:
         print(f"fastddp.train: rank {rank}: interrupted", file=sys.stderr, flush=True)
         return 130
