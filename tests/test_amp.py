@@ -191,3 +191,61 @@ def test_fused_step_makes_no_host_sync() -> None:
         s.update()
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+def _ddp_scaler_parity(rank: int, world_size: int, fused: bool) -> int:
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    ours_m, ref_m = _model("cpu"), _model("cpu")
+    ours = fastddp.DDPWrapper(ours_m, bucket_cap_mb=0.002)
+    ref = TorchDDP(ref_m)
+    kw = {"lr": 1e-2, "weight_decay": 0.1}
+    ours_o = torch.optim.AdamW(ours.parameters(), fused=fused, **kw)
+    ref_o = torch.optim.AdamW(ref.parameters(), fused=fused, **kw)
+    ours_s = fastddp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    ref_s = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    spy = _StatsSpy(ours._reducer)
+    ours._reducer = spy
+    g = torch.Generator().manual_seed(rank)
+    for step in range(6):
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+        poison = float("inf") if (step == 3 and rank == 0) else 1.0
+        for m, o, s in ((ours, ours_o, ours_s), (ref, ref_o, ref_s)):
+            o.zero_grad()
+            s.scale(nn.functional.mse_loss(m(x), y) * poison).backward()
+        norm = ours_s.step(ours_o, max_grad_norm=0.5, ddp=ours)
+        ref_s.unscale_(ref_o)
+        ref_norm = nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        ref_s.step(ref_o)
+        ours_s.update()
+        ref_s.update()
+        assert ours_s.get_scale() == ref_s.get_scale(), step
+        if step != 3:
+            torch.testing.assert_close(norm, ref_norm)
+        for a, b in zip(ours.parameters(), ref.parameters()):
+            torch.testing.assert_close(a, b)
+    return spy.hits
+
+
+class _StatsSpy:
+    """Counts the reducer statistics the scaler actually consumed."""
+
+    def __init__(self, reducer) -> None:
+        self.reducer = reducer
+        self.hits = 0
+
+    def take_grad_stats(self):
+        stats = self.reducer.take_grad_stats()
+        self.hits += stats is not None
+        return stats
+
+    def __getattr__(self, name):
+        return getattr(self.reducer, name)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_with_ddp_wrapper_uses_bucket_stats(fused) -> None:
+    from .distributed import run_distributed
+
+    used = run_distributed(_ddp_scaler_parity, world_size=2, args=(fused,))
+    assert used == [5, 5]  # every backward after the first produced overlapped stats

@@ -25,6 +25,15 @@ void bind_reducer(py::module_& m) {
            py::arg("sync"), "Arm the reducer for the next backward (sync=False: accumulate locally).",
            py::call_guard<py::gil_scoped_release>())
       .def("bucket_buffers", &fastddp::reducer::Reducer::bucket_buffers, "The flat gradient buffers.")
+      .def("set_grad_stats", &fastddp::reducer::Reducer::set_grad_stats, py::arg("enabled"),
+           "Accumulate the buckets' sum of squares as each all-reduce completes (for GradScaler).")
+      .def("take_grad_stats",
+           [](fastddp::reducer::Reducer& r) -> std::optional<at::Tensor> {
+             auto t = r.take_grad_stats();
+             if (!t.defined()) return std::nullopt;
+             return t;
+           },
+           "The float64[1] sum of squares of the last reduced backward, once; None if not fresh.")
       .def("bucket_indices", &fastddp::reducer::Reducer::bucket_indices, "Parameter indices of each bucket.")
       .def("bucket_allreduce_ms", &fastddp::reducer::Reducer::bucket_allreduce_ms,
            "Per bucket: milliseconds from launch to completion in the last reduced backward (-1: none yet).");

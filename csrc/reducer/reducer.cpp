@@ -1,5 +1,7 @@
 #include "reducer/reducer.h"
 
+#include "amp/amp.h"
+
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mul.h>
 #include <ATen/ops/zeros.h>
@@ -96,6 +98,7 @@ void Reducer::register_hooks() {
 void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs, bool sync) {
   std::lock_guard<std::mutex> lock(mutex_);
   expect_sync_ = sync;
+  if (sync) grad_stats_ = at::Tensor();  // stats from an earlier backward must not be reused
   callback_queued_ = false;
   next_launch_ = 0;
   std::fill(ready_.begin(), ready_.end(), 0);
@@ -224,13 +227,20 @@ void Reducer::finalize_backward() {
     process_group_->allreduce(t)->wait();
     global_used = used_dev.cpu();
   }
+  at::Tensor stats;
+  if (grad_stats_enabled_ && !buckets_.empty()) {
+    stats = at::zeros({1}, buckets_[0].buffer.options().dtype(at::kDouble));
+  }
   for (auto& bucket : buckets_) {
     bucket.work->wait();
     bucket.last_allreduce_ms =
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - bucket.launched).count();
     bucket.work.reset();
     if (bucket.comm.defined()) bucket.buffer.copy_(bucket.comm);
+    // Read this bucket for the AMP check while the later buckets are still on the wire.
+    if (stats.defined()) fastddp::amp::accumulate_stats_({bucket.buffer}, stats);
   }
+  grad_stats_ = stats;
   const int32_t* gu = global_used.defined() ? global_used.data_ptr<int32_t>() : nullptr;
   for (int64_t i = 0; i < static_cast<int64_t>(params_.size()); ++i) {
     auto& grad = params_[i].mutable_grad();
@@ -249,6 +259,24 @@ void Reducer::finalize_backward() {
 std::vector<at::Tensor> Reducer::bucket_buffers() const {
   std::vector<at::Tensor> out;
   for (const auto& b : buckets_) out.push_back(b.buffer);
+  return out;
+}
+
+void Reducer::set_grad_stats(bool enabled) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (const auto& b : buckets_) {
+    TORCH_CHECK(!enabled || b.buffer.device() == buckets_[0].buffer.device(),
+                "DDPWrapper: gradient statistics need every bucket on one device; found ", b.buffer.device(),
+                " and ", buckets_[0].buffer.device());
+  }
+  grad_stats_enabled_ = enabled;
+  grad_stats_ = at::Tensor();
+}
+
+at::Tensor Reducer::take_grad_stats() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  at::Tensor out = grad_stats_;
+  grad_stats_ = at::Tensor();
   return out;
 }
 

@@ -45,6 +45,13 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void prepare_for_backward(const std::vector<at::Tensor>& outputs, bool sync);
 
   std::vector<at::Tensor> bucket_buffers() const;
+
+  // With grad stats on, the end of every reduced backward also accumulates the sum of squares
+  // of each bucket (fastddp::amp::accumulate_stats_) right after that bucket's all-reduce
+  // completes, overlapping the later buckets' communication. take_grad_stats() hands the
+  // float64[1] result over once (undefined when no reduced backward produced one since).
+  void set_grad_stats(bool enabled);
+  at::Tensor take_grad_stats();
   std::vector<std::vector<int64_t>> bucket_indices() const;
   std::vector<double> bucket_allreduce_ms() const;
 
@@ -75,6 +82,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   int64_t next_launch_ = 0;       // buckets launch strictly in index order
   std::vector<char> ready_;
   std::vector<char> locally_used_;
+  bool grad_stats_enabled_ = false;
+  at::Tensor grad_stats_;  // defined while a fresh result waits to be taken
 };
 
 }  // namespace fastddp::reducer

@@ -46,6 +46,7 @@ class GradScaler(torch.amp.GradScaler):
         super().__init__(device, init_scale=init_scale, growth_factor=growth_factor,
                          backoff_factor=backoff_factor, growth_interval=growth_interval,
                          enabled=enabled)
+        self._ddp_checked: set[tuple[int, int]] = set()
         if self._enabled and (not isinstance(growth_interval, int) or growth_interval <= 0):
             raise ValueError(f"GradScaler: growth_interval must be a positive integer, got {growth_interval!r}")
 
@@ -72,11 +73,33 @@ class GradScaler(torch.amp.GradScaler):
         return out
 
     @staticmethod
-    def _stats(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    def _stats(grads: list[torch.Tensor], device: torch.device, ddp: Any = None) -> torch.Tensor:
+        if ddp is not None:
+            # Computed by the reducer bucket by bucket as the all-reduces completed.
+            stats = ddp._reducer.take_grad_stats()
+            if stats is not None:
+                return stats
         stats = torch.zeros(1, dtype=torch.float64, device=device)
         if grads:
             C.amp_accumulate_stats_(grads, stats)
         return stats
+
+    def _ddp_grads(self, optimizer: torch.optim.Optimizer, ddp: Any) -> list[torch.Tensor]:
+        """The flat bucket buffers of ``ddp`` (checked once to hold exactly the optimizer's
+        parameters), and switch on the reducer's overlapped gradient statistics."""
+        key = (id(optimizer), id(ddp))
+        if key not in self._ddp_checked:
+            ours = {id(p) for g in optimizer.param_groups for p in g["params"] if p.requires_grad}
+            theirs = {id(p) for p in ddp.module.parameters() if p.requires_grad}
+            if ours != theirs:
+                raise ValueError("GradScaler.step(ddp=...): the optimizer must hold exactly the "
+                                 "DDPWrapper's trainable parameters; pass grads=... or no ddp for "
+                                 "optimizers that hold a subset")
+            ddp._reducer.set_grad_stats(True)
+            self._ddp_checked.add(key)
+        if ddp.gradient_as_bucket_view:
+            return ddp.bucket_buffers()
+        return self._collect(optimizer, None)
 
     def _device_of(self, grads: list[torch.Tensor]) -> torch.device:
         if self._scale is not None:
@@ -112,9 +135,15 @@ class GradScaler(torch.amp.GradScaler):
         state["stage"] = OptState.UNSCALED
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, max_grad_norm: Optional[float] = None,
-             grads: Optional[list[torch.Tensor]] = None, **kwargs: Any) -> Any:
+             grads: Optional[list[torch.Tensor]] = None, ddp: Any = None, **kwargs: Any) -> Any:
         """Unscale (unless :meth:`unscale_` ran), check for inf/NaN, optionally clip to
         ``max_grad_norm``, and step the optimizer unless a gradient was inf/NaN.
+
+        ``ddp``: the :class:`fastddp.DDPWrapper` whose parameters this optimizer holds. Its
+        reducer then reads each bucket for the inf/NaN check and the norm as soon as that
+        bucket's all-reduce completes (overlapping the remaining communication), and the
+        coefficient is applied to its few flat buffers; after backward only the one-thread
+        kernel remains.
 
         Returns the optimizer's return value, or, when ``max_grad_norm`` is given, the global
         norm of the unscaled gradients as a device tensor (before clipping, like
@@ -126,12 +155,13 @@ class GradScaler(torch.amp.GradScaler):
         if not self._enabled:
             if max_grad_norm is None:
                 return optimizer.step(*args, **kwargs)
-            g = self._collect(optimizer, grads)
+            g = self._ddp_grads(optimizer, ddp) if ddp is not None else self._collect(optimizer, grads)
             if not g:
                 optimizer.step(*args, **kwargs)
                 return torch.zeros((), device=self._device)
             one = torch.ones(1, dtype=torch.float32, device=g[0].device)
-            _, norm, coef, _ = C.amp_finalize(self._stats(g, g[0].device), one, float(max_grad_norm), CLIP_EPS)
+            _, norm, coef, _ = C.amp_finalize(self._stats(g, g[0].device, ddp), one,
+                                              float(max_grad_norm), CLIP_EPS)
             C.amp_scale_(g, coef)
             optimizer.step(*args, **kwargs)
             return norm
@@ -141,11 +171,12 @@ class GradScaler(torch.amp.GradScaler):
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
-        g = self._collect(optimizer, grads)
+        g = self._ddp_grads(optimizer, ddp) if ddp is not None else self._collect(optimizer, grads)
         device = self._device_of(g)
         clip = float(max_grad_norm) if max_grad_norm is not None else 0.0
         if state["stage"] is OptState.READY:
-            found_inf, norm, coef, inv_coef = C.amp_finalize(self._stats(g, device), scale.view(1), clip, CLIP_EPS)
+            found_inf, norm, coef, inv_coef = C.amp_finalize(self._stats(g, device, ddp), scale.view(1),
+                                                             clip, CLIP_EPS)
             rescale = True
         else:  # UNSCALED: gradients are already divided by the scale (and maybe edited since)
             found_inf = state["found_inf_per_device"][device].view(1)

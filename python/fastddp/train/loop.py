@@ -335,7 +335,8 @@ def _train(args: argparse.Namespace, ctx: Context) -> dict[str, Any]:
             if not last_micro:
                 continue
             nan_streak = 0
-            scaler.step(optimizer, max_grad_norm=args.clip_grad or None)
+            scaler.step(optimizer, max_grad_norm=args.clip_grad or None,
+                        ddp=model if isinstance(model, fastddp.DDPWrapper) else None)
             scaler.update()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
