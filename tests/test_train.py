@@ -150,3 +150,29 @@ def test_dp_mode_on_gpu(tmp_path: Path) -> None:
     _train(["--multi-gpu", "dp", "--gpu-ids", "0", "--epochs", "1", "--no-progress",
             "--save-dir", str(tmp_path), "--resume", "none"])
     assert _metrics(tmp_path)[-1]["val_n"] == 2947
+
+
+def test_mid_epoch_resume_matches_uninterrupted(tmp_path: Path) -> None:
+    args = ["--epochs", "2", "--mode", "flatten", "--no-progress", "--num-workers", "1",
+            "--save-interval", "40"]
+    straight = tmp_path / "straight"
+    _train([*args, "--save-dir", str(straight), "--resume", "none"])
+    cut = tmp_path / "cut"
+    killed = _train([*args, "--save-dir", str(cut)], check=False,
+                    env={"FASTDDP_FAULT_KILL_AFTER_STEP": "80"})  # inside epoch 1 (114 steps)
+    assert killed.returncode != 0 and not (cut / "metrics.csv").exists()
+    resumed = _train([*args, "--save-dir", str(cut)])
+    assert "resumed from" in resumed.stdout and "epoch 1, step 80" in resumed.stdout
+    for a, b in zip(_metrics(cut), _metrics(straight)):
+        for key in ("train_loss", "val_loss", "val_acc", "val_f1"):
+            assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), (key, a, b)
+
+
+def test_launch_through_torchrun_api(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "fastddp.launch", "--nproc", "2",
+                           "--epochs", "1", "--no-progress", "--num-workers", "1",
+                           "--save-dir", str(tmp_path), "--resume", "none"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "ddp world=2" in proc.stdout

@@ -253,6 +253,7 @@ def _train(args: argparse.Namespace, ctx: Context) -> dict[str, Any]:
     # ---------------------------------------------------------------- resume
     start_epoch, global_step, best_f1, history = 0, 0, -1.0, []
     resumed_mid_epoch = False
+    partial = (0.0, 0, 0)  # this rank's (loss sum, correct, seen) of an interrupted epoch
     resume_path = save_dir / "last.pt" if args.resume == "auto" else (
         None if args.resume == "none" else Path(args.resume))
     if resume_path is not None and resume_path.exists():
@@ -277,6 +278,7 @@ def _train(args: argparse.Namespace, ctx: Context) -> dict[str, Any]:
             loader.load_state_dict(state["loader"])
             resumed_mid_epoch = True
             rng = state["rng"][ctx.rank]
+            partial = rng.get("partial", partial)
             torch.set_rng_state(rng["cpu"])
             if use_cuda and rng.get("cuda") is not None:
                 torch.cuda.set_rng_state(rng["cuda"], ctx.device)
@@ -303,9 +305,10 @@ def _train(args: argparse.Namespace, ctx: Context) -> dict[str, Any]:
             torch.manual_seed(args.seed + 1000 * ctx.rank + epoch)  # per-rank dropout stream
         model.train()
         t_epoch = time.perf_counter()
-        loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
-        correct = torch.zeros((), dtype=torch.int64, device=ctx.device)
-        seen = 0
+        resuming = epoch == start_epoch and resumed_mid_epoch
+        loss_sum = torch.tensor(partial[0] if resuming else 0.0, dtype=torch.float64, device=ctx.device)
+        correct = torch.tensor(partial[1] if resuming else 0, dtype=torch.int64, device=ctx.device)
+        seen = partial[2] if resuming else 0
         bar = progress(loader, ctx, args, epoch)
         optimizer.zero_grad(set_to_none=True)
         micro = 0
@@ -353,7 +356,10 @@ def _train(args: argparse.Namespace, ctx: Context) -> dict[str, Any]:
                     writer.add_scalar("train/loss", float(loss), global_step)
             if args.save_interval and global_step % args.save_interval == 0:
                 save_state(save_dir / "last.pt", ctx, args, model, optimizer, scheduler, scaler,
-                           loader, epoch, global_step, best_f1, history, epoch_done=False)
+                           loader, epoch, global_step, best_f1, history, epoch_done=False,
+                           partial=(float(loss_sum), int(correct), seen))
+                if os.environ.get("FASTDDP_FAULT_KILL_AFTER_STEP") == str(global_step):
+                    os.kill(os.getpid(), 9)  # fault injection: die mid-epoch after a save
         epoch_time = time.perf_counter() - t_epoch
         stats = torch.stack([loss_sum, correct.double(), torch.tensor(float(seen), dtype=torch.float64, device=ctx.device)])
         if ctx.distributed:
@@ -412,9 +418,12 @@ def _train(args: argparse.Namespace, ctx: Context) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------- outputs
 def save_state(path: Path, ctx: Context, args, model, optimizer, scheduler, scaler, loader,
-               epoch: int, step: int, best_f1: float, history: list, epoch_done: bool) -> None:
+               epoch: int, step: int, best_f1: float, history: list, epoch_done: bool,
+               partial: tuple[float, int, int] = (0.0, 0, 0)) -> None:
+    # Per-rank state (RNG streams, the running sums of an unfinished epoch) comes to rank 0.
     rng = {"cpu": torch.get_rng_state(),
-           "cuda": torch.cuda.get_rng_state(ctx.device) if ctx.device.type == "cuda" else None}
+           "cuda": torch.cuda.get_rng_state(ctx.device) if ctx.device.type == "cuda" else None,
+           "partial": partial}
     rngs = [rng]
     if ctx.distributed:
         rngs = [None] * ctx.world
