@@ -66,6 +66,11 @@ class DDPWrapper(nn.Module):
 
     ``gradient_as_bucket_view`` defaults to True: ``param.grad`` is a view into its bucket, so
     gradients are never copied when they accumulate in place (``zero_grad(set_to_none=False)``).
+
+    ``output_device``, ``dim`` and ``check_reduction`` are accepted for compatibility and have
+    no effect (one device per process, as torch DDP recommends). ``static_graph=True`` is
+    accepted; buckets are not rebuilt after the first iteration, so it changes nothing, and a
+    parameter reached twice in one backward (reentrant checkpointing) is reported as an error.
     """
 
     def __init__(
