@@ -48,6 +48,18 @@ def table(capability: str, rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _finish(plt, fig, ax, path: Path, xlabel: str, ylabel: str, title: str) -> str:
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return f"img/{path.name}"
+
+
 def plots(results: dict[str, list[dict[str, Any]]], img: Path) -> list[str]:
     try:
         import matplotlib
@@ -67,29 +79,15 @@ def plots(results: dict[str, list[dict[str, Any]]], img: Path) -> list[str]:
                 ax.plot([r["batch"] for r in rows], [r[f"{side}_samples_per_s"] for r in rows],
                         marker="o", label=f"{side}, {nproc} proc")
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("batch size per process")
-        ax.set_ylabel("samples/s")
-        ax.set_title("HAR end to end")
-        ax.legend()
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(img / "e2e_samples_per_s.png", dpi=100)
-        plt.close(fig)
-        made.append("img/e2e_samples_per_s.png")
+        made.append(_finish(plt, fig, ax, img / "e2e_samples_per_s.png",
+                            "batch size per process", "samples/s", "HAR end to end"))
     scaling = results.get("scaling", [])
     if scaling:
         fig, ax = plt.subplots(figsize=(6, 3.5))
         for r in scaling:
             ax.plot(r["gpus"], r["efficiency"], marker="o", label=r["name"])
-        ax.set_xlabel("GPUs")
-        ax.set_ylabel("projected scaling efficiency")
-        ax.set_title("Projected (model, not measurement)")
-        ax.legend()
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(img / "projected_scaling.png", dpi=100)
-        plt.close(fig)
-        made.append("img/projected_scaling.png")
+        made.append(_finish(plt, fig, ax, img / "projected_scaling.png", "GPUs",
+                            "projected scaling efficiency", "Projected (model, not measurement)"))
     return made
 
 
