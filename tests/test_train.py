@@ -15,11 +15,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _train(args: list[str], nproc: int = 1, env: dict | None = None, check: bool = True,
-           timeout: float = 600) -> subprocess.CompletedProcess:
+           timeout: float = 600, torchrun: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     if nproc == 1:
         cmd = [sys.executable, "-m", "fastddp.train", *args]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", *torchrun,
                f"--nproc_per_node={nproc}", "-m", "fastddp.train", "--multi-gpu", "ddp", *args]
     full_env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
     proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True,
@@ -169,3 +169,31 @@ def test_mid_epoch_resume_matches_uninterrupted(tmp_path: Path) -> None:
         for key in ("train_loss", "val_loss", "val_acc", "val_f1"):
             assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), (key, a, b)
 
+
+
+def test_killed_rank_stops_the_job_without_hang(tmp_path: Path) -> None:
+    import time
+
+    t0 = time.monotonic()
+    proc = _train(["--epochs", "2", "--no-progress", "--num-workers", "1", "--save-interval", "20",
+                   "--timeout", "30", "--save-dir", str(tmp_path), "--resume", "none"], nproc=2,
+                  check=False, timeout=240,
+                  env={"FASTDDP_FAULT_KILL_AFTER_STEP": "20", "FASTDDP_FAULT_RANK": "1"})
+    assert proc.returncode != 0
+    assert time.monotonic() - t0 < 200
+    # torchrun's failure report names the lost rank and its signal
+    assert "rank      : 1" in proc.stderr and "Signal 9 (SIGKILL)" in proc.stderr, proc.stderr[-3000:]
+    assert (tmp_path / "last.pt").exists()  # the checkpoint written before the loss survives
+
+
+# Slow and not yet reliable: in 1 of 4 runs here the restarted gloo ranks failed to connect
+# ("Gloo connectFullMesh failed ... Connection refused"). Run with --run-slow.
+@pytest.mark.slow
+def test_elastic_restart_resumes_and_finishes(single_run: Path, tmp_path: Path) -> None:
+    proc = _train([*COMMON[:-2], "--save-interval", "20", "--save-dir", str(tmp_path)], nproc=2,
+                  torchrun=("--max-restarts=1",), timeout=400,
+                  env={"FASTDDP_FAULT_KILL_AFTER_STEP": "20", "FASTDDP_FAULT_RANK": "1"})
+    assert "resumed from" in proc.stdout and "step 20" in proc.stdout
+    rows = _metrics(tmp_path)
+    assert [r["epoch"] for r in rows] == [1, 2, 3]
+    assert abs(rows[-1]["val_acc"] - _metrics(single_run)[-1]["val_acc"]) <= 0.01 + 1e-9

@@ -346,19 +346,20 @@ def _train(args: argparse.Namespace, ctx: Context) -> dict[str, Any]:
             global_step += 1
             if global_step % args.log_interval == 0:
                 elapsed = time.perf_counter() - t_epoch
+                loss_value = float(loss.detach())  # one sync per log interval, not per step
                 if hasattr(bar, "set_postfix"):
-                    bar.set_postfix(loss=f"{float(loss):.4f}",
+                    bar.set_postfix(loss=f"{loss_value:.4f}",
                                     acc=f"{float(correct) / max(1, seen):.3f}",
                                     sps=f"{seen * ctx.world / max(elapsed, 1e-9):.0f}")
                 if monitor is not None:
                     monitor.sample()
                 if writer is not None:
-                    writer.add_scalar("train/loss", float(loss), global_step)
+                    writer.add_scalar("train/loss", loss_value, global_step)
             if args.save_interval and global_step % args.save_interval == 0:
                 save_state(save_dir / "last.pt", ctx, args, model, optimizer, scheduler, scaler,
                            loader, epoch, global_step, best_f1, history, epoch_done=False,
                            partial=(float(loss_sum), int(correct), seen))
-                if os.environ.get("FASTDDP_FAULT_KILL_AFTER_STEP") == str(global_step):
+                if _fault_here("FASTDDP_FAULT_KILL_AFTER_STEP", global_step, ctx.rank):
                     os.kill(os.getpid(), 9)  # fault injection: die mid-epoch after a save
         epoch_time = time.perf_counter() - t_epoch
         stats = torch.stack([loss_sum, correct.double(), torch.tensor(float(seen), dtype=torch.float64, device=ctx.device)])
@@ -389,7 +390,7 @@ def _train(args: argparse.Namespace, ctx: Context) -> dict[str, Any]:
                 checkpoint.save({"model": unwrap(model).state_dict(), "mode": args.model or args.mode,
                                  "signature": model_signature(model), "epoch": epoch,
                                  "metrics": row}, save_dir / "best.pt")
-        if os.environ.get("FASTDDP_FAULT_KILL_AFTER_EPOCH") == str(epoch + 1):
+        if _fault_here("FASTDDP_FAULT_KILL_AFTER_EPOCH", epoch + 1, ctx.rank):
             # Fault injection for the reliability tests: die like a SIGKILLed job would.
             os.kill(os.getpid(), 9)
 
@@ -414,6 +415,15 @@ def _train(args: argparse.Namespace, ctx: Context) -> dict[str, Any]:
     if writer is not None:
         writer.close()
     return summary
+
+
+def _fault_here(var: str, count: int, rank: int) -> bool:
+    """Fault injection for the reliability tests: ``var`` names the step/epoch after which
+    to die like a SIGKILLed process, ``FASTDDP_FAULT_RANK`` (optional) the only rank that dies."""
+    if os.environ.get(var) != str(count):
+        return False
+    only = os.environ.get("FASTDDP_FAULT_RANK")
+    return only is None or only == str(rank)
 
 
 # ----------------------------------------------------------------------------- outputs
