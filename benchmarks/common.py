@@ -43,16 +43,3 @@ def record(capability: str, name: str, values: dict[str, Any]) -> None:
     rows.append({"name": name, "time": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(), **values})
     path.write_text(json.dumps(rows, indent=1))
 
-
-def best_of(fn, repeats: int = 3) -> float:
-    """Minimum wall time of ``fn()`` over ``repeats`` runs, in seconds."""
-    best = float("inf")
-    for _ in range(repeats):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    return best
