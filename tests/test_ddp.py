@@ -276,3 +276,32 @@ def test_nccl_world_one_parity_under_autocast() -> None:
                 torch.testing.assert_close(p, q)
     finally:
         dist.destroy_process_group()
+
+
+class _ReversedRegistration(nn.Module):
+    """Registered c, b, a but used a -> b -> c: reverse registration order (a first) is the
+    opposite of the order gradients arrive in (c first)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c = nn.Linear(8, 4)
+        self.b = nn.Linear(8, 8)
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.c(torch.relu(self.b(torch.relu(self.a(x)))))
+
+
+def _rebuild(rank: int, world_size: int) -> list[str]:
+    ours, ref = _pair(_ReversedRegistration, {"bucket_cap_mb": 0.0003})
+    before = [b["params"] for b in ours.bucket_report()["buckets"]]
+    _train(ours, ref, _vec, steps=3)
+    after = [b["params"] for b in ours.bucket_report()["buckets"]]
+    assert before[0][0] == "a.bias", before  # reverse registration order
+    assert after[0][0].startswith("c."), after  # the last layer's gradients arrive first
+    return after[0]
+
+
+def test_buckets_rebuilt_in_arrival_order_keep_parity() -> None:
+    first = run_distributed(_rebuild, world_size=2)
+    assert first[0] == first[1]  # every rank rebuilt the same buckets

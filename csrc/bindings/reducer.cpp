@@ -34,6 +34,11 @@ void bind_reducer(py::module_& m) {
              return t;
            },
            "The float64[1] sum of squares of the last reduced backward, once; None if not fresh.")
+      .def("arrival_order", &fastddp::reducer::Reducer::arrival_order,
+           "Gradient arrival order (parameter indices) of the first reduced backward.")
+      .def("rebuild_buckets", &fastddp::reducer::Reducer::rebuild_buckets, py::arg("buckets"),
+           "Replace the buckets; existing gradients move into the new buffers.",
+           py::call_guard<py::gil_scoped_release>())
       .def("bucket_indices", &fastddp::reducer::Reducer::bucket_indices, "Parameter indices of each bucket.")
       .def("bucket_allreduce_ms", &fastddp::reducer::Reducer::bucket_allreduce_ms,
            "Per bucket: milliseconds from launch to completion in the last reduced backward (-1: none yet).");

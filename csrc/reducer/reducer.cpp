@@ -28,22 +28,32 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
               names_.size(), " names");
   inv_world_ = 1.0 / static_cast<double>(process_group_->getSize());
   const int64_t n = static_cast<int64_t>(params_.size());
-  param_bucket_.assign(n, -1);
-  param_slot_.assign(n, -1);
+  ready_.assign(n, 0);
+  locally_used_.assign(n, 0);
+  install_buckets_locked(bucket_indices);
+}
+
+void Reducer::install_buckets_locked(const std::vector<std::vector<int64_t>>& bucket_indices) {
+  const int64_t n = static_cast<int64_t>(params_.size());
+  std::vector<int64_t> param_bucket(n, -1);
+  std::vector<int64_t> param_slot(n, -1);
+  std::vector<Bucket> buckets;
   for (const auto& indices : bucket_indices) {
     TORCH_CHECK(!indices.empty(), "DDPWrapper: empty bucket");
     Bucket bucket;
     int64_t total = 0;
-    const auto& first = params_.at(indices.front());
+    TORCH_CHECK(indices.front() >= 0 && indices.front() < n, "DDPWrapper: bucket names parameter ",
+                indices.front(), " of ", n);
+    const auto& first = params_[indices.front()];
     for (int64_t i : indices) {
       TORCH_CHECK(i >= 0 && i < n, "DDPWrapper: bucket names parameter ", i, " of ", n);
-      TORCH_CHECK(param_bucket_[i] == -1, "DDPWrapper: parameter ", names_[i], " is in two buckets");
+      TORCH_CHECK(param_bucket[i] == -1, "DDPWrapper: parameter ", names_[i], " is in two buckets");
       const auto& p = params_[i];
       TORCH_CHECK(p.device() == first.device() && p.scalar_type() == first.scalar_type(),
                   "DDPWrapper: bucket mixes ", first.device(), "/", first.scalar_type(), " with ", names_[i], " on ",
                   p.device(), "/", p.scalar_type());
-      param_bucket_[i] = static_cast<int64_t>(buckets_.size());
-      param_slot_[i] = static_cast<int64_t>(bucket.params.size());
+      param_bucket[i] = static_cast<int64_t>(buckets.size());
+      param_slot[i] = static_cast<int64_t>(bucket.params.size());
       bucket.params.push_back(i);
       bucket.offsets.push_back(total);
       total += p.numel();
@@ -52,16 +62,17 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
     if (comm_dtype_ && *comm_dtype_ != first.scalar_type()) {
       bucket.comm = at::empty({total}, first.options().dtype(*comm_dtype_).requires_grad(false));
     }
-    buckets_.push_back(std::move(bucket));
+    buckets.push_back(std::move(bucket));
   }
   for (int64_t i = 0; i < n; ++i)
-    TORCH_CHECK(param_bucket_[i] >= 0, "DDPWrapper: parameter ", names_[i], " is in no bucket");
-  ready_.assign(n, 0);
-  locally_used_.assign(n, 0);
+    TORCH_CHECK(param_bucket[i] >= 0, "DDPWrapper: parameter ", names_[i], " is in no bucket");
+  buckets_ = std::move(buckets);
+  param_bucket_ = std::move(param_bucket);
+  param_slot_ = std::move(param_slot);
 
   if (gradient_as_bucket_view_) {
-    // Gradients that already exist move into the buckets now, so later backward passes
-    // accumulate straight into the flat buffers.
+    // Existing gradients (possibly views of the previous buffers, which stay alive until
+    // the copy is done) move into the new buckets, so backward accumulates into them.
     for (int64_t i = 0; i < n; ++i) {
       auto& grad = params_[i].mutable_grad();
       if (grad.defined()) {
@@ -71,6 +82,17 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
       }
     }
   }
+}
+
+void Reducer::rebuild_buckets(const std::vector<std::vector<int64_t>>& bucket_indices) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(!callback_queued_, "DDPWrapper: cannot rebuild buckets while a backward pass is reducing");
+  install_buckets_locked(bucket_indices);
+}
+
+std::vector<int64_t> Reducer::arrival_order() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return arrival_;
 }
 
 at::Tensor Reducer::bucket_view(int64_t index) const {
@@ -163,6 +185,7 @@ void Reducer::mark_ready(int64_t index) {
               "use_reentrant=False, or set find_unused_parameters=False.");
   ready_[index] = 1;
   locally_used_[index] = 1;
+  if (record_arrival_) arrival_.push_back(index);
   auto& grad = params_[index].mutable_grad();
   auto view = bucket_view(index);
   if (grad.defined()) {
@@ -203,6 +226,7 @@ void Reducer::finalize_backward() {
   callback_queued_ = false;
   if (!expect_sync_) return;
   expect_sync_ = false;
+  record_arrival_ = false;  // the first reduced backward's order is the one kept
   std::string missing;
   int64_t missing_count = 0;
   for (int64_t i = 0; i < static_cast<int64_t>(params_.size()); ++i) {

@@ -46,6 +46,14 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
 
   std::vector<at::Tensor> bucket_buffers() const;
 
+  // Order in which gradients became ready in the first reduced backward (parameters that
+  // were ready before backward, i.e. unused ones, are not in it).
+  std::vector<int64_t> arrival_order() const;
+
+  // Replaces the buckets (e.g. by arrival order, agreed across ranks by the caller); existing
+  // gradients move into the new buffers. Not allowed while a backward is reducing.
+  void rebuild_buckets(const std::vector<std::vector<int64_t>>& bucket_indices);
+
   // With grad stats on, the end of every reduced backward also accumulates the sum of squares
   // of each bucket (fastddp::amp::accumulate_stats_) right after that bucket's all-reduce
   // completes, overlapping the later buckets' communication. take_grad_stats() hands the
@@ -56,6 +64,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   std::vector<double> bucket_allreduce_ms() const;
 
  private:
+  void install_buckets_locked(const std::vector<std::vector<int64_t>>& bucket_indices);
   void mark_ready(int64_t index);
   void mark_unused_locked(int64_t index);
   void launch_ready_buckets_locked();
@@ -82,6 +91,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   int64_t next_launch_ = 0;       // buckets launch strictly in index order
   std::vector<char> ready_;
   std::vector<char> locally_used_;
+  std::vector<int64_t> arrival_;
+  bool record_arrival_ = true;
   bool grad_stats_enabled_ = false;
   at::Tensor grad_stats_;  // defined while a fresh result waits to be taken
 };

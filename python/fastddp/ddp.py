@@ -28,14 +28,16 @@ def _find_tensors(obj: Any) -> list[torch.Tensor]:
 
 
 def assign_buckets(params: list[torch.Tensor], bucket_cap_mb: float,
-                   first_bucket_mb: float = FIRST_BUCKET_MB) -> list[list[int]]:
-    """Bucket indices: reverse registration order (gradients of the last layers arrive first),
-    grouped by (device, dtype), at most ``bucket_cap_mb`` each, the first one smaller."""
+                   first_bucket_mb: float = FIRST_BUCKET_MB,
+                   order: Optional[list[int]] = None) -> list[list[int]]:
+    """Bucket indices, filled in ``order`` (default: reverse registration order, as gradients
+    of the last layers arrive first), grouped by (device, dtype), at most ``bucket_cap_mb``
+    each, the first one smaller."""
     buckets: list[list[int]] = []
     open_buckets: dict[tuple, tuple[list[int], int]] = {}
     cap_first = int(min(first_bucket_mb, bucket_cap_mb) * 2**20)
     cap = int(bucket_cap_mb * 2**20)
-    for i in reversed(range(len(params))):
+    for i in (reversed(range(len(params))) if order is None else order):
         p = params[i]
         key = (p.device, p.dtype)
         size = p.numel() * p.element_size()
@@ -67,10 +69,13 @@ class DDPWrapper(nn.Module):
     ``gradient_as_bucket_view`` defaults to True: ``param.grad`` is a view into its bucket, so
     gradients are never copied when they accumulate in place (``zero_grad(set_to_none=False)``).
 
+    After the first reduced backward the buckets are rebuilt once in the order gradients
+    arrived (rank 0's order, broadcast), as torch DDP does.
+
     ``output_device``, ``dim`` and ``check_reduction`` are accepted for compatibility and have
     no effect (one device per process, as torch DDP recommends). ``static_graph=True`` is
-    accepted; buckets are not rebuilt after the first iteration, so it changes nothing, and a
-    parameter reached twice in one backward (reentrant checkpointing) is reported as an error.
+    accepted and changes nothing; a parameter reached twice in one backward (reentrant
+    checkpointing) is reported as an error.
     """
 
     def __init__(
@@ -120,6 +125,8 @@ class DDPWrapper(nn.Module):
         self._sync_module_states()
         self._param_names = [n for n, _ in named]
         params = [p for _, p in named]
+        self._params = params
+        self._buckets_rebuilt = False
         self._buckets = assign_buckets(params, bucket_cap_mb)
         self._bucket_cap_mb = bucket_cap_mb
         self._reducer = C.Reducer(params, self._param_names, self._buckets, self.process_group,
@@ -191,6 +198,10 @@ class DDPWrapper(nn.Module):
     # ------------------------------------------------------------------ forward / no_sync
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         grad_enabled = torch.is_grad_enabled()
+        if grad_enabled and not self._buckets_rebuilt and self.require_backward_grad_sync:
+            order = self._reducer.arrival_order()
+            if order:  # after the first reduced backward
+                self._rebuild_buckets(order)
         if self.broadcast_buffers and self.world_size > 1:
             buffers = list(self.module.buffers())
             if buffers:
@@ -202,6 +213,23 @@ class DDPWrapper(nn.Module):
             self._reducer.prepare_for_backward(
                 _find_tensors(output) if (sync and self.find_unused_parameters) else [], sync)
         return output
+
+    def _rebuild_buckets(self, arrival: list[int]) -> None:
+        """Once, after the first reduced backward: re-bucket in the order gradients actually
+        arrived, so each bucket fills (and launches) as early as possible. Rank 0's order is
+        broadcast so every rank builds the same buckets and issues the same collectives."""
+        self._buckets_rebuilt = True
+        seen = set(arrival)
+        full = list(arrival) + [i for i in reversed(range(len(self._params))) if i not in seen]
+        device = self._reducer.bucket_buffers()[0].device
+        agreed = torch.tensor(full, dtype=torch.int64, device=device)
+        if self.world_size > 1:
+            src = (dist.get_global_rank(self.process_group, 0)
+                   if self.process_group is not dist.group.WORLD else 0)
+            dist.broadcast(agreed, src=src, group=self.process_group)
+        buckets = assign_buckets(self._params, self._bucket_cap_mb, order=agreed.tolist())
+        if buckets != [list(b) for b in self._reducer.bucket_indices()]:
+            self._reducer.rebuild_buckets(buckets)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
