@@ -27,6 +27,8 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
   TORCH_CHECK(names_.size() == params_.size(), "DDPWrapper: ", params_.size(), " parameters but ",
               names_.size(), " names");
   inv_world_ = 1.0 / static_cast<double>(process_group_->getSize());
+  // A 0-dim CPU double multiplies tensors of any device/dtype without promoting them.
+  inv_world_tensor_ = at::scalar_tensor(inv_world_, at::TensorOptions().dtype(at::kDouble));
   const int64_t n = static_cast<int64_t>(params_.size());
   ready_.assign(n, 0);
   locally_used_.assign(n, 0);
@@ -193,7 +195,7 @@ void Reducer::mark_ready(int64_t index) {
       view.mul_(inv_world_);  // accumulated in place (bucket view): pre-divide there
     } else {
       // Copy into the bucket and divide by the world size in the same pass.
-      at::mul_out(view, grad, at::scalar_tensor(inv_world_, view.options().dtype(at::kDouble)));
+      at::mul_out(view, grad, inv_world_tensor_);
       if (gradient_as_bucket_view_) grad = view;
     }
   } else {

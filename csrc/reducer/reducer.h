@@ -84,6 +84,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   bool find_unused_;
   std::optional<at::ScalarType> comm_dtype_;
   double inv_world_;
+  at::Tensor inv_world_tensor_;
 
   mutable std::mutex mutex_;
   bool expect_sync_ = false;      // a forward asked for a reduction in the coming backward

@@ -126,6 +126,7 @@ class DDPWrapper(nn.Module):
         self._param_names = [n for n, _ in named]
         params = [p for _, p in named]
         self._params = params
+        self._module_buffers = list(module.buffers())  # broadcast from rank 0 before each forward
         self._buckets_rebuilt = False
         self._buckets = assign_buckets(params, bucket_cap_mb)
         self._bucket_cap_mb = bucket_cap_mb
@@ -202,11 +203,9 @@ class DDPWrapper(nn.Module):
             order = self._reducer.arrival_order()
             if order:  # after the first reduced backward
                 self._rebuild_buckets(order)
-        if self.broadcast_buffers and self.world_size > 1:
-            buffers = list(self.module.buffers())
-            if buffers:
-                with torch.no_grad():
-                    self._broadcast_coalesced(buffers)
+        if self.broadcast_buffers and self.world_size > 1 and self._module_buffers:
+            with torch.no_grad():
+                self._broadcast_coalesced(self._module_buffers)
         output = self.module(*inputs, **kwargs)
         if grad_enabled:
             sync = self.require_backward_grad_sync

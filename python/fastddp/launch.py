@@ -9,14 +9,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ._net import free_port
 
 
 def resolve_nproc(spec: str, gpus: int, cpus: int) -> int:
@@ -69,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         import torch.multiprocessing as mp
 
         try:
-            mp.spawn(_spawn_entry, args=(n, _free_port(), train_args), nprocs=n, join=True)
+            mp.spawn(_spawn_entry, args=(n, free_port(), train_args), nprocs=n, join=True)
         except mp.ProcessExitedException as exc:
             print(f"fastddp.launch: error: {exc}", file=sys.stderr)
             return 1

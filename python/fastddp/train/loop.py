@@ -23,6 +23,7 @@ from torch import nn
 
 import fastddp
 
+from .._net import free_port
 from . import checkpoint
 from .cli import UsageError
 from .metrics import accuracy, confusion, macro_f1
@@ -69,19 +70,13 @@ def setup_distributed(args: argparse.Namespace) -> Context:
         torch.cuda.set_device(ctx.device)
     if "MASTER_ADDR" not in os.environ:  # `--multi-gpu ddp` run by plain python: a world of 1
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
     dist.init_process_group(backend, rank=ctx.rank, world_size=ctx.world,
                             timeout=timedelta(seconds=args.timeout))
     ctx.distributed = True
     return ctx
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def seed_everything(seed: int) -> None:
