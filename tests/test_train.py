@@ -172,15 +172,12 @@ def test_mid_epoch_resume_matches_uninterrupted(tmp_path: Path) -> None:
 
 
 def test_killed_rank_stops_the_job_without_hang(tmp_path: Path) -> None:
-    import time
-
-    t0 = time.monotonic()
+    # A hang would hit the subprocess timeout and fail the test.
     proc = _train(["--epochs", "2", "--no-progress", "--num-workers", "1", "--save-interval", "20",
                    "--timeout", "30", "--save-dir", str(tmp_path), "--resume", "none"], nproc=2,
                   check=False, timeout=240,
                   env={"FASTDDP_FAULT_KILL_AFTER_STEP": "20", "FASTDDP_FAULT_RANK": "1"})
     assert proc.returncode != 0
-    assert time.monotonic() - t0 < 200
     # torchrun's failure report names the lost rank and its signal
     assert "rank      : 1" in proc.stderr and "Signal 9 (SIGKILL)" in proc.stderr, proc.stderr[-3000:]
     assert (tmp_path / "last.pt").exists()  # the checkpoint written before the loss survives
