@@ -212,13 +212,26 @@ def _parity_suite(rank: int, world_size: int) -> list[str]:
     # tolerance: bf16 keeps 8 mantissa bits (relative rounding 2**-8 = 0.0039 per value)
     _train(ours, ref, _vec, steps=2, tol={"rtol": 2e-2, "atol": 2e-3})
     done.append("comm bf16")
+    # fp16 keeps 11 mantissa bits: relative rounding 2**-11 = 4.9e-4 per value
+    ours, ref = _pair(_mlp, {}, {"comm_dtype": torch.float16})
+    _train(ours, ref, _vec, steps=2, tol={"rtol": 5e-3, "atol": 5e-4})
+    done.append("comm fp16")
+    # under CPU autocast (bf16 matmuls, fp32 parameters and gradients)
+    ours, ref = _pair(_conv_bn, {"bucket_cap_mb": 0.001})
+
+    def autocast_forward(model, x, step):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return model(x)
+
+    _train(ours, ref, lambda g: torch.randn(4, 3, 6, 6, generator=g), forward=autocast_forward)
+    done.append("autocast")
     return done
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_parity_with_torch_ddp(world_size: int) -> None:
     results = run_distributed(_parity_suite, world_size=world_size, timeout=300)
-    assert all(len(r) == 13 for r in results), results
+    assert all(len(r) == 15 for r in results), results
 
 
 def _errors(rank: int, world_size: int) -> list[str]:
@@ -417,3 +430,19 @@ def _static_graph(rank: int, world_size: int) -> list[str]:
 def test_static_graph_with_reentrant_checkpointing() -> None:
     results = run_distributed(_static_graph, world_size=2, timeout=300)
     assert all(len(r) == 8 for r in results), results
+
+
+def _subgroup(rank: int, world_size: int) -> str:
+    # Every rank creates the group; only ranks 1 and 2 train in it, so its rank 0 (whose
+    # weights are broadcast) is global rank 1.
+    group = dist.new_group([1, 2])
+    if rank == 0:
+        return "outside"
+    ours, ref = _pair(_conv_bn, {"process_group": group, "bucket_cap_mb": 0.001})
+    _train(ours, ref, lambda g: torch.randn(4, 3, 6, 6, generator=g))
+    assert ours.world_size == 2
+    return "trained"
+
+
+def test_parity_in_a_process_subgroup() -> None:
+    assert run_distributed(_subgroup, world_size=3) == ["outside", "trained", "trained"]
