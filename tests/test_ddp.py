@@ -27,6 +27,29 @@ class TiedNet(nn.Module):
         return self.out(torch.relu(self.mid(self.embed(x))))
 
 
+class _DropGrad(torch.autograd.Function):
+    """Uses `w` in forward but returns no gradient for it, so its AccumulateGrad hook fires
+    with an undefined gradient."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        return x + w.detach().sum() * 0
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class NoGradNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(8, 8)
+        self.skipped = nn.Parameter(torch.ones(3))
+
+    def forward(self, x):
+        return _DropGrad.apply(self.body(x), self.skipped)
+
+
 class BranchNet(nn.Module):
     """`extra` is used only when the input asks for it; `never` is never used."""
 
@@ -151,6 +174,11 @@ def _parity_suite(rank: int, world_size: int) -> list[str]:
     _train(ours, ref, _vec, steps=4,
            forward=lambda m, x, step: m(x, use_extra=(step + rank) % 2 == 0))
     assert ours.module.never.weight.grad is None
+    # a gradient hook that fires without a gradient does not count as a use
+    for as_view in (True, False):
+        ours, ref = _pair(NoGradNet, {"find_unused_parameters": True}, {"gradient_as_bucket_view": as_view})
+        _train(ours, ref, _vec)
+        assert ours.module.skipped.grad is None
     done.append("find_unused")
     # mixed fp32 / bf16 parameters: separate buckets per dtype
     ours, ref = _pair(_mixed, {})

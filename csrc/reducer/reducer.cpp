@@ -241,19 +241,16 @@ void Reducer::copy_grad_to_bucket_locked(int64_t index) {
 
 void Reducer::mark_ready(int64_t index) {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (!expect_sync_) {
-    // no_sync(), or a backward not preceded by a forward: the gradient only accumulates
-    // locally, but the parameter counts as used by the next reduction (torch DDP's rule), so
-    // what it accumulated here is averaged even if the reducing iteration does not reach it.
-    locally_used_[index] = 1;
-    return;
-  }
+  // Used means a .grad exists (torch DDP's rule): a hook can fire without a gradient (a custom
+  // Function returned None for this input). Under no_sync() the use counts for the next
+  // reduction too, so what accumulated here is averaged even if that iteration skips it.
+  if (params_[index].grad().defined()) locally_used_[index] = 1;
+  if (!expect_sync_) return;  // no_sync(), or a backward not preceded by a forward
   hooks_seen_ = true;
   if (static_graph_) {
     if (static_first_iteration_) {
       // Count the arrivals; everything is reduced at the end of this backward.
       if (hooks_per_backward_[index]++ == 0 && record_arrival_) arrival_.push_back(index);
-      locally_used_[index] = 1;
       return;
     }
     TORCH_CHECK(hooks_left_[index] > 0, "DDPWrapper: parameter '", names_[index], "' received more gradients in "
@@ -272,7 +269,6 @@ void Reducer::mark_ready(int64_t index) {
               "marked it unused although the graph uses it later. Use static_graph=True, "
               "use_reentrant=False, or set find_unused_parameters=False.");
   ready_[index] = 1;
-  locally_used_[index] = 1;
   if (record_arrival_) arrival_.push_back(index);
   copy_grad_to_bucket_locked(index);
   if (--buckets_[param_bucket_[index]].pending == 0) launch_ready_buckets_locked();
