@@ -141,7 +141,11 @@ void Reducer::register_hooks() {
 void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs, bool sync) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (static_graph_ && expect_sync_ && hooks_seen_ && !callback_queued_) {
-    // With static_graph the reduction is finalised only once every expected gradient arrived.
+    // With static_graph the reduction is finalised only once every expected gradient arrived
+    // (first iteration: once backward reached an output's grad_fn).
+    TORCH_CHECK(!static_first_iteration_, "DDPWrapper: the first backward pass with static_graph=True ran "
+                "without passing through the outputs of the preceding forward, so its gradients were not "
+                "reduced. Compute the loss from the tensors DDPWrapper's forward returned.");
     std::string missing;
     for (int64_t i = 0; i < static_cast<int64_t>(params_.size()); ++i)
       if (!ready_[i]) missing += (missing.empty() ? "" : ", ") + names_[i];
