@@ -2,6 +2,7 @@
 same model, data and process group, measured alternately in the same ranks.
 
     pytest benchmarks/bench_ddp.py -s          # CPU, gloo, world size 2
+    pytest benchmarks/bench_ddp.py -s -m cuda  # GPU, NCCL, world size 1: overhead over the bare model
 
 Models: an MLP of ~10 M parameters (few large gradients) and a stack of 100 small linear
 layers (~200 parameters: per-parameter overhead dominates).
@@ -79,3 +80,64 @@ def test_ddp_step_time_cpu_world2(name: str) -> None:
               "command": "pytest benchmarks/bench_ddp.py -s"}
     print(json.dumps(result, indent=1))
     record("ddp", f"cpu-gloo-w2-{name}", result)
+
+
+def _gpu_step_times(name: str) -> dict:
+    """One process, NCCL world size 1: the bare model, DDPWrapper and torch DDP on the same
+    model and batch, alternated; median step time of each (CUDA-synchronised)."""
+    factory, make_x = MODELS[name]
+    torch.manual_seed(0)
+    base = factory().cuda()
+    models: dict[str, nn.Module] = {}
+    for kind in ("bare", "fastddp", "torch"):
+        m = factory().cuda()
+        m.load_state_dict(base.state_dict())
+        models[kind] = (m if kind == "bare" else
+                        fastddp.DDPWrapper(m, device_ids=[0]) if kind == "fastddp" else
+                        TorchDDP(m, device_ids=[0]))
+    opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in models.items()}
+    x = make_x().cuda()
+
+    def step(kind: str) -> float:
+        m, o = models[kind], opts[kind]
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        o.zero_grad()
+        m(x).pow(2).mean().backward()
+        o.step()
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    for kind in models:
+        for _ in range(5):
+            step(kind)
+    times: dict[str, list[float]] = {k: [] for k in models}
+    for _ in range(STEPS * 3):
+        for kind in models:
+            times[kind].append(step(kind))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", list(MODELS))
+def test_ddp_overhead_gpu_nccl_world1(name: str) -> None:
+    import os
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    try:
+        res = _gpu_step_times(name)
+    finally:
+        dist.destroy_process_group()
+    result = {"model": name, "world_size": 1, "backend": "nccl",
+              "bare_step_ms": res["bare"] * 1e3, "fastddp_step_ms": res["fastddp"] * 1e3,
+              "torch_step_ms": res["torch"] * 1e3,
+              "fastddp_overhead": res["fastddp"] / res["bare"] - 1,
+              "torch_overhead": res["torch"] / res["bare"] - 1,
+              "command": "pytest benchmarks/bench_ddp.py -s -m cuda"}
+    print(json.dumps(result, indent=1))
+    record("ddp", f"gpu-nccl-w1-{name}", result)

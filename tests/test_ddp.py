@@ -27,6 +27,29 @@ class TiedNet(nn.Module):
         return self.out(torch.relu(self.mid(self.embed(x))))
 
 
+class _DropGrad(torch.autograd.Function):
+    """Uses `w` in forward but returns no gradient for it, so its AccumulateGrad hook fires
+    with an undefined gradient."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        return x + w.detach().sum() * 0
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class NoGradNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(8, 8)
+        self.skipped = nn.Parameter(torch.ones(3))
+
+    def forward(self, x):
+        return _DropGrad.apply(self.body(x), self.skipped)
+
+
 class BranchNet(nn.Module):
     """`extra` is used only when the input asks for it; `never` is never used."""
 
@@ -151,6 +174,11 @@ def _parity_suite(rank: int, world_size: int) -> list[str]:
     _train(ours, ref, _vec, steps=4,
            forward=lambda m, x, step: m(x, use_extra=(step + rank) % 2 == 0))
     assert ours.module.never.weight.grad is None
+    # a gradient hook that fires without a gradient does not count as a use
+    for as_view in (True, False):
+        ours, ref = _pair(NoGradNet, {"find_unused_parameters": True}, {"gradient_as_bucket_view": as_view})
+        _train(ours, ref, _vec)
+        assert ours.module.skipped.grad is None
     done.append("find_unused")
     # mixed fp32 / bf16 parameters: separate buckets per dtype
     ours, ref = _pair(_mixed, {})
@@ -177,6 +205,31 @@ def _parity_suite(rank: int, world_size: int) -> list[str]:
         opt_b.step()
     _compare(ours, ref)
     done.append("no_sync")
+    # no_sync + find_unused_parameters: `extra` is used only in the micro-batches inside no_sync
+    # (on every rank in micro-batch 0, on rank 0 also in micro-batch 1), never in the reducing
+    # one. Its locally accumulated gradient must still be averaged across ranks, as torch does.
+    for as_view in (True, False):
+        ours, ref = _pair(BranchNet, {"find_unused_parameters": True},
+                          {"gradient_as_bucket_view": as_view})
+        opt_a = torch.optim.SGD(ours.parameters(), lr=0.1, momentum=0.9)
+        opt_b = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(2):
+            for o in (opt_a, opt_b):
+                o.zero_grad()
+            for micro in range(4):
+                x = _vec(g)
+                use_extra = micro == 0 or (micro == 1 and rank == 0)
+                for model in (ours, ref):
+                    ctx = model.no_sync() if micro < 3 else torch.enable_grad()
+                    with ctx:
+                        model(x, use_extra=use_extra).pow(2).mean().backward()
+            _compare(ours, ref)
+            opt_a.step()
+            opt_b.step()
+        _compare(ours, ref)
+        assert ours.module.never.weight.grad is None
+    done.append("no_sync+find_unused")
     # state_dict keys equal torch DDP's and load both ways
     assert list(ours.state_dict()) == list(ref.state_dict())
     ref.load_state_dict(ours.state_dict())
@@ -187,13 +240,26 @@ def _parity_suite(rank: int, world_size: int) -> list[str]:
     # tolerance: bf16 keeps 8 mantissa bits (relative rounding 2**-8 = 0.0039 per value)
     _train(ours, ref, _vec, steps=2, tol={"rtol": 2e-2, "atol": 2e-3})
     done.append("comm bf16")
+    # fp16 keeps 11 mantissa bits: relative rounding 2**-11 = 4.9e-4 per value
+    ours, ref = _pair(_mlp, {}, {"comm_dtype": torch.float16})
+    _train(ours, ref, _vec, steps=2, tol={"rtol": 5e-3, "atol": 5e-4})
+    done.append("comm fp16")
+    # under CPU autocast (bf16 matmuls, fp32 parameters and gradients)
+    ours, ref = _pair(_conv_bn, {"bucket_cap_mb": 0.001})
+
+    def autocast_forward(model, x, step):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return model(x)
+
+    _train(ours, ref, lambda g: torch.randn(4, 3, 6, 6, generator=g), forward=autocast_forward)
+    done.append("autocast")
     return done
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_parity_with_torch_ddp(world_size: int) -> None:
     results = run_distributed(_parity_suite, world_size=world_size, timeout=300)
-    assert all(len(r) == 12 for r in results), results
+    assert all(len(r) == 15 for r in results), results
 
 
 def _errors(rank: int, world_size: int) -> list[str]:
@@ -305,3 +371,106 @@ def _rebuild(rank: int, world_size: int) -> list[str]:
 def test_buckets_rebuilt_in_arrival_order_keep_parity() -> None:
     first = run_distributed(_rebuild, world_size=2)
     assert first[0] == first[1]  # every rank rebuilt the same buckets
+
+
+class _SharedCheckpointed(nn.Module):
+    """`shared` runs in two reentrant checkpoints, so its gradient arrives twice per backward
+    from two nested backward passes; `never` is unused."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = nn.Linear(8, 8)
+        self.shared = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 4)
+        self.never = nn.Linear(8, 8)
+
+    def _block(self, h):
+        return torch.tanh(self.shared(h))
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.pre(x)
+        h = checkpoint(self._block, h, use_reentrant=True)
+        h = checkpoint(self._block, h, use_reentrant=True)
+        return self.head(h)
+
+
+def _static_graph(rank: int, world_size: int) -> list[str]:
+    done = []
+    for as_view in (True, False):
+        for set_to_none in (True, False):
+            ours, ref = _pair(_SharedCheckpointed, {"static_graph": True, "bucket_cap_mb": 0.0005},
+                              {"gradient_as_bucket_view": as_view})
+            _train(ours, ref, _vec, steps=4, set_to_none=set_to_none)
+            assert ours.module.never.weight.grad is None
+            assert len(ours.bucket_report()["buckets"]) >= 3
+            done.append(f"checkpointed view={as_view} set_to_none={set_to_none}")
+    # static_graph with no_sync accumulation (after the first iteration: torch DDP trips an
+    # internal assert when its static first iteration runs under no_sync)
+    ours, ref = _pair(_mlp, {"static_graph": True, "bucket_cap_mb": 0.001})
+    opt_a = torch.optim.SGD(ours.parameters(), lr=0.1)
+    opt_b = torch.optim.SGD(ref.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(rank)
+    for step in range(3):
+        for o in (opt_a, opt_b):
+            o.zero_grad()
+        micro_batches = 1 if step == 0 else 3
+        for micro in range(micro_batches):
+            x = _vec(g)
+            for model in (ours, ref):
+                with model.no_sync() if micro < micro_batches - 1 else torch.enable_grad():
+                    model(x).pow(2).mean().backward()
+        _compare(ours, ref)
+        opt_a.step()
+        opt_b.step()
+    done.append("static no_sync")
+    # without static_graph, the twice-reached parameter is an error that names the fix
+    torch.manual_seed(0)
+    plain = fastddp.DDPWrapper(_SharedCheckpointed())
+    try:
+        plain(torch.randn(2, 8)).sum().backward()
+    except RuntimeError as exc:
+        assert "shared." in str(exc) and "static_graph=True" in str(exc), exc
+        done.append("twice error")
+    # static_graph whose graph changes after the first iteration: a clear error
+    torch.manual_seed(0)
+    branch = fastddp.DDPWrapper(BranchNet(), static_graph=True)
+    branch(torch.randn(2, 8), use_extra=False).sum().backward()
+    try:
+        branch(torch.randn(2, 8), use_extra=True).sum().backward()
+    except RuntimeError as exc:
+        assert "'extra." in str(exc) and "more gradients" in str(exc), exc
+        done.append("changed graph error")
+    # ... and one that stops using a parameter: the next forward names it
+    torch.manual_seed(0)
+    branch = fastddp.DDPWrapper(BranchNet(), static_graph=True)
+    branch(torch.randn(2, 8), use_extra=True).sum().backward()
+    branch(torch.randn(2, 8), use_extra=False).sum().backward()
+    try:
+        branch(torch.randn(2, 8), use_extra=True)
+    except RuntimeError as exc:
+        assert "extra.weight" in str(exc) and "fewer gradients" in str(exc), exc
+        done.append("dropped parameter error")
+    return done
+
+
+def test_static_graph_with_reentrant_checkpointing() -> None:
+    results = run_distributed(_static_graph, world_size=2, timeout=300)
+    assert all(len(r) == 8 for r in results), results
+
+
+def _subgroup(rank: int, world_size: int) -> str:
+    # Every rank creates the group; only ranks 1 and 2 train in it, so its rank 0 (whose
+    # weights are broadcast) is global rank 1.
+    group = dist.new_group([1, 2])
+    if rank == 0:
+        return "outside"
+    ours, ref = _pair(_conv_bn, {"process_group": group, "bucket_cap_mb": 0.001})
+    _train(ours, ref, lambda g: torch.randn(4, 3, 6, 6, generator=g))
+    assert ours.world_size == 2
+    return "trained"
+
+
+def test_parity_in_a_process_subgroup() -> None:
+    assert run_distributed(_subgroup, world_size=3) == ["outside", "trained", "trained"]

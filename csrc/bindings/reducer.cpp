@@ -13,14 +13,16 @@ void bind_reducer(py::module_& m) {
       .def(py::init([](std::vector<at::Tensor> params, std::vector<std::string> names,
                        std::vector<std::vector<int64_t>> buckets,
                        const c10::intrusive_ptr<c10d::ProcessGroup>& pg, bool grad_as_view, bool find_unused,
-                       std::optional<at::ScalarType> comm_dtype) {
+                       bool static_graph, std::optional<at::ScalarType> comm_dtype) {
              auto r = std::make_shared<fastddp::reducer::Reducer>(std::move(params), std::move(names), buckets, pg,
-                                                                  grad_as_view, find_unused, comm_dtype);
+                                                                  grad_as_view, find_unused, static_graph,
+                                                                  comm_dtype);
              r->register_hooks();
              return r;
            }),
            py::arg("params"), py::arg("names"), py::arg("buckets"), py::arg("process_group"),
-           py::arg("gradient_as_bucket_view"), py::arg("find_unused_parameters"), py::arg("comm_dtype"))
+           py::arg("gradient_as_bucket_view"), py::arg("find_unused_parameters"), py::arg("static_graph"),
+           py::arg("comm_dtype"))
       .def("prepare_for_backward", &fastddp::reducer::Reducer::prepare_for_backward, py::arg("outputs"),
            py::arg("sync"), "Arm the reducer for the next backward (sync=False: accumulate locally).",
            py::call_guard<py::gil_scoped_release>())

@@ -8,20 +8,39 @@
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 
+#include <functional>
 #include <unordered_map>
 #include <unordered_set>
 
 namespace fastddp::reducer {
 
+namespace {
+
+// Runs a callback when the autograd engine reaches the node it is attached to.
+class NodeReachedHook : public torch::autograd::FunctionPreHook {
+ public:
+  explicit NodeReachedHook(std::function<void()> on_reached) : on_reached_(std::move(on_reached)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
+    on_reached_();
+    return grads;
+  }
+
+ private:
+  std::function<void()> on_reached_;
+};
+
+}  // namespace
+
 Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
                  const std::vector<std::vector<int64_t>>& bucket_indices,
                  c10::intrusive_ptr<c10d::ProcessGroup> process_group, bool gradient_as_bucket_view,
-                 bool find_unused_parameters, std::optional<at::ScalarType> comm_dtype)
+                 bool find_unused_parameters, bool static_graph, std::optional<at::ScalarType> comm_dtype)
     : params_(std::move(params)),
       names_(std::move(names)),
       process_group_(std::move(process_group)),
       gradient_as_bucket_view_(gradient_as_bucket_view),
       find_unused_(find_unused_parameters),
+      static_graph_(static_graph),
       comm_dtype_(comm_dtype) {
   TORCH_CHECK(process_group_, "DDPWrapper: process group is null");
   TORCH_CHECK(names_.size() == params_.size(), "DDPWrapper: ", params_.size(), " parameters but ",
@@ -32,6 +51,8 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
   const int64_t n = static_cast<int64_t>(params_.size());
   ready_.assign(n, 0);
   locally_used_.assign(n, 0);
+  hooks_per_backward_.assign(n, 0);
+  hooks_left_.assign(n, 0);
   install_buckets_locked(bucket_indices);
 }
 
@@ -121,17 +142,57 @@ void Reducer::register_hooks() {
 
 void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs, bool sync) {
   std::lock_guard<std::mutex> lock(mutex_);
+  if (static_graph_ && expect_sync_ && hooks_seen_ && !callback_queued_) {
+    // With static_graph the reduction is finalised only once every expected gradient arrived
+    // (first iteration: once backward reached an output's grad_fn).
+    TORCH_CHECK(!static_first_iteration_, "DDPWrapper: the first backward pass with static_graph=True ran "
+                "without passing through the outputs of the preceding forward, so its gradients were not "
+                "reduced. Compute the loss from the tensors DDPWrapper's forward returned.");
+    std::string missing;
+    for (int64_t i = 0; i < static_cast<int64_t>(params_.size()); ++i)
+      if (!ready_[i]) missing += (missing.empty() ? "" : ", ") + names_[i];
+    TORCH_CHECK(false, "DDPWrapper: the previous backward pass did not reduce all gradients (static_graph=True): "
+                "these parameters received fewer gradients than in the first iteration: ", missing,
+                ". static_graph=True needs the same set of used parameters, each reached the same number of "
+                "times, in every iteration; use find_unused_parameters=True instead of static_graph=True.");
+  }
+  hooks_seen_ = false;
   expect_sync_ = sync;
   if (sync) grad_stats_ = at::Tensor();  // stats from an earlier backward must not be reused
   callback_queued_ = false;
   next_launch_ = 0;
   std::fill(ready_.begin(), ready_.end(), 0);
-  std::fill(locally_used_.begin(), locally_used_.end(), 0);
   for (auto& b : buckets_) {
     b.pending = static_cast<int64_t>(b.params.size());
     b.work.reset();
   }
-  if (!sync || !find_unused_) return;
+  if (!sync) return;
+  if (static_graph_) {
+    if (static_first_iteration_) {
+      // Reentrant backward passes (torch.utils.checkpoint with use_reentrant=True) have graph
+      // tasks of their own, so the reduction cannot be queued from a parameter hook: the outputs'
+      // grad_fn run in the outermost backward, which ends only after every gradient arrived.
+      std::fill(hooks_per_backward_.begin(), hooks_per_backward_.end(), 0);
+      std::weak_ptr<Reducer> weak = weak_from_this();
+      for (const auto& out : outputs) {
+        if (!out.defined() || !out.requires_grad()) continue;
+        const auto edge = torch::autograd::impl::gradient_edge(out);
+        if (!edge.function) continue;
+        edge.function->add_pre_hook(std::make_unique<NodeReachedHook>([weak] {
+          if (auto reducer = weak.lock()) reducer->queue_finalize();
+        }));
+      }
+      return;
+    }
+    // Later iterations: the first iteration told which parameters are unused and how many
+    // times each of the others is reached.
+    hooks_left_ = hooks_per_backward_;
+    for (int64_t i = 0; i < static_cast<int64_t>(params_.size()); ++i)
+      if (hooks_per_backward_[i] == 0) mark_unused_locked(i);
+    launch_ready_buckets_locked();
+    return;
+  }
+  if (!find_unused_) return;
 
   // Walk the autograd graph from the outputs: parameters whose AccumulateGrad is not reached
   // get no gradient this iteration and are ready right away (zero contribution).
@@ -161,33 +222,14 @@ void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs, bool 
 }
 
 void Reducer::mark_unused_locked(int64_t index) {
-  auto& grad = params_[index].mutable_grad();
-  auto view = bucket_view(index);
-  // The bucket region must contribute zero; a .grad that is that region keeps its values.
-  if (grad.defined() && grad.is_alias_of(view)) grad = view.clone();
-  view.zero_();
+  // As in torch DDP, a parameter this iteration does not reach still contributes whatever
+  // .grad holds (e.g. gradients accumulated under no_sync(); zero or None otherwise).
+  copy_grad_to_bucket_locked(index);
   ready_[index] = 1;
   --buckets_[param_bucket_[index]].pending;
 }
 
-void Reducer::mark_ready(int64_t index) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (!expect_sync_) return;  // no_sync(), or a backward not preceded by a forward
-  if (!callback_queued_) {
-    callback_queued_ = true;
-    std::weak_ptr<Reducer> weak = weak_from_this();
-    torch::autograd::Engine::get_default_engine().queue_callback([weak] {
-      if (auto reducer = weak.lock()) reducer->finalize_backward();
-    });
-  }
-  TORCH_CHECK(!ready_[index], "DDPWrapper: parameter '", names_[index], "' received its gradient twice in one "
-              "backward pass. This happens when a parameter is used in several reentrant backward passes "
-              "(e.g. torch.utils.checkpoint with use_reentrant=True) or when find_unused_parameters=True "
-              "marked it unused although the graph uses it later. Use static_graph=True, "
-              "use_reentrant=False, or set find_unused_parameters=False.");
-  ready_[index] = 1;
-  locally_used_[index] = 1;
-  if (record_arrival_) arrival_.push_back(index);
+void Reducer::copy_grad_to_bucket_locked(int64_t index) {
   auto& grad = params_[index].mutable_grad();
   auto view = bucket_view(index);
   if (grad.defined()) {
@@ -201,7 +243,56 @@ void Reducer::mark_ready(int64_t index) {
   } else {
     view.zero_();
   }
+}
+
+void Reducer::mark_ready(int64_t index) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  // Used means a .grad exists (torch DDP's rule): a hook can fire without a gradient (a custom
+  // Function returned None for this input). Under no_sync() the use counts for the next
+  // reduction too, so what accumulated here is averaged even if that iteration skips it.
+  if (params_[index].grad().defined()) locally_used_[index] = 1;
+  if (!expect_sync_) return;  // no_sync(), or a backward not preceded by a forward
+  hooks_seen_ = true;
+  if (static_graph_) {
+    if (static_first_iteration_) {
+      // Count the arrivals; everything is reduced at the end of this backward.
+      if (hooks_per_backward_[index]++ == 0 && record_arrival_) arrival_.push_back(index);
+      return;
+    }
+    TORCH_CHECK(hooks_left_[index] > 0, "DDPWrapper: parameter '", names_[index], "' received more gradients in "
+                "this backward pass than in the first iteration (", hooks_per_backward_[index], "). "
+                "static_graph=True needs the same graph in every iteration; use find_unused_parameters=True "
+                "instead.");
+    if (--hooks_left_[index] > 0) return;  // later reentrant passes add to this gradient
+  } else if (!callback_queued_) {
+    // Queued at the first gradient so that a parameter that never gets one is reported at the
+    // end of this backward pass (static_graph queues it once every bucket is launched instead).
+    queue_finalize_locked();
+  }
+  TORCH_CHECK(!ready_[index], "DDPWrapper: parameter '", names_[index], "' received its gradient twice in one "
+              "backward pass. This happens when a parameter is used in several reentrant backward passes "
+              "(e.g. torch.utils.checkpoint with use_reentrant=True) or when find_unused_parameters=True "
+              "marked it unused although the graph uses it later. Use static_graph=True, "
+              "use_reentrant=False, or set find_unused_parameters=False.");
+  ready_[index] = 1;
+  if (record_arrival_) arrival_.push_back(index);
+  copy_grad_to_bucket_locked(index);
   if (--buckets_[param_bucket_[index]].pending == 0) launch_ready_buckets_locked();
+  if (static_graph_ && next_launch_ == static_cast<int64_t>(buckets_.size()) && !callback_queued_)
+    queue_finalize_locked();
+}
+
+void Reducer::queue_finalize() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (expect_sync_ && !callback_queued_) queue_finalize_locked();
+}
+
+void Reducer::queue_finalize_locked() {
+  callback_queued_ = true;
+  std::weak_ptr<Reducer> weak = weak_from_this();
+  torch::autograd::Engine::get_default_engine().queue_callback([weak] {
+    if (auto reducer = weak.lock()) reducer->finalize_backward();
+  });
 }
 
 void Reducer::launch_ready_buckets_locked() {
@@ -229,6 +320,19 @@ void Reducer::finalize_backward() {
   if (!expect_sync_) return;
   expect_sync_ = false;
   record_arrival_ = false;  // the first reduced backward's order is the one kept
+  const bool static_first = static_graph_ && static_first_iteration_;
+  if (static_first) {
+    static_first_iteration_ = false;
+    for (int64_t i = 0; i < static_cast<int64_t>(params_.size()); ++i) {
+      if (hooks_per_backward_[i] == 0) {
+        mark_unused_locked(i);
+      } else {
+        copy_grad_to_bucket_locked(i);
+        ready_[i] = 1;
+        --buckets_[param_bucket_[i]].pending;
+      }
+    }
+  }
   std::string missing;
   int64_t missing_count = 0;
   for (int64_t i = 0; i < static_cast<int64_t>(params_.size()); ++i) {
@@ -242,8 +346,8 @@ void Reducer::finalize_backward() {
               "also make sure every forward output that depends on parameters takes part in the loss.");
   launch_ready_buckets_locked();
 
-  at::Tensor global_used;
-  if (find_unused_) {
+  at::Tensor global_used = static_global_used_;
+  if ((find_unused_ && !static_graph_) || static_first) {
     // Which parameters were used on any rank: those unused everywhere keep their .grad.
     auto used = at::empty({static_cast<int64_t>(params_.size())}, at::TensorOptions().dtype(at::kInt));
     auto* u = used.data_ptr<int32_t>();
@@ -252,7 +356,11 @@ void Reducer::finalize_backward() {
     std::vector<at::Tensor> t{used_dev};
     process_group_->allreduce(t)->wait();
     global_used = used_dev.cpu();
+    // static_graph: the parameters unused on every rank in the first iteration stay unused.
+    if (static_first) static_global_used_ = global_used;
   }
+  // Usage is counted from one reduction to the next, no_sync() iterations in between included.
+  std::fill(locally_used_.begin(), locally_used_.end(), 0);
   at::Tensor stats;
   if (grad_stats_enabled_ && !buckets_.empty()) {
     stats = at::zeros({1}, buckets_[0].buffer.options().dtype(at::kDouble));

@@ -34,7 +34,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
           const std::vector<std::vector<int64_t>>& bucket_indices,
           c10::intrusive_ptr<c10d::ProcessGroup> process_group, bool gradient_as_bucket_view,
-          bool find_unused_parameters, std::optional<at::ScalarType> comm_dtype);
+          bool find_unused_parameters, bool static_graph, std::optional<at::ScalarType> comm_dtype);
 
   // Installs the AccumulateGrad post hooks; called once right after construction, when
   // shared_from_this() is usable (the hooks hold only a weak reference to the reducer).
@@ -67,8 +67,12 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void install_buckets_locked(const std::vector<std::vector<int64_t>>& bucket_indices);
   void mark_ready(int64_t index);
   void mark_unused_locked(int64_t index);
+  // Moves the parameter's .grad into its bucket slot divided by the world size (zero if None).
+  void copy_grad_to_bucket_locked(int64_t index);
   void launch_ready_buckets_locked();
   void finalize_backward();
+  void queue_finalize();         // from the outputs' grad_fn pre-hook (static_graph, first iteration)
+  void queue_finalize_locked();  // end-of-backward callback on the current graph task
   at::Tensor bucket_view(int64_t index) const;
 
   using NodePtr = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
@@ -82,6 +86,14 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   c10::intrusive_ptr<c10d::ProcessGroup> process_group_;
   bool gradient_as_bucket_view_;
   bool find_unused_;
+  // static_graph: the first iteration counts how often each parameter's gradient arrives
+  // (reentrant backward passes can reach one several times) and reduces at the end; later
+  // iterations expect the same counts, so a parameter is ready at its last arrival.
+  bool static_graph_;
+  bool static_first_iteration_ = true;
+  std::vector<int64_t> hooks_per_backward_;
+  std::vector<int64_t> hooks_left_;
+  at::Tensor static_global_used_;  // int32 per parameter, from the first iteration
   std::optional<at::ScalarType> comm_dtype_;
   double inv_world_;
   at::Tensor inv_world_tensor_;
@@ -89,9 +101,10 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   mutable std::mutex mutex_;
   bool expect_sync_ = false;      // a forward asked for a reduction in the coming backward
   bool callback_queued_ = false;  // finalize_backward is queued on the autograd engine
+  bool hooks_seen_ = false;       // a gradient arrived since the last prepare_for_backward
   int64_t next_launch_ = 0;       // buckets launch strictly in index order
   std::vector<char> ready_;
-  std::vector<char> locally_used_;
+  std::vector<char> locally_used_;  // since the last reduction, no_sync() backwards included
   std::vector<int64_t> arrival_;
   bool record_arrival_ = true;
   bool grad_stats_enabled_ = false;

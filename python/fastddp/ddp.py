@@ -73,9 +73,15 @@ class DDPWrapper(nn.Module):
     arrived (rank 0's order, broadcast), as torch DDP does.
 
     ``output_device``, ``dim`` and ``check_reduction`` are accepted for compatibility and have
-    no effect (one device per process, as torch DDP recommends). ``static_graph=True`` is
-    accepted and changes nothing; a parameter reached twice in one backward (reentrant
-    checkpointing) is reported as an error.
+    no effect (one device per process, as torch DDP recommends).
+
+    ``static_graph=True`` behaves as in torch DDP: the first iteration reduces everything at the
+    end of backward and records which parameters are used and how many times each one's
+    gradient arrives (reentrant backward passes, e.g. ``torch.utils.checkpoint`` with
+    ``use_reentrant=True`` on shared layers, reach a parameter several times); later iterations
+    reduce each bucket as soon as its parameters got that many gradients, without searching the
+    graph for unused parameters. Every iteration must use the same parameters the same number
+    of times. Without it, a parameter reached twice in one backward is reported as an error.
     """
 
     def __init__(
@@ -131,7 +137,7 @@ class DDPWrapper(nn.Module):
         self._buckets = assign_buckets(params, bucket_cap_mb)
         self._bucket_cap_mb = bucket_cap_mb
         self._reducer = C.Reducer(params, self._param_names, self._buckets, self.process_group,
-                                  gradient_as_bucket_view, find_unused_parameters,
+                                  gradient_as_bucket_view, find_unused_parameters, static_graph,
                                   None if comm_dtype is None else comm_dtype)
 
     # ------------------------------------------------------------------ construction checks
@@ -209,8 +215,10 @@ class DDPWrapper(nn.Module):
         output = self.module(*inputs, **kwargs)
         if grad_enabled:
             sync = self.require_backward_grad_sync
-            self._reducer.prepare_for_backward(
-                _find_tensors(output) if (sync and self.find_unused_parameters) else [], sync)
+            # find_unused_parameters walks the graph from the outputs; static_graph hooks them
+            # in its first iteration to reduce at the end of the outermost backward.
+            wants_outputs = sync and (self.find_unused_parameters or self.static_graph)
+            self._reducer.prepare_for_backward(_find_tensors(output) if wants_outputs else [], sync)
         return output
 
     def _rebuild_buckets(self, arrival: list[int]) -> None:
