@@ -202,16 +202,57 @@ def test_device_resident_on_cpu_matches() -> None:
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("resident", [False, True])
-def test_cuda_device_batches(resident) -> None:
+@pytest.mark.parametrize("transfer", ["staged", "direct", "resident"])
+def test_cuda_device_batches(transfer: str) -> None:
     x, y = _data()
     sampler = fastddp.DistributedSampler(N, num_replicas=2, rank=1, seed=4)
     loader = fastddp.PrefetchLoader(TensorDataset(x, y), batch_size=64, sampler=sampler,
-                                    device="cuda", device_resident=resident, num_workers=2)
+                                    device="cuda", device_resident=transfer == "resident",
+                                    pin_dataset=transfer == "direct", num_workers=2)
     idx = sampler.indices()
     got = [(bx.cpu(), by.cpu()) for bx, by in loader]
+    assert loader.transfer == transfer
     for (bx, by), widx in zip(got, _expected(idx, 64, False)):
         assert torch.equal(bx, x[widx]) and torch.equal(by, y[widx])
     # consumer work on the yielded tensors while later slots refill
     total = sum(float(bx.sum()) for bx, _ in loader)
     assert total == pytest.approx(float(x[idx].sum()), rel=1e-4)
+    # batches kept past their slot's refill stay intact (the slot gets new buffers)
+    kept = [(bx, by) for bx, by in loader]
+    for (bx, by), widx in zip(kept, _expected(idx, 64, False)):
+        assert torch.equal(bx.cpu(), x[widx]) and torch.equal(by.cpu(), y[widx])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype,row", [(torch.uint8, (3,)), (torch.int16, (5, 3)),
+                                       (torch.float32, (7,)), (torch.float64, (2, 4)),
+                                       (torch.bfloat16, (8,))])
+def test_cuda_direct_gather_any_row_width(dtype: torch.dtype, row: tuple) -> None:
+    """The direct path's kernel picks 16/8/4/2/1-byte accesses by row width: all exact."""
+    n = 777
+    x = (torch.arange(n * int(np.prod(row))) % 251).to(dtype).reshape(n, *row).pin_memory()
+    y = torch.arange(n, dtype=torch.int64).pin_memory()
+    loader = fastddp.PrefetchLoader((x, y), batch_size=100, shuffle=True, seed=3, device="cuda",
+                                    num_workers=3)
+    assert loader.transfer == "direct"  # already pinned: no pin_dataset needed
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(3))
+    got = list(loader)
+    assert loader.transfer == "direct"
+    for (bx, by), widx in zip(got, order.split(100)):
+        assert torch.equal(bx.cpu(), x[widx]) and torch.equal(by.cpu(), widx)
+
+
+@pytest.mark.cuda
+def test_cuda_direct_bad_index_is_clear_error() -> None:
+    x = torch.randn(10, 4).pin_memory()
+    loader = fastddp.PrefetchLoader((x,), batch_size=4, device="cuda",
+                                    sampler=_IndexSampler(torch.tensor([0, 1, 2, 12])))
+    assert loader.transfer == "direct"
+    with pytest.raises(RuntimeError, match="index 12 in batch 0 is out of range for a dataset of 10"):
+        list(loader)
+
+
+def test_pin_dataset_needs_cuda_device() -> None:
+    with pytest.raises(ValueError, match=r"pin_dataset needs tensors or \.npy arrays and a CUDA "
+                       r"device \(got a tensors dataset, device cpu\)"):
+        fastddp.PrefetchLoader((torch.zeros(4, 2),), batch_size=2, pin_dataset=True)

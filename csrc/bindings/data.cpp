@@ -26,6 +26,8 @@ void bind_data(py::module_& m) {
       .def("close", &fastddp::data::PrefetchPipeline::close, "Stop and join the worker threads.",
            py::call_guard<py::gil_scoped_release>())
       .def("__len__", &fastddp::data::PrefetchPipeline::size)
+      .def_property_readonly("direct", &fastddp::data::PrefetchPipeline::direct,
+                             "True when the device gathers rows straight from pinned sources.")
       .def_property_readonly("position", &fastddp::data::PrefetchPipeline::position,
                              "Batches handed to the consumer so far.");
 }

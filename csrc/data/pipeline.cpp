@@ -10,17 +10,23 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
+
+#include "data/gather.h"
 #endif
 
 namespace fastddp::data {
 
 // One ring slot. Invariant: batch b lives in slot b % slots. A worker refills a slot with
-// batch b only after the consumer has moved past batch b - slots (released_ > b - slots);
-// if the consumer still holds a reference to that slot's buffers then (it kept a batch), the
-// slot gets fresh buffers and the kept ones become the consumer's alone.
+// batch b only after the consumer has moved two batches past its previous occupant b - slots
+// (released_ > b - slots + 1): a Python loop variable keeps the previous batch alive until
+// next() returns, so waiting one batch longer spares a reallocation on every refill. If the
+// consumer still holds a reference to that slot's buffers then (it kept a batch), the slot
+// gets fresh buffers and the kept ones become the consumer's alone.
 struct PrefetchPipeline::Slot {
   std::vector<at::Tensor> host;    // staging buffers, max_rows x row shape
   std::vector<at::Tensor> device;  // device buffers (CUDA mode)
+  at::Tensor idx_host;             // direct path: the batch's indices, pinned
+  at::Tensor idx_device;           // direct path: the same on the device
   int64_t batch = -1;              // batch held, valid when ready
   bool ready = false;
 #ifdef FASTDDP_WITH_CUDA
@@ -65,12 +71,23 @@ PrefetchPipeline::PrefetchPipeline(std::vector<at::Tensor> sources, std::vector<
 #ifndef FASTDDP_WITH_CUDA
   TORCH_CHECK(options_.device.is_cpu(), "PrefetchLoader: device ", options_.device,
               " needs fastddp built with CUDA; rebuild with FASTDDP_WITH_CUDA=1, or use device=None");
+#else
+  if (options_.device.is_cuda()) {
+    c10::cuda::CUDAGuard guard(options_.device);
+    direct_ = true;
+    for (const auto& s : sources_) {
+      const void* mapped = s.numel() ? cuda::mapped_device_pointer(s.data_ptr()) : nullptr;
+      mapped_.push_back(mapped);
+      direct_ = direct_ && mapped != nullptr;
+    }
+  }
 #endif
-  // Never fewer slots than workers, or workers would queue behind each other's slots.
-  const int64_t nslots = std::max(options_.prefetch, options_.num_workers + 1);
+  // Never fewer slots than workers, or workers would queue behind each other's slots; one
+  // more than asked for because a slot is refilled one batch after the consumer left it.
+  const int64_t nslots = std::max(options_.prefetch, options_.num_workers + 1) + 1;
   for (int64_t i = 0; i < nslots; ++i) {
     slots_.push_back(std::make_unique<Slot>());
-    allocate(*slots_.back(), /*host=*/true, /*device=*/!options_.device.is_cpu());
+    allocate(*slots_.back(), /*host=*/!direct_, /*device=*/!options_.device.is_cpu());
   }
   const int64_t nworkers = std::min<int64_t>(options_.num_workers, std::max<int64_t>(1, size()));
   for (int64_t i = 0; i < nworkers; ++i) workers_.emplace_back([this] { worker_loop(); });
@@ -99,6 +116,10 @@ void PrefetchPipeline::allocate(Slot& slot, bool host, bool device) {
       shape[0] = max_rows_;
       slot.device.push_back(at::empty(shape, s.options().device(options_.device)));
     }
+    if (direct_) {
+      slot.idx_host = at::empty({max_rows_}, at::TensorOptions(at::kLong).pinned_memory(true));
+      slot.idx_device = at::empty({max_rows_}, at::TensorOptions(at::kLong).device(options_.device));
+    }
     if (!slot.copied) slot.copied = std::make_unique<at::cuda::CUDAEvent>(cudaEventDisableTiming);
     if (!slot.released) slot.released = std::make_unique<at::cuda::CUDAEvent>(cudaEventDisableTiming);
   }
@@ -120,15 +141,26 @@ void PrefetchPipeline::worker_loop() {
     Slot& slot = *slots_[b % nslots];
     {
       std::unique_lock<std::mutex> lock(mutex_);
-      cv_.wait(lock, [&] { return stop_ || released_ > b - nslots; });
+      cv_.wait(lock, [&] { return stop_ || released_ > b - nslots + 1; });
       if (stop_) return;
     }
     try {
       const bool device = !options_.device.is_cpu();
       if (held_elsewhere(device ? slot.device : slot.host)) allocate(slot, !device, device);
-      fill(slot, b);
 #ifdef FASTDDP_WITH_CUDA
-      if (stream) {
+      if (direct_) {
+        c10::cuda::CUDAGuard guard(options_.device);
+        c10::cuda::CUDAStreamGuard on_side_stream(*stream);  // gather_on_device uses it
+        check_indices(b);
+        slot.released->block(*stream);
+        gather_on_device(slot, b);
+        slot.copied->record(*stream);
+        // idx_host is rewritten for batch b + slots: the copy out of it must be over by then.
+        slot.copied->synchronize();
+      } else {
+        fill(slot, b);
+      }
+      if (stream && !direct_) {
         c10::cuda::CUDAGuard guard(options_.device);
         // The side stream waits until the consumer's stream is done with this device slot.
         slot.released->block(*stream);
@@ -144,6 +176,8 @@ void PrefetchPipeline::worker_loop() {
         // over, so wait here (off the consumer's path) rather than there.
         slot.copied->synchronize();
       }
+#else
+      fill(slot, b);
 #endif
     } catch (...) {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -161,7 +195,7 @@ void PrefetchPipeline::worker_loop() {
   }
 }
 
-void PrefetchPipeline::fill(Slot& slot, int64_t batch) {
+void PrefetchPipeline::check_indices(int64_t batch) const {
   const at::Tensor& idx = batches_[batch];
   const int64_t n = idx.size(0);
   const int64_t* ids = idx.data_ptr<int64_t>();
@@ -170,6 +204,37 @@ void PrefetchPipeline::fill(Slot& slot, int64_t batch) {
     TORCH_CHECK(ids[i] >= 0 && ids[i] < rows, "PrefetchLoader: index ", ids[i], " in batch ", batch,
                 " is out of range for a dataset of ", rows, " samples");
   }
+}
+
+void PrefetchPipeline::gather_on_device(Slot& slot, int64_t batch) {
+#ifdef FASTDDP_WITH_CUDA
+  const at::Tensor& idx = batches_[batch];
+  const int64_t n = idx.size(0);
+  if (n == 0) return;
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(options_.device.index()).stream();
+  std::memcpy(slot.idx_host.data_ptr(), idx.data_ptr(), static_cast<size_t>(n) * sizeof(int64_t));
+  C10_CUDA_CHECK(cudaMemcpyAsync(slot.idx_device.data_ptr(), slot.idx_host.data_ptr(),
+                                 static_cast<size_t>(n) * sizeof(int64_t), cudaMemcpyHostToDevice, stream));
+  const int64_t rows = sources_[0].size(0);
+  for (size_t s = 0; s < sources_.size(); ++s) {
+    const auto& src = sources_[s];
+    const size_t row_bytes = static_cast<size_t>(src.numel() / std::max<int64_t>(rows, 1)) * src.element_size();
+    cuda::gather_rows(mapped_[s], slot.idx_device.data_ptr<int64_t>(), n, row_bytes,
+                      slot.device[s].data_ptr(), stream);
+  }
+#else
+  (void)slot;
+  (void)batch;
+  TORCH_CHECK(false, "PrefetchLoader: the device gather needs a CUDA build");
+#endif
+}
+
+void PrefetchPipeline::fill(Slot& slot, int64_t batch) {
+  check_indices(batch);
+  const at::Tensor& idx = batches_[batch];
+  const int64_t n = idx.size(0);
+  const int64_t* ids = idx.data_ptr<int64_t>();
+  const int64_t rows = sources_[0].size(0);
   for (size_t s = 0; s < sources_.size(); ++s) {
     const auto& src = sources_[s];
     const size_t row_bytes = static_cast<size_t>(src.numel() / std::max<int64_t>(rows, 1)) * src.element_size();

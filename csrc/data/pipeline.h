@@ -1,6 +1,8 @@
 // PrefetchPipeline: worker threads gather whole batches (rows of in-memory tensors selected by
 // index tensors) into a ring of staging slots; in a CUDA build each filled slot is copied to a
-// device slot on a dedicated stream. One pipeline serves one pass over a list of batches.
+// device slot on a dedicated stream. When every source already lives in page-locked memory,
+// the device gathers the rows itself straight from it (direct path: no CPU copy, no staging).
+// One pipeline serves one pass over a list of batches.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -43,19 +45,25 @@ class PrefetchPipeline {
   void close();
 
   int64_t size() const { return static_cast<int64_t>(batches_.size()); }
+  // True when the device gathers rows straight from page-locked sources (no staging copy).
+  bool direct() const { return direct_; }
   int64_t position() const { return handed_; }
 
  private:
   struct Slot;
 
   void worker_loop();
+  void check_indices(int64_t batch) const;
   void fill(Slot& slot, int64_t batch);
+  void gather_on_device(Slot& slot, int64_t batch);
   void allocate(Slot& slot, bool host, bool device);
 
   std::vector<at::Tensor> sources_;
   std::vector<at::Tensor> batches_;
   PipelineOptions options_;
   int64_t max_rows_ = 0;
+  bool direct_ = false;                  // CUDA: gather on the device from pinned sources
+  std::vector<const void*> mapped_;      // direct: device-visible addresses of the sources
   std::vector<std::unique_ptr<Slot>> slots_;
   std::vector<std::thread> workers_;
 

@@ -90,6 +90,11 @@ class PrefetchLoader:
         device_resident: keep the whole data set on ``device`` and gather each batch there
             (no host work per batch); ``"auto"`` does so when it fits in
             ``resident_max_bytes``. Tensor datasets only.
+        pin_dataset: copy the tensors/arrays once into page-locked host memory (CUDA
+            ``device`` only). With every source page-locked — pinned here, or passed already
+            pinned — the GPU gathers each batch's rows straight from host memory on the side
+            stream (the *direct* path: no CPU copy, no staging buffer), which moves data at
+            close to the link's copy bandwidth. Costs host memory the size of the data set.
         seed: base seed for ``shuffle``.
 
     Batches yielded on the fast path live in ring slots that are refilled ``prefetch`` batches
@@ -110,6 +115,7 @@ class PrefetchLoader:
         pin_memory: Optional[bool] = None,
         device_resident: Union[bool, str] = False,
         resident_max_bytes: int = 2 << 30,
+        pin_dataset: bool = False,
         seed: int = 0,
     ) -> None:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
@@ -144,6 +150,12 @@ class PrefetchLoader:
                 if s.dim() == 0 or len(s) != self._length:
                     raise ValueError(f"PrefetchLoader: tensor {i} has shape {tuple(s.shape)}; every "
                                      f"tensor needs the same first dimension ({self._length})")
+        if pin_dataset:
+            if self.kind not in _FAST_KINDS or self.device.type != "cuda":
+                raise ValueError("PrefetchLoader: pin_dataset needs tensors or .npy arrays and a "
+                                 f"CUDA device (got a {self.kind} dataset, device {self.device})")
+            self._sources = [s if s.is_pinned() else s.contiguous().pin_memory()
+                             for s in self._sources]
         self._resident: Optional[list[torch.Tensor]] = None
         if device_resident:
             if self.kind not in _FAST_KINDS:
@@ -152,6 +164,23 @@ class PrefetchLoader:
             if device_resident is True or (device_resident == "auto" and size <= resident_max_bytes):
                 self._resident = [s.to(self.device) for s in self._sources]
         self._pipelines: weakref.WeakSet = weakref.WeakSet()
+        self._direct: Optional[bool] = None
+
+    @property
+    def transfer(self) -> str:
+        """How batches reach ``device``: ``"resident"`` (gathered on the device from a copy of
+        the data set there), ``"direct"`` (the GPU gathers from page-locked host memory),
+        ``"staged"`` (C++ threads gather into pinned slots, then a side-stream copy), ``"host"``
+        (CPU batches) or ``"generic"`` (a map-style Dataset through Python threads)."""
+        if self._resident is not None:
+            return "resident"
+        if self.kind not in _FAST_KINDS:
+            return "generic"
+        if self.device.type != "cuda":
+            return "host"
+        if self._direct is not None:  # the C++ pipeline's own decision, once one was built
+            return "direct" if self._direct else "staged"
+        return "direct" if all(s.is_pinned() for s in self._sources) else "staged"
 
     # ------------------------------------------------------------------ order
     def _epoch_indices(self) -> torch.Tensor:
@@ -230,6 +259,7 @@ class PrefetchLoader:
                                   self.num_workers, self.prefetch,
                                   self.pin_memory and torch.cuda.is_available(), str(self.device))
         self._pipelines.add(pipe)
+        self._direct = bool(pipe.direct)
         try:
             while True:
                 out = pipe.next()
