@@ -108,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="mixed precision (default: on with CUDA, off on CPU)")
     g.add_argument("--amp-dtype", choices=["fp16", "bf16"], default="fp16",
                    help="autocast dtype; fp16 uses fastddp.GradScaler")
+    g.add_argument("--cuda-graph", choices=["auto", "on", "off"], default="auto",
+                   help="replay the whole training step as one CUDA graph (auto: on a GPU in a "
+                        "single process with fp16 AMP and --grad-accum-steps 1)")
     g.add_argument("--clip-grad", type=float, default=1.0,
                    help="max global grad norm (0 disables clipping)")
     g.add_argument("--seed", type=int, default=42, help="random seed (per-rank streams derived)")

@@ -26,6 +26,7 @@ import fastddp
 from .._net import free_port
 from . import checkpoint
 from .cli import UsageError
+from .graph import GraphedStep, hold_lr
 from .metrics import accuracy, confusion, macro_f1
 from .models import build_model, load_factory
 
@@ -77,6 +78,26 @@ def setup_distributed(args: argparse.Namespace) -> Context:
     return ctx
 
 
+
+
+def resolve_cuda_graph(args: argparse.Namespace, ctx: Context, model: nn.Module,
+                       scaler_on: bool) -> bool:
+    """Whether the training step runs as one CUDA graph (``--cuda-graph auto|on|off``)."""
+    if args.cuda_graph == "off":
+        return False
+    reasons = []
+    if ctx.device.type != "cuda":
+        reasons.append("it needs a CUDA device")
+    if isinstance(model, (fastddp.DDPWrapper, nn.DataParallel)):
+        reasons.append("it runs in a single process without --multi-gpu ddp/dp")
+    if not scaler_on:
+        reasons.append("it needs fp16 AMP (--amp --amp-dtype fp16: inf/NaN steps are then "
+                       "skipped on the device; without it non-finite losses are checked on the host)")
+    if args.grad_accum_steps != 1:
+        reasons.append("it needs --grad-accum-steps 1")
+    if reasons and args.cuda_graph == "on":
+        raise UsageError("--cuda-graph on: " + "; ".join(reasons) + ". Use --cuda-graph auto or off")
+    return not reasons
 
 
 def seed_everything(seed: int) -> None:
@@ -216,13 +237,16 @@ def _train(args: argparse.Namespace, ctx: Context) -> dict[str, Any]:
 
     sampler = fastddp.DistributedSampler(train_set, num_replicas=ctx.world, rank=ctx.rank,
                                          shuffle=True, seed=args.seed, drop_last=True)
+    # On a GPU a data set that fits (HAR: 34 MB) lives on the device: batches are gathered
+    # there, with no host work per batch.
+    resident = "auto" if use_cuda and train_set.__class__.__name__ == "TensorDataset" else False
     loader = fastddp.PrefetchLoader(train_set, batch_size=args.batch_size, sampler=sampler,
                                     num_workers=args.num_workers, device=ctx.device,
-                                    drop_last=True)
+                                    drop_last=True, device_resident=resident)
     val_loader = fastddp.PrefetchLoader(test_set, batch_size=max(256, args.batch_size),
                                         sampler=ShardSampler(len(test_set), ctx.rank, ctx.world),
                                         num_workers=args.num_workers, device=ctx.device,
-                                        drop_last=False)
+                                        drop_last=False, device_resident=resident)
     if len(loader) < args.grad_accum_steps:
         raise UsageError(f"--batch-size {args.batch_size} x --grad-accum-steps "
                          f"{args.grad_accum_steps} leaves no full optimizer step per epoch "
@@ -232,13 +256,17 @@ def _train(args: argparse.Namespace, ctx: Context) -> dict[str, Any]:
     scale = {"linear": ctx.world * accum, "sqrt": math.sqrt(ctx.world * accum), "none": 1}[args.scale_lr]
     lr = args.lr * scale
     fused = use_cuda
+    scaler_on = amp and amp_dtype == torch.float16
+    graph = resolve_cuda_graph(args, ctx, model, scaler_on)
     optimizer = torch.optim.AdamW(unwrap(model).parameters(), lr=lr,
-                                  weight_decay=args.weight_decay, fused=fused)
+                                  weight_decay=args.weight_decay, fused=fused, capturable=graph)
+    if graph:
+        hold_lr(optimizer, None, ctx.device)
     steps_per_epoch = len(loader) // accum
     total_steps = steps_per_epoch * args.epochs
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda(total_steps, int(args.warmup_epochs * steps_per_epoch)))
-    scaler = fastddp.GradScaler(device=ctx.device.type, enabled=amp and amp_dtype == torch.float16)
+    scaler = fastddp.GradScaler(device=ctx.device.type, enabled=scaler_on)
     weight = class_weights(train_set, ctx.device) if args.class_weights == "auto" else None
     loss_fn = nn.CrossEntropyLoss(weight=weight)
 
@@ -264,6 +292,7 @@ def _train(args: argparse.Namespace, ctx: Context) -> dict[str, Any]:
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         scaler.load_state_dict(state["scaler"])
+        hold_lr(optimizer, scheduler, ctx.device if graph else None)
         start_epoch, global_step = state["epoch"], state["step"]
         best_f1, history = state["best_f1"], state["history"]
         if state.get("epoch_done"):
@@ -287,10 +316,33 @@ def _train(args: argparse.Namespace, ctx: Context) -> dict[str, Any]:
     log(ctx, f"fastddp.train: {args.multi_gpu} world={ctx.world} device={ctx.device} "
              f"mode={args.model or args.mode} amp={'off' if not amp else str(amp_dtype).split('.')[-1]} "
              f"batch={args.batch_size}x{ctx.world}x{accum}={args.batch_size * ctx.world * accum} "
-             f"lr={lr:g} steps/epoch={steps_per_epoch}")
+             f"lr={lr:g} steps/epoch={steps_per_epoch} cuda-graph={'on' if graph else 'off'}")
     writer = make_tensorboard(save_dir, args, ctx)
     monitor = GpuMonitor(ctx.device) if use_cuda else None
 
+    def after_step(step: int) -> None:
+        """Logging and mid-epoch checkpoints after optimizer step ``step`` (reads the running
+        epoch's ``loss``, ``loss_sum``, ``correct`` and ``seen``)."""
+        if step % args.log_interval == 0:
+            elapsed = time.perf_counter() - t_epoch
+            loss_value = float(loss.detach())  # one sync per log interval, not per step
+            if hasattr(bar, "set_postfix"):
+                bar.set_postfix(loss=f"{loss_value:.4f}",
+                                acc=f"{float(correct) / max(1, seen):.3f}",
+                                sps=f"{seen * ctx.world / max(elapsed, 1e-9):.0f}")
+            if monitor is not None:
+                monitor.sample()
+            if writer is not None:
+                writer.add_scalar("train/loss", loss_value, step)
+        if args.save_interval and step % args.save_interval == 0:
+            save_state(save_dir / "last.pt", ctx, args, model, optimizer, scheduler, scaler,
+                       loader, epoch, step, best_f1, history, epoch_done=False,
+                       partial=(float(loss_sum), int(correct), seen))
+            if _fault_here("FASTDDP_FAULT_KILL_AFTER_STEP", step, ctx.rank):
+                os.kill(os.getpid(), 9)  # fault injection: die mid-epoch after a save
+
+    step_fn = GraphedStep(model, loss_fn, optimizer, scaler, amp_ctx, args.clip_grad or None,
+                          ctx.device) if graph else None
     t_start = time.perf_counter()
     samples_total = 0
     nan_streak = 0
@@ -305,9 +357,21 @@ def _train(args: argparse.Namespace, ctx: Context) -> dict[str, Any]:
         correct = torch.tensor(partial[1] if resuming else 0, dtype=torch.int64, device=ctx.device)
         seen = partial[2] if resuming else 0
         bar = progress(loader, ctx, args, epoch)
-        optimizer.zero_grad(set_to_none=True)
+        if step_fn is None:
+            optimizer.zero_grad(set_to_none=True)
         micro = 0
+        if step_fn is not None:
+            step_fn.reset_sums(*(partial[:2] if resuming else (0.0, 0)))
+            loss_sum, correct = step_fn.loss_sum, step_fn.correct  # the graph adds into these
         for x, y in bar:
+            if step_fn is not None:  # the whole step, replayed as one CUDA graph
+                step_fn(x, y)
+                loss = step_fn.loss
+                seen += y.numel()
+                scheduler.step()
+                global_step += 1
+                after_step(global_step)
+                continue
             last_micro = (micro + 1) % accum == 0
             sync_ctx = model.no_sync() if (args.multi_gpu == "ddp" and not last_micro) else contextlib.nullcontext()
             with sync_ctx:
@@ -339,23 +403,7 @@ def _train(args: argparse.Namespace, ctx: Context) -> dict[str, Any]:
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             global_step += 1
-            if global_step % args.log_interval == 0:
-                elapsed = time.perf_counter() - t_epoch
-                loss_value = float(loss.detach())  # one sync per log interval, not per step
-                if hasattr(bar, "set_postfix"):
-                    bar.set_postfix(loss=f"{loss_value:.4f}",
-                                    acc=f"{float(correct) / max(1, seen):.3f}",
-                                    sps=f"{seen * ctx.world / max(elapsed, 1e-9):.0f}")
-                if monitor is not None:
-                    monitor.sample()
-                if writer is not None:
-                    writer.add_scalar("train/loss", loss_value, global_step)
-            if args.save_interval and global_step % args.save_interval == 0:
-                save_state(save_dir / "last.pt", ctx, args, model, optimizer, scheduler, scaler,
-                           loader, epoch, global_step, best_f1, history, epoch_done=False,
-                           partial=(float(loss_sum), int(correct), seen))
-                if _fault_here("FASTDDP_FAULT_KILL_AFTER_STEP", global_step, ctx.rank):
-                    os.kill(os.getpid(), 9)  # fault injection: die mid-epoch after a save
+            after_step(global_step)
         epoch_time = time.perf_counter() - t_epoch
         stats = torch.stack([loss_sum, correct.double(), torch.tensor(float(seen), dtype=torch.float64, device=ctx.device)])
         if ctx.distributed:
@@ -364,7 +412,7 @@ def _train(args: argparse.Namespace, ctx: Context) -> dict[str, Any]:
         val = evaluate(model, val_loader, ctx, amp_ctx, loss_fn)
         row = {"epoch": epoch + 1, "train_loss": float(stats[0] / stats[2].clamp_min(1)),
                "train_acc": float(stats[1] / stats[2].clamp_min(1)), **val,
-               "lr": scheduler.get_last_lr()[0], "epoch_time_s": epoch_time,
+               "lr": float(scheduler.get_last_lr()[0]), "epoch_time_s": epoch_time,
                "samples_per_s": float(stats[2]) / epoch_time,
                "elapsed_s": time.perf_counter() - t_start}
         history.append(row)
