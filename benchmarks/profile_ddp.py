@@ -45,7 +45,7 @@ def main() -> None:
             m = TorchDDP(m, device_ids=[0])
         opt = torch.optim.SGD(m.parameters(), lr=1e-3)
 
-        def step() -> None:
+        def step(m: torch.nn.Module = m, opt: torch.optim.Optimizer = opt) -> None:
             opt.zero_grad()
             m(x).pow(2).mean().backward()
             opt.step()
