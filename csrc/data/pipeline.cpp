@@ -149,9 +149,8 @@ void PrefetchPipeline::worker_loop() {
       if (held_elsewhere(device ? slot.device : slot.host)) allocate(slot, !device, device);
 #ifdef FASTDDP_WITH_CUDA
       if (direct_) {
-        c10::cuda::CUDAGuard guard(options_.device);
-        c10::cuda::CUDAStreamGuard on_side_stream(*stream);  // gather_on_device uses it
         check_indices(b);
+        c10::cuda::CUDAStreamGuard on_side_stream(*stream);  // gather_on_device uses it
         slot.released->block(*stream);
         gather_on_device(slot, b);
         slot.copied->record(*stream);

@@ -92,6 +92,13 @@ void Reducer::install_buckets_locked(const std::vector<std::vector<int64_t>>& bu
   buckets_ = std::move(buckets);
   param_bucket_ = std::move(param_bucket);
   param_slot_ = std::move(param_slot);
+  // Each parameter's view is made once per bucket layout, not per gradient.
+  views_.clear();
+  for (int64_t i = 0; i < n; ++i) {
+    const auto& bucket = buckets_[param_bucket_[i]];
+    const auto& p = params_[i];
+    views_.push_back(bucket.buffer.narrow(0, bucket.offsets[param_slot_[i]], p.numel()).view(p.sizes()));
+  }
 
   if (gradient_as_bucket_view_) {
     // Existing gradients (possibly views of the previous buffers, which stay alive until
@@ -118,11 +125,22 @@ std::vector<int64_t> Reducer::arrival_order() const {
   return arrival_;
 }
 
-at::Tensor Reducer::bucket_view(int64_t index) const {
-  const auto& bucket = buckets_[param_bucket_[index]];
-  const auto& p = params_[index];
-  return bucket.buffer.narrow(0, bucket.offsets[param_slot_[index]], p.numel()).view(p.sizes());
+bool Reducer::reduce_avg_locked() {
+  if (!reduce_avg_) {
+    bool avg = false;
+    if (!comm_dtype_ && process_group_->getSize() > 1 && !buckets_.empty() &&
+        buckets_.front().buffer.is_cuda()) {
+      try {
+        avg = process_group_->getBackend(c10::DeviceType::CUDA)->getBackendName() == "nccl";
+      } catch (const c10::Error&) {
+        avg = false;  // no CUDA backend registered: keep the portable SUM + pre-division
+      }
+    }
+    reduce_avg_ = avg;
+  }
+  return *reduce_avg_;
 }
+
 
 void Reducer::register_hooks() {
   std::weak_ptr<Reducer> weak = weak_from_this();
@@ -232,12 +250,19 @@ void Reducer::mark_unused_locked(int64_t index) {
 void Reducer::copy_grad_to_bucket_locked(int64_t index) {
   auto& grad = params_[index].mutable_grad();
   auto view = bucket_view(index);
+  // Divide by the world size before the reduction (SUM), unless the collective averages
+  // (NCCL AVG) or there is nothing to divide (a world of one).
+  const bool divide = inv_world_ != 1.0 && !reduce_avg_locked();
   if (grad.defined()) {
     if (grad.is_alias_of(view)) {
-      view.mul_(inv_world_);  // accumulated in place (bucket view): pre-divide there
+      if (divide) view.mul_(inv_world_);  // accumulated in place (bucket view): pre-divide there
     } else {
       // Copy into the bucket and divide by the world size in the same pass.
-      at::mul_out(view, grad, inv_world_tensor_);
+      if (divide) {
+        at::mul_out(view, grad, inv_world_tensor_);
+      } else {
+        view.copy_(grad);
+      }
       if (gradient_as_bucket_view_) grad = view;
     }
   } else {
@@ -309,7 +334,7 @@ void Reducer::launch_ready_buckets_locked() {
     }
     bucket.launched = std::chrono::steady_clock::now();
     c10d::AllreduceOptions opts;
-    opts.reduceOp = c10d::ReduceOp::SUM;
+    opts.reduceOp = reduce_avg_locked() ? c10d::ReduceOp::AVG : c10d::ReduceOp::SUM;
     bucket.work = process_group_->allreduce(tensors, opts);
   }
 }

@@ -73,7 +73,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void finalize_backward();
   void queue_finalize();         // from the outputs' grad_fn pre-hook (static_graph, first iteration)
   void queue_finalize_locked();  // end-of-backward callback on the current graph task
-  at::Tensor bucket_view(int64_t index) const;
+  const at::Tensor& bucket_view(int64_t index) const { return views_[index]; }
+  bool reduce_avg_locked();
 
   using NodePtr = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
 
@@ -97,6 +98,10 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   std::optional<at::ScalarType> comm_dtype_;
   double inv_world_;
   at::Tensor inv_world_tensor_;
+  // NCCL averages in the collective itself (ReduceOp::AVG): no division pass per parameter.
+  // Decided at the first launch; never with comm_dtype (pre-division guards fp16 overflow).
+  std::optional<bool> reduce_avg_;
+  std::vector<at::Tensor> views_;  // parameter -> its view of the bucket buffer (cached)
 
   mutable std::mutex mutex_;
   bool expect_sync_ = false;      // a forward asked for a reduction in the coming backward
