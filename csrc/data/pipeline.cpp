@@ -67,6 +67,9 @@ PrefetchPipeline::PrefetchPipeline(std::vector<at::Tensor> sources, std::vector<
                 idx.scalar_type(), " of shape ", idx.sizes());
     batches_[b] = idx.contiguous();
     max_rows_ = std::max(max_rows_, idx.size(0));
+    // Checked here, on the caller's thread, before any work starts: a bad index is one clear
+    // error at the start of the pass rather than a failure in a worker halfway through it.
+    check_indices(static_cast<int64_t>(b));
   }
 #ifndef FASTDDP_WITH_CUDA
   TORCH_CHECK(options_.device.is_cpu(), "PrefetchLoader: device ", options_.device,
@@ -149,7 +152,6 @@ void PrefetchPipeline::worker_loop() {
       if (held_elsewhere(device ? slot.device : slot.host)) allocate(slot, !device, device);
 #ifdef FASTDDP_WITH_CUDA
       if (direct_) {
-        check_indices(b);
         c10::cuda::CUDAStreamGuard on_side_stream(*stream);  // gather_on_device uses it
         slot.released->block(*stream);
         gather_on_device(slot, b);
@@ -229,7 +231,6 @@ void PrefetchPipeline::gather_on_device(Slot& slot, int64_t batch) {
 }
 
 void PrefetchPipeline::fill(Slot& slot, int64_t batch) {
-  check_indices(batch);
   const at::Tensor& idx = batches_[batch];
   const int64_t n = idx.size(0);
   const int64_t* ids = idx.data_ptr<int64_t>();
