@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -19,7 +20,9 @@ def test_version_and_build_info() -> None:
     assert info["torch_version"] == torch.__version__
     assert isinstance(info["cuda"], bool)
     if info["cuda"]:
-        assert {"80", "90"} <= set(info["cuda_archs"])
+        # CI and pip builds cover 80;90; benchmarks/gpu.sh builds for the GPU at hand only.
+        wanted = os.environ.get("FASTDDP_CUDA_ARCHS", "80;90").split(";")
+        assert set(wanted) <= set(info["cuda_archs"])
     assert info["gloo_available"] == dist.is_gloo_available()
 
 
