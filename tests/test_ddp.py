@@ -344,6 +344,45 @@ def test_nccl_world_one_parity_under_autocast() -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.cuda
+def test_nccl_world_one_sync_batchnorm_parity() -> None:
+    """A model converted with nn.SyncBatchNorm.convert_sync_batchnorm trains under DDPWrapper
+    exactly as under torch DDP: parameters and BatchNorm running statistics equal."""
+    import os
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+
+        def make() -> nn.Module:
+            return nn.SyncBatchNorm.convert_sync_batchnorm(nn.Sequential(
+                nn.Conv1d(4, 8, 3, padding=1), nn.BatchNorm1d(8), nn.ReLU(),
+                nn.Flatten(), nn.Linear(8 * 16, 3))).cuda()
+
+        a, b = make(), make()
+        b.load_state_dict(a.state_dict())
+        assert any(isinstance(m, nn.SyncBatchNorm) for m in a.modules())
+        ours = fastddp.DDPWrapper(a, device_ids=[0])
+        ref = TorchDDP(b, device_ids=[0])
+        opt_a = torch.optim.SGD(ours.parameters(), lr=0.1, momentum=0.9)
+        opt_b = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+        for _ in range(4):
+            x = torch.randn(12, 4, 16, device="cuda")
+            for m, o in ((ours, opt_a), (ref, opt_b)):
+                o.zero_grad()
+                m(x).pow(2).mean().backward()
+                o.step()
+            for (name, p), q in zip(ours.module.state_dict().items(), ref.module.state_dict().values()):
+                torch.testing.assert_close(p, q, msg=name)
+    finally:
+        dist.destroy_process_group()
+
+
 class _ReversedRegistration(nn.Module):
     """Registered c, b, a but used a -> b -> c: reverse registration order (a first) is the
     opposite of the order gradients arrive in (c first)."""

@@ -181,6 +181,10 @@ def test_killed_rank_stops_the_job_without_hang(tmp_path: Path) -> None:
     assert proc.returncode != 0
     # torchrun's failure report names the lost rank and its signal
     assert "rank      : 1" in proc.stderr and "Signal 9 (SIGKILL)" in proc.stderr, proc.stderr[-3000:]
+    # the surviving rank says so in one line instead of a backend traceback
+    lines = [ln for ln in proc.stderr.splitlines() if "lost contact with the other ranks" in ln]
+    assert len(lines) == 1 and "fastddp.train: rank 0:" in lines[0], proc.stderr[-3000:]
+    assert "[rank0]: Traceback" not in proc.stderr
     assert (tmp_path / "last.pt").exists()  # the checkpoint written before the loss survives
 
 

@@ -104,3 +104,17 @@ def test_bad_input_exits_2_with_one_line() -> None:
 
 def test_parser_builds() -> None:
     assert build_parser().prog == "python -m fastddp.train"
+
+
+def test_lost_peer_message_is_one_line_for_backend_errors_only() -> None:
+    from fastddp.train import lost_peer_message
+
+    gloo = RuntimeError("[/__w/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:545] Read error "
+                        "[127.0.0.1]:5557: Connection reset by peer. This is typically caused by a "
+                        "remote worker hanging or bugs in the application.")
+    line = lost_peer_message(gloo, 3)
+    assert line is not None and "\n" not in line
+    assert line.startswith("fastddp.train: rank 3: lost contact with the other ranks during a "
+                           "collective (Read error [127.0.0.1]:5557: Connection reset by peer)")
+    assert lost_peer_message(ValueError("Connection reset by peer"), 0) is None
+    assert lost_peer_message(RuntimeError("mat1 and mat2 shapes cannot be multiplied"), 0) is None

@@ -10,18 +10,33 @@ namespace {
 
 constexpr int kThreads = 256;
 
-// One thread per vector of one row: consecutive threads read consecutive vectors of a row, so
-// each warp's reads of host memory are contiguous (full PCIe read requests), and many blocks
-// keep enough requests in flight to cover the link's latency.
+constexpr int kUnroll = 4;
+
+// Consecutive threads read consecutive vectors of a row, so each warp's reads of host memory
+// are contiguous (full PCIe read requests). Each thread issues kUnroll independent loads before
+// its stores: a zero-copy read waits a PCIe round trip, and only many reads in flight per SM
+// cover it.
 template <typename V>
 __global__ void gather_rows_kernel(const V* __restrict__ src, const int64_t* __restrict__ idx,
                                    int64_t n, int64_t row_vecs, V* __restrict__ dst) {
   const int64_t total = n * row_vecs;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; t < total; t += stride) {
-    const int64_t row = t / row_vecs;
-    const int64_t col = t - row * row_vecs;
-    dst[t] = src[idx[row] * row_vecs + col];
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; base < total;
+       base += stride * kUnroll) {
+    V v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t t = base + u * stride;
+      if (t < total) {
+        const int64_t row = t / row_vecs;
+        v[u] = src[idx[row] * row_vecs + (t - row * row_vecs)];
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t t = base + u * stride;
+      if (t < total) dst[t] = v[u];
+    }
   }
 }
 
@@ -35,7 +50,8 @@ void launch(const void* src, const int64_t* idx, int64_t n, size_t row_bytes, vo
   int sms = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   // Enough blocks for every SM to hold several at once, no more than the work needs.
-  const int64_t blocks = std::min<int64_t>((total + kThreads - 1) / kThreads, int64_t{sms} * 8);
+  const int64_t per_block = int64_t{kThreads} * kUnroll;
+  const int64_t blocks = std::min<int64_t>((total + per_block - 1) / per_block, int64_t{sms} * 8);
   gather_rows_kernel<V><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
       static_cast<const V*>(src), idx, n, row_vecs, static_cast<V*>(dst));
   C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -2,9 +2,34 @@
 
 from __future__ import annotations
 
+import re
 import sys
 
 from .cli import UsageError, build_parser, parse_args, validate
+
+# What a collective raises on a surviving rank when a peer process dies or the link fails
+# (gloo: the socket is reset/closed; NCCL/gloo: the --timeout expires).
+_LOST_PEER = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
+              "timed out", "Timed out", "Timeout", "NCCL communicator was aborted",
+              "Connection refused")
+
+
+def lost_peer_message(exc: BaseException, rank: int) -> str | None:
+    """One line for a collective that failed because another rank is gone, else None."""
+    import torch.distributed as dist
+
+    backend_errors = tuple(getattr(dist, n) for n in ("DistBackendError", "DistNetworkError")
+                           if hasattr(dist, n))
+    text = str(exc)
+    if not (isinstance(exc, backend_errors) or
+            (isinstance(exc, RuntimeError) and any(k in text for k in _LOST_PEER))):
+        return None
+    first = re.sub(r"^\[[^\]]*\]\s*", "", text.strip().splitlines()[0] if text.strip() else "")
+    first = first.split(". This is typically")[0][:200]
+    return (f"fastddp.train: rank {rank}: lost contact with the other ranks during a collective "
+            f"({first}); a peer process died or the network failed - torchrun's failure report "
+            "names the failed rank. Resume from the last checkpoint with --resume auto "
+            "(or run under torchrun --max-restarts=N)")
 
 __all__ = ["UsageError", "build_parser", "main", "parse_args"]
 
@@ -32,4 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"fastddp.train: rank {rank}: interrupted", file=sys.stderr, flush=True)
         return 130
+    except Exception as exc:
+        line = lost_peer_message(exc, rank) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
+        if line is None:
+            raise
+        print(line, file=sys.stderr, flush=True)
+        return 1
     return 0
