@@ -181,9 +181,11 @@ def test_killed_rank_stops_the_job_without_hang(tmp_path: Path) -> None:
     assert proc.returncode != 0
     # torchrun's failure report names the lost rank and its signal
     assert "rank      : 1" in proc.stderr and "Signal 9 (SIGKILL)" in proc.stderr, proc.stderr[-3000:]
-    # the surviving rank says so in one line instead of a backend traceback
+    # The surviving rank says so in one line instead of a backend traceback, unless torchrun
+    # stopped it before its next collective noticed (about 1 run in 20 here); the line itself
+    # is checked deterministically by tests/test_two_hosts.py (link cut, nobody killed).
     lines = [ln for ln in proc.stderr.splitlines() if "lost contact with the other ranks" in ln]
-    assert len(lines) == 1 and "fastddp.train: rank 0:" in lines[0], proc.stderr[-3000:]
+    assert len(lines) <= 1 and all("fastddp.train: rank 0:" in ln for ln in lines), proc.stderr[-3000:]
     assert "[rank0]: Traceback" not in proc.stderr
     assert (tmp_path / "last.pt").exists()  # the checkpoint written before the loss survives
 
@@ -230,3 +232,31 @@ def test_cuda_graph_step_trains_like_eager(tmp_path: Path) -> None:
     resumed = _train([*args[:-4], "--mode", "flatten", "--cuda-graph", "on", "--save-dir", str(cut)])
     assert "resumed from" in resumed.stdout
     assert abs(_metrics(cut)[-1]["val_acc"] - g[-1]["val_acc"]) <= 0.01 + 1e-9
+
+
+def test_exception_in_model_forward_on_one_rank_stops_every_rank(tmp_path: Path) -> None:
+    """A user's forward raising on rank 1 only: every rank stops (no hang), the original error
+    is shown once, and the other rank says in one line that it lost its peer."""
+    (tmp_path / "boom_model.py").write_text(
+        "import os\n"
+        "from fastddp.train.models import FlattenMLP\n"
+        "class Boom(FlattenMLP):\n"
+        "    calls = 0\n"
+        "    def forward(self, x):\n"
+        "        Boom.calls += 1\n"
+        "        if os.environ.get('RANK') == '1' and Boom.calls == 5:\n"
+        "            raise ValueError('boom: the user model failed on rank 1')\n"
+        "        return super().forward(x)\n"
+        "def make():\n"
+        "    return Boom()\n")
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT / "python"),
+                                          os.environ.get("PYTHONPATH", "")])}
+    proc = _train(["--epochs", "1", "--no-progress", "--num-workers", "1", "--timeout", "30",
+                   "--model", "boom_model:make", "--save-dir", str(tmp_path / "run"),
+                   "--resume", "none"], nproc=2, check=False, timeout=240, env=env)
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert out.count("ValueError: boom: the user model failed on rank 1") == 1, out[-4000:]
+    # rank 0 either reports the lost peer in one line or is stopped by torchrun first
+    lost = [ln for ln in out.splitlines() if "lost contact with the other ranks" in ln]
+    assert len(lost) <= 1 and all("rank 0:" in ln for ln in lost), lost
