@@ -249,8 +249,8 @@ def test_exception_in_model_forward_on_one_rank_stops_every_rank(tmp_path: Path)
         "        return super().forward(x)\n"
         "def make():\n"
         "    return Boom()\n")
-    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT / "python"),
-                                          os.environ.get("PYTHONPATH", "")])}
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path),
+                                                       os.environ.get("PYTHONPATH")]))}
     proc = _train(["--epochs", "1", "--no-progress", "--num-workers", "1", "--timeout", "30",
                    "--model", "boom_model:make", "--save-dir", str(tmp_path / "run"),
                    "--resume", "none"], nproc=2, check=False, timeout=240, env=env)

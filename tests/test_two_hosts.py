@@ -58,8 +58,8 @@ def hosts() -> Iterator[tuple[str, str]]:
 
 def _node(ns: str, ifname: str, port: int, extra: list[str], save_dir: Path,
           host_store: bool, log: Path | None = None) -> subprocess.Popen:
-    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=ifname,
-               PYTHONPATH=os.pathsep.join([str(ROOT / "python"), os.environ.get("PYTHONPATH", "")]))
+    # fastddp is imported as the test process imports it (installed, or PYTHONPATH=python)
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=ifname)
     cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "torch.distributed.run",
            "--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d",
            f"--rdzv-endpoint={ADDR_A}:{port}", "--rdzv-id=fastddp-two-hosts",
