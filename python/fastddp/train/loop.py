@@ -72,8 +72,18 @@ def setup_distributed(args: argparse.Namespace) -> Context:
     if "MASTER_ADDR" not in os.environ:  # `--multi-gpu ddp` run by plain python: a world of 1
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
-    dist.init_process_group(backend, rank=ctx.rank, world_size=ctx.world,
-                            timeout=timedelta(seconds=args.timeout))
+    timeout = timedelta(seconds=args.timeout)
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is not None:
+        # Under torchrun the workers of every restart share the agent's store; without a
+        # per-restart prefix the restarted ranks can read the addresses the dead attempt's
+        # gloo ranks published and fail with "connectFullMesh ... Connection refused".
+        store, _, _ = next(dist.rendezvous("env://", rank=ctx.rank, world_size=ctx.world,
+                                           timeout=timeout))
+        dist.init_process_group(backend, store=dist.PrefixStore(f"fastddp/restart_{restart}", store),
+                                rank=ctx.rank, world_size=ctx.world, timeout=timeout)
+    else:
+        dist.init_process_group(backend, rank=ctx.rank, world_size=ctx.world, timeout=timeout)
     ctx.distributed = True
     return ctx
 
