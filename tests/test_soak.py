@@ -128,3 +128,45 @@ def test_cuda_loader_leaves_no_device_memory_or_threads(pin: bool) -> None:
     assert torch.cuda.memory_allocated() == baseline_mem
     # CUDA's own helper threads start once; ours are all joined
     assert _threads() == warm_threads and warm_threads >= baseline_threads
+
+
+@pytest.mark.cuda
+def test_cuda_training_device_memory_flat_over_10000_steps(tmp_path: Path) -> None:
+    """10,000 GPU steps (NCCL world 1, DDPWrapper, fp16 autocast + fused GradScaler step with
+    clipping, fused AdamW, direct-path PrefetchLoader): allocated device memory is flat after
+    warm-up."""
+    torch.manual_seed(0)
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        x = torch.randn(4096, 64)
+        y = torch.randint(0, 4, (4096,))
+        net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 4)).cuda()
+        model = fastddp.DDPWrapper(net, device_ids=[0])
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        scaler = fastddp.GradScaler("cuda")
+        loader = fastddp.PrefetchLoader((x, y), batch_size=64, shuffle=True, device="cuda",
+                                        pin_dataset=True, drop_last=True)
+        points: list[tuple[int, int]] = []
+        step, epoch = 0, 0
+        while step < 10_000:
+            loader.set_epoch(epoch)
+            for bx, by in loader:
+                opt.zero_grad(set_to_none=True)
+                with torch.autocast("cuda", dtype=torch.float16):
+                    loss = nn.functional.cross_entropy(model(bx).float(), by)
+                scaler.scale(loss).backward()
+                scaler.step(opt, max_grad_norm=1.0, ddp=model)
+                scaler.update()
+                step += 1
+                if step >= 1_000 and step % 100 == 0:
+                    torch.cuda.synchronize()
+                    points.append((step, torch.cuda.memory_allocated()))
+                if step >= 10_000:
+                    break
+            epoch += 1
+        slope = _slope(points)
+        growth = points[-1][1] - points[0][1]
+        print(f"device memory slope {slope:.2f} B/step, growth {growth} B")
+        assert abs(slope) < 16 and growth <= 2**20, (slope, growth, points[:3], points[-3:])
+    finally:
+        dist.destroy_process_group()

@@ -116,5 +116,7 @@ def test_lost_peer_message_is_one_line_for_backend_errors_only() -> None:
     assert line is not None and "\n" not in line
     assert line.startswith("fastddp.train: rank 3: lost contact with the other ranks during a "
                            "collective (Read error [127.0.0.1]:5557: Connection reset by peer)")
+    assert "; a peer process died or the network failed" in line
+    assert "; rank 1 died or the network failed" in lost_peer_message(gloo, 0, world=2)
     assert lost_peer_message(ValueError("Connection reset by peer"), 0) is None
     assert lost_peer_message(RuntimeError("mat1 and mat2 shapes cannot be multiplied"), 0) is None

@@ -14,8 +14,10 @@ _LOST_PEER = ("Connection reset by peer", "Connection closed by peer", "Broken p
               "Connection refused")
 
 
-def lost_peer_message(exc: BaseException, rank: int) -> str | None:
-    """One line for a collective that failed because another rank is gone, else None."""
+def lost_peer_message(exc: BaseException, rank: int, world: int = 0) -> str | None:
+    """One line for a collective that failed because another rank is gone, else None. In a
+    world of two the lost rank is the other one and is named; otherwise torchrun's failure
+    report names it."""
     import torch.distributed as dist
 
     backend_errors = tuple(getattr(dist, n) for n in ("DistBackendError", "DistNetworkError")
@@ -26,9 +28,10 @@ def lost_peer_message(exc: BaseException, rank: int) -> str | None:
         return None
     first = re.sub(r"^\[[^\]]*\]\s*", "", text.strip().splitlines()[0] if text.strip() else "")
     first = first.split(". This is typically")[0][:200]
+    peer = f"rank {1 - rank}" if world == 2 and rank in (0, 1) else "a peer process"
     return (f"fastddp.train: rank {rank}: lost contact with the other ranks during a collective "
-            f"({first}); a peer process died or the network failed - torchrun's failure report "
-            "names the failed rank. Resume from the last checkpoint with --resume auto "
+            f"({first}); {peer} died or the network failed - torchrun's failure report names "
+            "the failed rank. Resume from the last checkpoint with --resume auto "
             "(or run under torchrun --max-restarts=N)")
 
 __all__ = ["UsageError", "build_parser", "main", "parse_args"]
@@ -58,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fastddp.train: rank {rank}: interrupted", file=sys.stderr, flush=True)
         return 130
     except Exception as exc:
-        line = lost_peer_message(exc, rank) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        line = lost_peer_message(exc, rank, world) if world > 1 else None
         if line is None:
             raise
         print(line, file=sys.stderr, flush=True)
