@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.data import TensorDataset
 
 import fastddp
 
@@ -129,8 +130,6 @@ def load_data(args: argparse.Namespace) -> tuple[Any, Any]:
         except (TypeError, ValueError) as exc:
             raise UsageError(f"--dataset {args.dataset}: must return (train, test) ({exc})") from exc
         return train, test
-    from torch.utils.data import TensorDataset
-
     from fastddp.data import har
 
     if args.data_dir:
@@ -249,7 +248,7 @@ def _train(args: argparse.Namespace, ctx: Context) -> dict[str, Any]:
                                          shuffle=True, seed=args.seed, drop_last=True)
     # On a GPU a data set that fits (HAR: 34 MB) lives on the device: batches are gathered
     # there, with no host work per batch.
-    resident = "auto" if use_cuda and train_set.__class__.__name__ == "TensorDataset" else False
+    resident = "auto" if use_cuda and isinstance(train_set, TensorDataset) else False
     loader = fastddp.PrefetchLoader(train_set, batch_size=args.batch_size, sampler=sampler,
                                     num_workers=args.num_workers, device=ctx.device,
                                     drop_last=True, device_resident=resident)
