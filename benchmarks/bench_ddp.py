@@ -122,12 +122,10 @@ def _gpu_step_times(name: str) -> dict:
 @pytest.mark.parametrize("name", list(MODELS))
 def test_ddp_overhead_gpu_nccl_world1(name: str) -> None:
     import os
-    import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from fastddp._net import free_port
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("nccl", rank=0, world_size=1)
     try:
         res = _gpu_step_times(name)

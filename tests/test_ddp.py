@@ -3,6 +3,10 @@ every step, on gloo ranks (world sizes 1, 2, 3)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -10,6 +14,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import fastddp
+from fastddp._net import free_port
 from fastddp.ddp import assign_buckets
 
 from .distributed import run_distributed
@@ -312,17 +317,20 @@ def test_bucket_assignment_order_and_caps() -> None:
     assert sorted(map(sorted, assign_buckets(mixed, 25))) == [[0, 2], [1]]
 
 
-@pytest.mark.cuda
-def test_nccl_world_one_parity_under_autocast() -> None:
-    import os
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+@contextlib.contextmanager
+def _nccl_world_one() -> Iterator[None]:
+    """A one-rank NCCL process group for the GPU tests (torch.distributed's default group)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("nccl", rank=0, world_size=1)
     try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.cuda
+def test_nccl_world_one_parity_under_autocast() -> None:
+    with _nccl_world_one():
         torch.manual_seed(0)
         a, b = _mlp().cuda(), _mlp().cuda()
         b.load_state_dict(a.state_dict())
@@ -340,23 +348,13 @@ def test_nccl_world_one_parity_under_autocast() -> None:
                 o.step()
             for p, q in zip(ours.parameters(), ref.parameters()):
                 torch.testing.assert_close(p, q)
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.cuda
 def test_nccl_world_one_sync_batchnorm_parity() -> None:
     """A model converted with nn.SyncBatchNorm.convert_sync_batchnorm trains under DDPWrapper
     exactly as under torch DDP: parameters and BatchNorm running statistics equal."""
-    import os
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("nccl", rank=0, world_size=1)
-    try:
+    with _nccl_world_one():
         torch.manual_seed(0)
 
         def make() -> nn.Module:
@@ -379,8 +377,6 @@ def test_nccl_world_one_sync_batchnorm_parity() -> None:
                 o.step()
             for (name, p), q in zip(ours.module.state_dict().items(), ref.module.state_dict().values()):
                 torch.testing.assert_close(p, q, msg=name)
-    finally:
-        dist.destroy_process_group()
 
 
 class _ReversedRegistration(nn.Module):
