@@ -4,6 +4,9 @@ same model, data and process group, measured alternately in the same ranks.
     pytest benchmarks/bench_ddp.py -s          # CPU, gloo, world size 2
     pytest benchmarks/bench_ddp.py -s -m cuda  # GPU, NCCL, world size 1: overhead over the bare model
 
+On CPU, fastddp runs twice: with its default transport for co-located ranks (shared memory)
+and on the gloo process group (``shm_allreduce=False``), so both ratios come from one run.
+
 Models: an MLP of ~10 M parameters (few large gradients) and a stack of 100 small linear
 layers (~200 parameters: per-parameter overhead dominates).
 """
@@ -46,7 +49,11 @@ def _bench(rank: int, world_size: int, name: str) -> dict:
     torch.set_num_threads(1)
     factory, make_x = MODELS[name]
     torch.manual_seed(0)
-    models = {"fastddp": fastddp.DDPWrapper(factory()), "torch": TorchDDP(factory())}
+    # fastddp's default on co-located CPU ranks reduces through shared memory; "fastddp_c10d"
+    # is the same reducer on the gloo process group, as torch DDP uses it.
+    models = {"fastddp": fastddp.DDPWrapper(factory()), "torch": TorchDDP(factory()),
+              "fastddp_c10d": fastddp.DDPWrapper(factory(), shm_allreduce=False)}
+    assert models["fastddp"].transport == "shm" and models["fastddp_c10d"].transport == "c10d"
     opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in models.items()}
     x = make_x()
 
@@ -77,6 +84,8 @@ def test_ddp_step_time_cpu_world2(name: str) -> None:
     result = {"model": name, "params": res["params"], "tensors": res["tensors"], "world_size": 2,
               "backend": "gloo", "fastddp_step_ms": res["fastddp"] * 1e3,
               "torch_step_ms": res["torch"] * 1e3, "time_ratio": res["fastddp"] / res["torch"],
+              "fastddp_c10d_step_ms": res["fastddp_c10d"] * 1e3,
+              "c10d_time_ratio": res["fastddp_c10d"] / res["torch"],
               "command": "pytest benchmarks/bench_ddp.py -s"}
     print(json.dumps(result, indent=1))
     record("ddp", f"cpu-gloo-w2-{name}", result)

@@ -114,6 +114,10 @@ def _pair(factory, ddp_kwargs: dict, ours_kwargs: dict | None = None):
             p.add_(dist.get_rank() * 0.01)
     ours = fastddp.DDPWrapper(a, **{**ddp_kwargs, **(ours_kwargs or {})})
     ref = TorchDDP(b, **ddp_kwargs)
+    # The transport the test asked for (FASTDDP_SHM_ALLREDUCE) is the one in use.
+    want = "shm" if dist.get_world_size(ours.process_group) > 1 and \
+        os.environ.get("FASTDDP_SHM_ALLREDUCE", "1") == "1" else "c10d"
+    assert ours.transport == want, (ours.transport, ours.bucket_report()["transport_note"])
     return ours, ref
 
 
@@ -150,7 +154,8 @@ def _vec(g, n=6):
     return torch.randn(n, 8, generator=g)
 
 
-def _parity_suite(rank: int, world_size: int) -> list[str]:
+def _parity_suite(rank: int, world_size: int, transport: str = "shm") -> list[str]:
+    os.environ["FASTDDP_SHM_ALLREDUCE"] = "1" if transport == "shm" else "0"
     done = []
     # MLP, many tiny buckets, both zero_grad styles, both gradient layouts
     for set_to_none in (True, False):
@@ -190,6 +195,9 @@ def _parity_suite(rank: int, world_size: int) -> list[str]:
     _train(ours, ref, _vec)
     dtypes = {b["dtype"] for b in ours.bucket_report()["buckets"]}
     assert dtypes == {"torch.float32", "torch.bfloat16"}
+    # shared memory takes the fp32 buckets; bf16 stays on gloo (torch DDP's rounding)
+    for b in ours.bucket_report()["buckets"]:
+        assert b["transport"] == ("shm" if ours.transport == "shm" and b["dtype"] == "torch.float32" else "c10d"), b
     done.append("mixed dtypes")
     # no_sync: 4 micro-batches accumulate locally, the 4th reduces the sum
     ours, ref = _pair(_mlp, {"bucket_cap_mb": 0.001})
@@ -261,9 +269,10 @@ def _parity_suite(rank: int, world_size: int) -> list[str]:
     return done
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3])
-def test_parity_with_torch_ddp(world_size: int) -> None:
-    results = run_distributed(_parity_suite, world_size=world_size, timeout=300)
+@pytest.mark.parametrize(("world_size", "transport"),
+                         [(1, "c10d"), (2, "shm"), (2, "c10d"), (3, "shm"), (3, "c10d")])
+def test_parity_with_torch_ddp(world_size: int, transport: str) -> None:
+    results = run_distributed(_parity_suite, world_size=world_size, args=(transport,), timeout=300)
     assert all(len(r) == 15 for r in results), results
 
 

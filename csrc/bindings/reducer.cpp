@@ -13,16 +13,23 @@ void bind_reducer(py::module_& m) {
       .def(py::init([](std::vector<at::Tensor> params, std::vector<std::string> names,
                        std::vector<std::vector<int64_t>> buckets,
                        const c10::intrusive_ptr<c10d::ProcessGroup>& pg, bool grad_as_view, bool find_unused,
-                       bool static_graph, std::optional<at::ScalarType> comm_dtype) {
+                       bool static_graph, std::optional<at::ScalarType> comm_dtype, std::optional<bool> shm,
+                       double shm_timeout_s) {
+             // Construction may run collectives (the shared-memory handshake): no GIL meanwhile.
+             py::gil_scoped_release release;
              auto r = std::make_shared<fastddp::reducer::Reducer>(std::move(params), std::move(names), buckets, pg,
                                                                   grad_as_view, find_unused, static_graph,
-                                                                  comm_dtype);
+                                                                  comm_dtype, shm, shm_timeout_s);
              r->register_hooks();
              return r;
            }),
            py::arg("params"), py::arg("names"), py::arg("buckets"), py::arg("process_group"),
            py::arg("gradient_as_bucket_view"), py::arg("find_unused_parameters"), py::arg("static_graph"),
-           py::arg("comm_dtype"))
+           py::arg("comm_dtype"), py::arg("shm_allreduce") = py::none(), py::arg("shm_timeout_s") = 1800.0)
+      .def_property_readonly("transport", &fastddp::reducer::Reducer::transport,
+                             "'shm' (co-located CPU ranks, shared memory) or 'c10d'.")
+      .def_property_readonly("transport_note", &fastddp::reducer::Reducer::transport_note,
+                             "Why the shared-memory path is not used (empty when it is).")
       .def("prepare_for_backward", &fastddp::reducer::Reducer::prepare_for_backward, py::arg("outputs"),
            py::arg("sync"), "Arm the reducer for the next backward (sync=False: accumulate locally).",
            py::call_guard<py::gil_scoped_release>())
@@ -42,6 +49,8 @@ void bind_reducer(py::module_& m) {
            "Replace the buckets; existing gradients move into the new buffers.",
            py::call_guard<py::gil_scoped_release>())
       .def("bucket_indices", &fastddp::reducer::Reducer::bucket_indices, "Parameter indices of each bucket.")
+      .def("bucket_shm", &fastddp::reducer::Reducer::bucket_shm,
+           "Per bucket: True when it is reduced through shared memory.")
       .def("bucket_allreduce_ms", &fastddp::reducer::Reducer::bucket_allreduce_ms,
            "Per bucket: milliseconds from launch to completion in the last reduced backward (-1: none yet).");
 }

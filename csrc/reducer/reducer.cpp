@@ -34,7 +34,8 @@ class NodeReachedHook : public torch::autograd::FunctionPreHook {
 Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
                  const std::vector<std::vector<int64_t>>& bucket_indices,
                  c10::intrusive_ptr<c10d::ProcessGroup> process_group, bool gradient_as_bucket_view,
-                 bool find_unused_parameters, bool static_graph, std::optional<at::ScalarType> comm_dtype)
+                 bool find_unused_parameters, bool static_graph, std::optional<at::ScalarType> comm_dtype,
+                 std::optional<bool> shm_allreduce, double shm_timeout_s)
     : params_(std::move(params)),
       names_(std::move(names)),
       process_group_(std::move(process_group)),
@@ -53,11 +54,37 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
   locally_used_.assign(n, 0);
   hooks_per_backward_.assign(n, 0);
   hooks_left_.assign(n, 0);
+  if (shm_allreduce) {
+    // Collective over the group: every rank of a CPU model takes part (the caller decides that
+    // from the parameters' device, the same on every rank) and says whether it wants shared
+    // memory, so all agree on the transport.
+    TORCH_CHECK(shm_timeout_s > 0, "DDPWrapper: shared-memory all-reduce timeout must be > 0 s, got ", shm_timeout_s);
+    bool cpu = true;
+    int64_t arena = 64;  // each bucket's wire buffer is 64-byte aligned: room for one pad per parameter
+    for (const auto& p : params_) {
+      cpu = cpu && p.device().is_cpu();
+      const auto wire = comm_dtype_ ? *comm_dtype_ : p.scalar_type();
+      arena += p.numel() * static_cast<int64_t>(c10::elementSize(wire)) + 64;
+    }
+    TORCH_CHECK(cpu, "DDPWrapper: shared-memory all-reduce is for CPU parameters");
+    const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(shm_timeout_s * 1000.0));
+    shm_ = ShmAllreduce::create(process_group_, *shm_allreduce, arena, timeout, &transport_note_);
+  } else {
+    transport_note_ = "not a multi-process CPU model";
+  }
   install_buckets_locked(bucket_indices);
 }
 
 void Reducer::install_buckets_locked(const std::vector<std::vector<int64_t>>& bucket_indices) {
   const int64_t n = static_cast<int64_t>(params_.size());
+  if (shm_ && !buckets_.empty()) {
+    // The new buffers reuse the arena the old ones occupy: take the gradients out first.
+    for (auto& p : params_) {
+      auto& grad = p.mutable_grad();
+      if (grad.defined()) grad = grad.clone();
+    }
+  }
+  int64_t arena_offset = 0;
   std::vector<int64_t> param_bucket(n, -1);
   std::vector<int64_t> param_slot(n, -1);
   std::vector<Bucket> buckets;
@@ -81,9 +108,25 @@ void Reducer::install_buckets_locked(const std::vector<std::vector<int64_t>>& bu
       bucket.offsets.push_back(total);
       total += p.numel();
     }
-    bucket.buffer = at::zeros({total}, first.options().requires_grad(false));
-    if (comm_dtype_ && *comm_dtype_ != first.scalar_type()) {
-      bucket.comm = at::empty({total}, first.options().dtype(*comm_dtype_).requires_grad(false));
+    const bool compress = comm_dtype_ && *comm_dtype_ != first.scalar_type();
+    // Shared memory sums in fp32/fp64 and rounds once. An uncompressed bf16/fp16 bucket goes
+    // through the process group instead, so its rounding (and the training that depends on
+    // it) stays exactly torch DDP's.
+    const auto dtype = first.scalar_type();
+    bucket.shm = shm_ && (compress || dtype == at::kFloat || dtype == at::kDouble);
+    if (bucket.shm) {
+      const auto wire = compress ? *comm_dtype_ : first.scalar_type();
+      auto shared = shm_->arena_tensor(arena_offset, total, wire);
+      arena_offset += (total * static_cast<int64_t>(c10::elementSize(wire)) + 63) / 64 * 64;
+      if (compress) {
+        bucket.buffer = at::zeros({total}, first.options().requires_grad(false));
+        bucket.comm = shared;
+      } else {
+        bucket.buffer = shared;
+      }
+    } else {
+      bucket.buffer = at::zeros({total}, first.options().requires_grad(false));
+      if (compress) bucket.comm = at::empty({total}, first.options().dtype(*comm_dtype_).requires_grad(false));
     }
     buckets.push_back(std::move(bucket));
   }
@@ -251,8 +294,10 @@ void Reducer::copy_grad_to_bucket_locked(int64_t index) {
   auto& grad = params_[index].mutable_grad();
   auto view = bucket_view(index);
   // Divide by the world size before the reduction (SUM), unless the collective averages
-  // (NCCL AVG) or there is nothing to divide (a world of one).
-  const bool divide = inv_world_ != 1.0 && !reduce_avg_locked();
+  // (NCCL AVG; the shared-memory sum scales in its reduction pass, except for a compressed
+  // bucket, whose cast must not overflow) or there is nothing to divide (a world of one).
+  const bool divide = inv_world_ != 1.0 && !reduce_avg_locked() &&
+                      !(buckets_[param_bucket_[index]].shm && !buckets_[param_bucket_[index]].comm.defined());
   if (grad.defined()) {
     if (grad.is_alias_of(view)) {
       if (divide) view.mul_(inv_world_);  // accumulated in place (bucket view): pre-divide there
@@ -333,6 +378,10 @@ void Reducer::launch_ready_buckets_locked() {
       tensors.push_back(bucket.buffer);
     }
     bucket.launched = std::chrono::steady_clock::now();
+    if (bucket.shm) {
+      bucket.work = shm_->allreduce_sum(tensors.front(), bucket.comm.defined() ? 1.0 : inv_world_);
+      continue;
+    }
     c10d::AllreduceOptions opts;
     opts.reduceOp = reduce_avg_locked() ? c10d::ReduceOp::AVG : c10d::ReduceOp::SUM;
     bucket.work = process_group_->allreduce(tensors, opts);
@@ -449,6 +498,13 @@ std::vector<double> Reducer::bucket_allreduce_ms() const {
   std::lock_guard<std::mutex> lock(mutex_);
   std::vector<double> out;
   for (const auto& b : buckets_) out.push_back(b.last_allreduce_ms);
+  return out;
+}
+
+std::vector<bool> Reducer::bucket_shm() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<bool> out;
+  for (const auto& b : buckets_) out.push_back(b.shm);
   return out;
 }
 

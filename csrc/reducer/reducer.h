@@ -4,6 +4,8 @@
 // reductions at the end of backward.
 #pragma once
 
+#include "reducer/shm_allreduce.h"
+
 #include <ATen/core/Tensor.h>
 #include <c10/util/intrusive_ptr.h>
 #include <torch/csrc/autograd/function.h>
@@ -23,6 +25,7 @@ struct Bucket {
   std::vector<int64_t> offsets;  // element offset of each parameter in `buffer`
   at::Tensor buffer;             // flat gradients, the parameters' dtype and device
   at::Tensor comm;               // flat buffer in the communication dtype (compression)
+  bool shm = false;              // reduced through shared memory (else through c10d)
   int64_t pending = 0;           // parameters not yet ready in this backward
   c10::intrusive_ptr<c10d::Work> work;
   std::chrono::steady_clock::time_point launched;
@@ -34,7 +37,13 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
           const std::vector<std::vector<int64_t>>& bucket_indices,
           c10::intrusive_ptr<c10d::ProcessGroup> process_group, bool gradient_as_bucket_view,
-          bool find_unused_parameters, bool static_graph, std::optional<at::ScalarType> comm_dtype);
+          bool find_unused_parameters, bool static_graph, std::optional<at::ScalarType> comm_dtype,
+          std::optional<bool> shm_allreduce = std::nullopt, double shm_timeout_s = 1800.0);
+
+  // "shm" when the buckets are reduced through shared memory (co-located CPU ranks), else
+  // "c10d"; transport_note() says why shared memory is not used (empty when it is).
+  std::string transport() const { return shm_ ? "shm" : "c10d"; }
+  std::string transport_note() const { return transport_note_; }
 
   // Installs the AccumulateGrad post hooks; called once right after construction, when
   // shared_from_this() is usable (the hooks hold only a weak reference to the reducer).
@@ -62,6 +71,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   at::Tensor take_grad_stats();
   std::vector<std::vector<int64_t>> bucket_indices() const;
   std::vector<double> bucket_allreduce_ms() const;
+  std::vector<bool> bucket_shm() const;  // per bucket: reduced through shared memory
 
  private:
   void install_buckets_locked(const std::vector<std::vector<int64_t>>& bucket_indices);
@@ -102,6 +112,10 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // Decided at the first launch; never with comm_dtype (pre-division guards fp16 overflow).
   std::optional<bool> reduce_avg_;
   std::vector<at::Tensor> views_;  // parameter -> its view of the bucket buffer (cached)
+  // Co-located CPU ranks: the wire buffers (bucket.comm if defined, else bucket.buffer) live in
+  // this shared arena and are summed through it instead of c10d.
+  std::shared_ptr<ShmAllreduce> shm_;
+  std::string transport_note_;
 
   mutable std::mutex mutex_;
   bool expect_sync_ = false;      // a forward asked for a reduction in the coming backward

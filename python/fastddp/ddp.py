@@ -4,6 +4,7 @@ reducer (bucketed all-reduce through c10d, overlapped with backward)."""
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from typing import Any, Optional
 
@@ -61,7 +62,13 @@ class DDPWrapper(nn.Module):
     ``DDPWrapper(model, device_ids=[rank])``. ``.module``, ``.no_sync()``, ``forward`` and the
     ``state_dict`` keys (``module.``-prefixed) are the same, so checkpoints move between the two.
 
-    Extras: ``comm_dtype=torch.bfloat16|torch.float16`` all-reduces the gradients in that dtype
+    Extras: ``shm_allreduce`` (default None = auto): when every rank of the group runs on this
+    host with CPU parameters, the gradient buckets live in one shared-memory mapping and each
+    rank sums its slice of every bucket straight from the others' memory instead of sending it
+    through gloo's TCP loopback (fp32/fp64 buckets and compressed ones; an uncompressed
+    bf16/fp16 bucket stays on the process group so its rounding is torch DDP's); set ``FASTDDP_SHM_ALLREDUCE=0`` or pass False to use the
+    process group's backend, True to require it. ``transport`` says which one is in use.
+    ``comm_dtype=torch.bfloat16|torch.float16`` all-reduces the gradients in that dtype
     (they are divided by the world size before the cast, so the sum cannot overflow, and are
     copied back into the parameters' dtype); :meth:`bucket_report`; :meth:`bucket_buffers`
     (the flat gradient buffers, for :class:`fastddp.GradScaler`'s ``grads=``).
@@ -98,6 +105,7 @@ class DDPWrapper(nn.Module):
         gradient_as_bucket_view: bool = True,
         static_graph: bool = False,
         comm_dtype: Optional[torch.dtype] = None,
+        shm_allreduce: Optional[bool] = None,
     ) -> None:
         super().__init__()
         if not (dist.is_available() and dist.is_initialized()):
@@ -138,7 +146,32 @@ class DDPWrapper(nn.Module):
         self._bucket_cap_mb = bucket_cap_mb
         self._reducer = C.Reducer(params, self._param_names, self._buckets, self.process_group,
                                   gradient_as_bucket_view, find_unused_parameters, static_graph,
-                                  None if comm_dtype is None else comm_dtype)
+                                  None if comm_dtype is None else comm_dtype,
+                                  self._shm_wish(params, shm_allreduce), self._timeout_s())
+        if shm_allreduce and self._reducer.transport != "shm":
+            raise RuntimeError(f"DDPWrapper: shm_allreduce=True but the ranks cannot all-reduce through shared "
+                               f"memory: {self._reducer.transport_note}. Pass shm_allreduce=None to fall "
+                               "back to the process group's backend.")
+
+    def _shm_wish(self, params: list[torch.Tensor], requested: Optional[bool]) -> Optional[bool]:
+        """None: no shared-memory handshake (one process, or not a CPU model). Otherwise this
+        rank's wish, agreed with the other ranks' in the handshake."""
+        if self.world_size == 1 or any(p.device.type != "cpu" for p in params):
+            if requested:
+                raise ValueError("DDPWrapper: shm_allreduce=True needs CPU parameters and more than one "
+                                 f"process (world size {self.world_size}, devices "
+                                 f"{sorted({str(p.device) for p in params})})")
+            return None
+        if requested is not None:
+            return bool(requested)
+        return os.environ.get("FASTDDP_SHM_ALLREDUCE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+    def _timeout_s(self) -> float:
+        """The process group's timeout (a shared-memory wait for a live peer gives up after it)."""
+        try:
+            return self.process_group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+        except (AttributeError, RuntimeError):
+            return 1800.0
 
     # ------------------------------------------------------------------ construction checks
     def _check_devices(self, named: list[tuple[str, nn.Parameter]], device_ids) -> None:
@@ -249,6 +282,11 @@ class DDPWrapper(nn.Module):
             self.require_backward_grad_sync = previous
 
     # ------------------------------------------------------------------ extras
+    @property
+    def transport(self) -> str:
+        """``"shm"`` when the buckets are reduced through shared memory, else ``"c10d"``."""
+        return self._reducer.transport
+
     def bucket_buffers(self) -> list[torch.Tensor]:
         """The flat gradient buffers (``param.grad`` are views into them with
         ``gradient_as_bucket_view=True``)."""
@@ -259,6 +297,7 @@ class DDPWrapper(nn.Module):
         all-reduce time of each bucket (launch to completion, ms; -1 before any)."""
         buffers = self._reducer.bucket_buffers()
         times = self._reducer.bucket_allreduce_ms()
+        shm = self._reducer.bucket_shm()
         buckets = []
         for b, (indices, buf) in enumerate(zip(self._reducer.bucket_indices(), buffers)):
             buckets.append({
@@ -266,8 +305,10 @@ class DDPWrapper(nn.Module):
                 "dtype": str(buf.dtype), "device": str(buf.device),
                 "params": [self._param_names[i] for i in indices],
                 "allreduce_ms": times[b] if times[b] >= 0 else None,
+                "transport": "shm" if shm[b] else "c10d",
             })
         return {"world_size": self.world_size, "bucket_cap_mb": self._bucket_cap_mb,
+                "transport": self._reducer.transport, "transport_note": self._reducer.transport_note,
                 "first_bucket_mb": FIRST_BUCKET_MB, "comm_dtype": str(self.comm_dtype),
                 "buckets": buckets,
                 "param_to_bucket": {self._param_names[i]: b for b, idx in

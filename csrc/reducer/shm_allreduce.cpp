@@ -1,0 +1,453 @@
+#include "reducer/shm_allreduce.h"
+
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Half.h>
+
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <climits>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <random>
+#include <sstream>
+#include <vector>
+
+namespace fastddp::reducer {
+
+namespace {
+
+constexpr uint64_t kMagic = 0x66617374646470ULL;  // "fastddp"
+constexpr int64_t kSlotBytes = 128;              // one rank's counters, on their own cache lines
+constexpr int64_t kPage = 4096;
+constexpr int kReady = 0, kReduced = 1, kDone = 2;
+constexpr int kSpins = 256;  // busy checks before sleeping on the futex
+constexpr auto kLivenessPeriod = std::chrono::milliseconds(200);
+
+struct RankSlot {
+  std::atomic<uint32_t> counter[3];  // last collective (sequence number) that reached each phase
+  int32_t pid;
+  uint64_t start_time;  // /proc/<pid>/stat field 22: tells a live peer from a reused pid
+};
+static_assert(sizeof(RankSlot) <= kSlotBytes);
+static_assert(std::atomic<uint32_t>::is_always_lock_free);
+
+int64_t round_up(int64_t v, int64_t to) { return (v + to - 1) / to * to; }
+
+// Field 22 (start time) and the state of a process, from /proc/<pid>/stat; false if it is gone.
+bool read_proc_stat(int pid, char* state, uint64_t* start_time) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const auto close = text.rfind(')');
+  if (!in.good() && text.empty()) return false;
+  if (close == std::string::npos || close + 2 >= text.size()) return false;
+  std::istringstream fields(text.substr(close + 2));
+  std::string field;
+  fields >> field;  // field 3: state
+  *state = field.empty() ? '?' : field[0];
+  for (int i = 4; i <= 22 && fields >> field; ++i) {
+    if (i == 22) {
+      *start_time = std::stoull(field);
+      return true;
+    }
+  }
+  return false;
+}
+
+bool peer_alive(int pid, uint64_t start_time) {
+  char state = '?';
+  uint64_t start = 0;
+  if (!read_proc_stat(pid, &state, &start)) return false;
+  return state != 'Z' && state != 'X' && start == start_time;
+}
+
+uint64_t fnv1a(const std::string& s, uint64_t h = 1469598103934665603ULL) {
+  for (unsigned char c : s) h = (h ^ c) * 1099511628211ULL;
+  return h;
+}
+
+std::string read_file(const char* path) {
+  std::ifstream in(path);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+// What must be equal on every rank for one mapping to reach them all: the same running kernel
+// (boot id), the same /dev/shm (device + inode, so containers with private ones differ) and the
+// same pid namespace (the liveness check reads peers' /proc entries). 0 when unknown.
+std::vector<int64_t> host_identity() {
+  struct stat shm_dir {}, pid_ns {};
+  const std::string boot = read_file("/proc/sys/kernel/random/boot_id");
+  char host[256] = {0};
+  gethostname(host, sizeof(host) - 1);
+  if (boot.empty() || stat("/dev/shm", &shm_dir) != 0 || stat("/proc/self/ns/pid", &pid_ns) != 0) return {0, 0, 0};
+  constexpr uint64_t kMask = (1ULL << 62) - 1;  // keeps -x representable for the MIN-by-MAX trick
+  return {static_cast<int64_t>(fnv1a(host, fnv1a(boot)) & kMask),
+          static_cast<int64_t>(fnv1a(std::to_string(shm_dir.st_dev) + ":" + std::to_string(shm_dir.st_ino)) & kMask),
+          static_cast<int64_t>(static_cast<uint64_t>(pid_ns.st_ino) & kMask)};
+}
+
+int futex_wait(std::atomic<uint32_t>* word, uint32_t expected, std::chrono::milliseconds timeout) {
+  timespec ts{static_cast<time_t>(timeout.count() / 1000), static_cast<long>((timeout.count() % 1000) * 1000000)};
+  return static_cast<int>(syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, expected, &ts, nullptr, 0));
+}
+
+void futex_wake(std::atomic<uint32_t>* word) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+}
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
+inline bool reached(uint32_t value, uint32_t seq) { return static_cast<int32_t>(value - seq) >= 0; }
+
+// dst[i] = scale * sum over src of src[k][i], accumulated in Acc in rank order. dst may be one
+// of the sources: each block is read completely before it is written.
+template <typename T, typename Acc>
+void sum_slices(T* dst, const std::vector<const T*>& src, int64_t n, Acc scale) {
+  constexpr int64_t kBlock = 2048;
+  Acc acc[kBlock];
+  for (int64_t base = 0; base < n; base += kBlock) {
+    const int64_t m = std::min(kBlock, n - base);
+    const T* s0 = src[0] + base;
+    for (int64_t i = 0; i < m; ++i) acc[i] = static_cast<Acc>(s0[i]);
+    for (size_t k = 1; k < src.size(); ++k) {
+      const T* s = src[k] + base;
+      for (int64_t i = 0; i < m; ++i) acc[i] += static_cast<Acc>(s[i]);
+    }
+    T* d = dst + base;
+    if (scale != Acc(1)) {
+      for (int64_t i = 0; i < m; ++i) d[i] = static_cast<T>(acc[i] * scale);
+    } else {
+      for (int64_t i = 0; i < m; ++i) d[i] = static_cast<T>(acc[i]);
+    }
+  }
+}
+
+template <typename T, typename Acc>
+void sum_bytes(char* dst, const std::vector<const char*>& src, int64_t n, double scale) {
+  std::vector<const T*> typed;
+  typed.reserve(src.size());
+  for (const char* s : src) typed.push_back(reinterpret_cast<const T*>(s));
+  sum_slices<T, Acc>(reinterpret_cast<T*>(dst), typed, n, static_cast<Acc>(scale));
+}
+
+class ShmWork : public c10d::Work {
+ public:
+  ShmWork() : c10d::Work(-1, c10d::OpType::ALLREDUCE) {}
+  void complete(std::exception_ptr error) { finish(std::move(error)); }
+};
+
+}  // namespace
+
+struct ShmSegment {
+  char* base = nullptr;
+  int64_t size = 0;
+  int64_t header_bytes = 0;
+  int64_t stride = 0;  // bytes from one rank's arena to the next
+  ShmSegment() = default;
+  ShmSegment(const ShmSegment&) = delete;
+  ShmSegment& operator=(const ShmSegment&) = delete;
+  ~ShmSegment() {
+    if (base) munmap(base, static_cast<size_t>(size));
+  }
+  RankSlot& slot(int rank) const { return *reinterpret_cast<RankSlot*>(base + 64 + rank * kSlotBytes); }
+  char* arena(int rank) const { return base + header_bytes + rank * stride; }
+};
+
+struct ShmAllreduce::Task {
+  c10::intrusive_ptr<ShmWork> work;
+  int64_t offset;
+  int64_t numel;
+  at::ScalarType dtype;
+  double scale;
+  uint32_t seq;
+};
+
+std::shared_ptr<ShmAllreduce> ShmAllreduce::create(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, bool wanted,
+                                                   int64_t arena_bytes, std::chrono::milliseconds timeout,
+                                                   std::string* why) {
+  TORCH_CHECK(pg, "DDPWrapper: process group is null");
+  TORCH_CHECK(arena_bytes > 0, "DDPWrapper: shared-memory arena of ", arena_bytes, " bytes");
+  const int rank = pg->getRank();
+  const int world = pg->getSize();
+  auto cpu_long = at::TensorOptions().dtype(at::kLong);
+
+  // 1. Wanted by every rank; same host, same /dev/shm, same pid namespace on every rank? One
+  //    MAX over (x, -x) gives both the maximum and the minimum of each value.
+  const auto id = host_identity();
+  auto agree = at::empty({8}, cpu_long);
+  auto* a = agree.data_ptr<int64_t>();
+  for (int i = 0; i < 3; ++i) {
+    a[i] = id[i];
+    a[3 + i] = -id[i];
+  }
+  a[6] = wanted ? 1 : 0;
+  a[7] = wanted ? -1 : 0;
+  {
+    std::vector<at::Tensor> t{agree};
+    c10d::AllreduceOptions opts;
+    opts.reduceOp = c10d::ReduceOp::MAX;
+    pg->allreduce(t, opts)->wait();
+  }
+  if (a[7] == 0) {  // min(wanted) == 0
+    if (why) *why = a[6] ? "disabled on some rank (shm_allreduce=False or FASTDDP_SHM_ALLREDUCE=0)" : "disabled";
+    return nullptr;
+  }
+  for (int i = 0; i < 3; ++i) {
+    if (a[i] == 0 || a[i] != -a[3 + i]) {
+      if (why) *why = "the ranks do not share one host's /dev/shm (different machines or containers)";
+      return nullptr;
+    }
+  }
+
+  // 2. Rank 0 creates and sizes the segment (fallocate: a too small /dev/shm fails here, not
+  //    later with SIGBUS) and broadcasts its name; every rank maps it and registers itself.
+  const int64_t header_bytes = round_up(64 + world * kSlotBytes, kPage);
+  const int64_t stride = round_up(arena_bytes, kPage);
+  const int64_t size = header_bytes + world * stride;
+  std::string error;
+  std::string name;
+  auto name_buf = at::zeros({64}, at::TensorOptions().dtype(at::kByte));
+  if (rank == 0) {
+    std::random_device rd;
+    std::ostringstream s;
+    s << "/fastddp-" << getpid() << "-" << std::hex << ((static_cast<uint64_t>(rd()) << 32) ^ rd());
+    name = s.str();
+    const int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    if (fd < 0) {
+      error = "shm_open(" + name + "): " + std::strerror(errno);
+    } else {
+      const int rc = posix_fallocate(fd, 0, size);
+      if (rc != 0) {
+        error = "reserving " + std::to_string(size >> 20) + " MiB in /dev/shm: " + std::strerror(rc) +
+                " (a container's /dev/shm may be too small: docker run --shm-size)";
+      }
+      close(fd);
+    }
+    if (error.empty()) std::memcpy(name_buf.data_ptr<uint8_t>(), name.data(), name.size());
+  }
+  {
+    std::vector<at::Tensor> t{name_buf};
+    c10d::BroadcastOptions opts;
+    opts.rootRank = 0;
+    pg->broadcast(t, opts)->wait();
+  }
+  name.assign(reinterpret_cast<const char*>(name_buf.data_ptr<uint8_t>()));
+  auto segment = std::make_shared<ShmSegment>();
+  if (!name.empty() && error.empty()) {
+    const int fd = shm_open(name.c_str(), O_RDWR, 0600);
+    struct stat st {};
+    if (fd < 0) {
+      error = "shm_open(" + name + "): " + std::strerror(errno);
+    } else if (fstat(fd, &st) != 0 || st.st_size != size) {
+      error = "segment " + name + " has " + std::to_string(st.st_size) + " bytes, expected " + std::to_string(size);
+    } else {
+      void* p = mmap(nullptr, static_cast<size_t>(size), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+      if (p == MAP_FAILED) {
+        error = std::string("mmap: ") + std::strerror(errno);
+      } else {
+        segment->base = static_cast<char*>(p);
+        segment->size = size;
+        segment->header_bytes = header_bytes;
+        segment->stride = stride;
+      }
+    }
+    if (fd >= 0) close(fd);
+  } else if (error.empty()) {
+    error = "rank 0 could not create the segment";
+  }
+  if (segment->base) {
+    char state = '?';
+    uint64_t start = 0;
+    if (read_proc_stat(getpid(), &state, &start)) {
+      auto& slot = segment->slot(rank);
+      slot.pid = getpid();
+      slot.start_time = start;
+    } else {
+      error = "cannot read /proc/self/stat";
+    }
+  }
+  // 3. Everyone mapped it (or someone failed): agree, then rank 0 unlinks the name so nothing
+  //    is left in /dev/shm whatever happens to the processes later.
+  auto ok = at::full({2}, error.empty() ? 1 : 0, cpu_long);
+  ok.data_ptr<int64_t>()[1] = error.empty() ? -1 : rank;
+  {
+    std::vector<at::Tensor> t{ok};
+    c10d::AllreduceOptions opts;
+    opts.reduceOp = c10d::ReduceOp::MIN;
+    pg->allreduce(t, opts)->wait();
+  }
+  if (rank == 0 && !name.empty()) shm_unlink(name.c_str());
+  if (ok.data_ptr<int64_t>()[0] == 0) {
+    if (why) {
+      *why = error.empty() ? "rank " + std::to_string(ok.data_ptr<int64_t>()[1] < 0 ? 0 : ok.data_ptr<int64_t>()[1]) +
+                                 " could not map the shared-memory segment"
+                           : error;
+    }
+    return nullptr;
+  }
+  return std::shared_ptr<ShmAllreduce>(new ShmAllreduce(std::move(segment), rank, world, stride, timeout));
+}
+
+ShmAllreduce::ShmAllreduce(std::shared_ptr<ShmSegment> segment, int rank, int world, int64_t arena_bytes,
+                           std::chrono::milliseconds timeout)
+    : segment_(std::move(segment)), rank_(rank), world_(world), arena_bytes_(arena_bytes), timeout_(timeout) {
+  thread_ = std::thread([this] { run(); });
+}
+
+ShmAllreduce::~ShmAllreduce() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+at::Tensor ShmAllreduce::arena_tensor(int64_t offset, int64_t numel, at::ScalarType dtype) const {
+  const int64_t bytes = numel * static_cast<int64_t>(c10::elementSize(dtype));
+  TORCH_CHECK(offset >= 0 && numel >= 0 && offset + bytes <= arena_bytes_, "DDPWrapper: shared-memory arena of ",
+              arena_bytes_, " bytes cannot hold ", bytes, " bytes at offset ", offset);
+  char* p = segment_->arena(rank_) + offset;
+  std::memset(p, 0, static_cast<size_t>(bytes));
+  auto keep = segment_;
+  return at::from_blob(p, {numel}, [keep](void*) mutable { keep.reset(); }, at::TensorOptions().dtype(dtype));
+}
+
+c10::intrusive_ptr<c10d::Work> ShmAllreduce::allreduce_sum(const at::Tensor& t, double scale) {
+  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), "DDPWrapper: shared-memory all-reduce needs a contiguous "
+              "CPU tensor, got ", t.device(), t.is_contiguous() ? "" : " (non-contiguous)");
+  const char* p = static_cast<const char*>(t.data_ptr());
+  const int64_t offset = p - segment_->arena(rank_);
+  const int64_t bytes = t.numel() * static_cast<int64_t>(t.element_size());
+  TORCH_CHECK(offset >= 0 && offset + bytes <= arena_bytes_, "DDPWrapper: tensor at arena offset ", offset, " (",
+              bytes, " bytes) lies outside the shared-memory arena of ", arena_bytes_, " bytes");
+  const auto dtype = t.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kBFloat16 || dtype == at::kHalf,
+              "DDPWrapper: shared-memory all-reduce supports float32/float64/bfloat16/float16, got ", dtype);
+  auto work = c10::make_intrusive<ShmWork>();
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    queue_.push_back(Task{work, offset, t.numel(), dtype, scale, next_seq_++});
+  }
+  cv_.notify_one();
+  return work;
+}
+
+void ShmAllreduce::run() {
+  while (true) {
+    Task task;
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stop_ and nothing left
+      task = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    std::exception_ptr error;
+    try {
+      std::string broken;
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        broken = broken_;
+        if (broken.empty() && stop_) broken = "the DDPWrapper was destroyed while an all-reduce was pending";
+      }
+      if (!broken.empty()) fail(broken);
+      execute(task);
+    } catch (const std::exception& e) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (broken_.empty()) broken_ = e.what();
+      error = std::current_exception();
+    }
+    task.work->complete(error);
+  }
+}
+
+void ShmAllreduce::fail(const std::string& what) const { C10_THROW_ERROR(DistBackendError, what); }
+
+void ShmAllreduce::publish(int which, uint32_t seq) const {
+  auto* word = &segment_->slot(rank_).counter[which];
+  word->store(seq, std::memory_order_release);
+  futex_wake(word);
+}
+
+void ShmAllreduce::wait_for(int peer, int which, uint32_t seq) const {
+  auto& slot = segment_->slot(peer);
+  auto* word = &slot.counter[which];
+  for (int i = 0; i < kSpins; ++i) {
+    if (reached(word->load(std::memory_order_acquire), seq)) return;
+    cpu_relax();
+  }
+  const auto start = std::chrono::steady_clock::now();
+  auto next_check = start + kLivenessPeriod;
+  while (true) {
+    const uint32_t value = word->load(std::memory_order_acquire);
+    if (reached(value, seq)) return;
+    futex_wait(word, value, std::chrono::milliseconds(20));
+    const auto now = std::chrono::steady_clock::now();
+    if (now < next_check) continue;
+    next_check = now + kLivenessPeriod;
+    if (stop_.load()) fail("the DDPWrapper was destroyed while an all-reduce was waiting for rank " + std::to_string(peer));
+    if (reached(word->load(std::memory_order_acquire), seq)) return;
+    if (!peer_alive(slot.pid, slot.start_time)) {
+      fail("fastddp shared-memory all-reduce: rank " + std::to_string(peer) + " (pid " + std::to_string(slot.pid) +
+           ") exited during collective " + std::to_string(seq) + ": Connection closed by peer");
+    }
+    if (now - start > timeout_) {
+      fail("fastddp shared-memory all-reduce: timed out after " + std::to_string(timeout_.count()) +
+           " ms waiting for rank " + std::to_string(peer) + " (pid " + std::to_string(slot.pid) +
+           ", alive) in collective " + std::to_string(seq) + "; it is stuck or issued different collectives");
+    }
+  }
+}
+
+void ShmAllreduce::execute(const Task& task) {
+  const int64_t elem = static_cast<int64_t>(c10::elementSize(task.dtype));
+  std::vector<const char*> src(world_);
+  for (int j = 0; j < world_; ++j) src[j] = segment_->arena(j) + task.offset;
+  char* mine = segment_->arena(rank_) + task.offset;
+  auto lo = [&](int r) { return task.numel * r / world_; };
+
+  // Phase 1: every rank's gradients are in place.
+  publish(kReady, task.seq);
+  for (int k = 1; k < world_; ++k) wait_for((rank_ + k) % world_, kReady, task.seq);
+  // Phase 2: reduce my slice from every rank's copy into mine (other ranks read only their own
+  // slices of my buffer, which I do not write).
+  const int64_t my_lo = lo(rank_), my_n = lo(rank_ + 1) - my_lo;
+  std::vector<const char*> slices(world_);
+  for (int j = 0; j < world_; ++j) slices[j] = src[j] + my_lo * elem;
+  switch (task.dtype) {
+    case at::kFloat: sum_bytes<float, float>(mine + my_lo * elem, slices, my_n, task.scale); break;
+    case at::kDouble: sum_bytes<double, double>(mine + my_lo * elem, slices, my_n, task.scale); break;
+    case at::kBFloat16: sum_bytes<c10::BFloat16, float>(mine + my_lo * elem, slices, my_n, task.scale); break;
+    case at::kHalf: sum_bytes<c10::Half, float>(mine + my_lo * elem, slices, my_n, task.scale); break;
+    default: fail("unsupported dtype");
+  }
+  publish(kReduced, task.seq);
+  // Phase 3: copy the other ranks' reduced slices into my buffer.
+  for (int k = 1; k < world_; ++k) {
+    const int j = (rank_ + k) % world_;
+    wait_for(j, kReduced, task.seq);
+    const int64_t j_lo = lo(j), j_n = lo(j + 1) - j_lo;
+    std::memcpy(mine + j_lo * elem, src[j] + j_lo * elem, static_cast<size_t>(j_n * elem));
+  }
+  // Phase 4: nobody reads my buffer any more, so the caller may write it again.
+  publish(kDone, task.seq);
+  for (int k = 1; k < world_; ++k) wait_for((rank_ + k) % world_, kDone, task.seq);
+}
+
+}  // namespace fastddp::reducer

@@ -1,0 +1,82 @@
+// Shared-memory all-reduce for the ranks of one process group that run on one host (CPU
+// gradients). Gloo moves every byte of a co-located all-reduce through the kernel's TCP stack;
+// here the ranks' gradient buckets live in one shared mapping and each rank sums its 1/world
+// slice of every bucket straight from its peers' memory, then copies the other slices back:
+// per rank, (world + 1) slice reads + one slice write for the reduction and (world - 1) slice
+// copies, no system call on the data path.
+//
+// The process group stays in charge: it decides membership and rank numbers, carries the
+// set-up handshake (which also proves that every rank sees the same /dev/shm), and everything
+// that is not a bucket all-reduce. Synchronisation is three monotonic per-rank counters in the
+// mapping, waited on with futexes; a waiting rank checks its peers' processes so a dead peer
+// fails the collective within a second with a DistBackendError naming it.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/intrusive_ptr.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+namespace fastddp::reducer {
+
+struct ShmSegment;  // the mapping; arena tensors keep it alive
+
+class ShmAllreduce {
+ public:
+  // Collective over `pg` (every rank must call it). Returns nullptr on every rank when some
+  // rank did not want it, the ranks do not share this host's /dev/shm, or the mapping could not
+  // be set up on some rank; `why` then says why (on every rank). `arena_bytes` is the gradient
+  // memory each rank needs; `timeout` bounds a wait for a live peer.
+  static std::shared_ptr<ShmAllreduce> create(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, bool wanted,
+                                              int64_t arena_bytes, std::chrono::milliseconds timeout,
+                                              std::string* why);
+  ~ShmAllreduce();
+  ShmAllreduce(const ShmAllreduce&) = delete;
+  ShmAllreduce& operator=(const ShmAllreduce&) = delete;
+
+  // A zero-filled tensor of `numel` elements placed at byte `offset` of this rank's arena;
+  // it keeps the mapping alive.
+  at::Tensor arena_tensor(int64_t offset, int64_t numel, at::ScalarType dtype) const;
+  int64_t arena_bytes() const { return arena_bytes_; }
+
+  // Sums `t` (an arena tensor) over the ranks in place and multiplies the sum by `scale` in the
+  // same pass (1/world averages), asynchronously: every rank must issue the same sequence of
+  // calls with tensors at the same offsets.
+  c10::intrusive_ptr<c10d::Work> allreduce_sum(const at::Tensor& t, double scale = 1.0);
+
+ private:
+  struct Task;
+  ShmAllreduce(std::shared_ptr<ShmSegment> segment, int rank, int world, int64_t arena_bytes,
+               std::chrono::milliseconds timeout);
+  void run();
+  void execute(const Task& task);
+  void wait_for(int peer, int which, uint32_t seq) const;
+  void publish(int which, uint32_t seq) const;
+  [[noreturn]] void fail(const std::string& what) const;
+
+  std::shared_ptr<ShmSegment> segment_;
+  int rank_;
+  int world_;
+  int64_t arena_bytes_;
+  std::chrono::milliseconds timeout_;
+  uint32_t next_seq_ = 1;  // issued on the caller's thread, under mutex_
+
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<Task> queue_;
+  std::atomic<bool> stop_{false};
+  std::string broken_;  // first failure; every later collective fails with it
+  std::thread thread_;
+};
+
+}  // namespace fastddp::reducer

@@ -1,0 +1,115 @@
+"""DDPWrapper's shared-memory all-reduce for co-located CPU ranks: the ranks agree on the
+transport, nothing is left in /dev/shm, and a dead or stuck peer fails the collective with a
+clear error instead of hanging. (Gradient parity with torch DDP over this transport is in
+test_ddp.py, which runs its whole suite over both transports.)"""
+
+from __future__ import annotations
+
+import datetime
+import glob
+import os
+import queue
+import tempfile
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import fastddp
+from fastddp.train import lost_peer_message
+
+from .distributed import run_distributed
+
+
+def _agreement(rank: int, world_size: int) -> dict:
+    torch.manual_seed(0)
+    pids = [None] * world_size
+    dist.all_gather_object(pids, os.getpid())
+    auto = fastddp.DDPWrapper(nn.Linear(8, 8))
+    dist.barrier()  # rank 0 unlinks the name right after the handshake's last collective
+    leftovers = glob.glob(f"/dev/shm/fastddp-{pids[0]}-*")
+    # One rank opts out: every rank falls back to the process group, none hangs.
+    mixed = fastddp.DDPWrapper(nn.Linear(8, 8), shm_allreduce=False if rank == 1 else None)
+    mixed(torch.ones(2, 8)).sum().backward()
+    forced = fastddp.DDPWrapper(nn.Linear(8, 8), shm_allreduce=True)
+    x = torch.full((2, 8), float(rank + 1))
+    forced(x).sum().backward()
+    # d(sum(Wx+b))/dW[i, j] = sum over the batch of x[j] = 2 * (rank + 1); averaged over ranks
+    expected = 2 * sum(r + 1 for r in range(world_size)) / world_size
+    return {"auto": auto.transport, "mixed": mixed.transport,
+            "mixed_note": mixed.bucket_report()["transport_note"], "forced": forced.transport,
+            "grad_ok": bool(torch.equal(forced.module.weight.grad, torch.full((8, 8), expected))),
+            "leftovers": leftovers + glob.glob(f"/dev/shm/fastddp-{pids[0]}-*")}
+
+
+def test_ranks_agree_on_the_transport_and_leave_nothing_in_dev_shm() -> None:
+    results = run_distributed(_agreement, world_size=3)
+    for r in results:
+        assert r["auto"] == "shm" and r["forced"] == "shm" and r["grad_ok"], r
+        assert r["mixed"] == "c10d" and "disabled on some rank" in r["mixed_note"], r
+        assert r["leftovers"] == [], r
+
+
+def _world_one(rank: int, world_size: int) -> str:
+    with pytest.raises(ValueError, match="shm_allreduce=True needs CPU parameters and more than one process"):
+        fastddp.DDPWrapper(nn.Linear(4, 4), shm_allreduce=True)
+    return fastddp.DDPWrapper(nn.Linear(4, 4)).transport
+
+
+def test_world_of_one_uses_the_process_group() -> None:
+    assert run_distributed(_world_one, world_size=1) == ["c10d"]
+
+
+def _faulty_peer(rank: int, init_file: str, fault: str, results) -> None:
+    """Rank 1 takes part in two steps, then dies (`exit`) or stops calling collectives
+    (`stall`); rank 0 reports how its next backward ended."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=3))
+    model = fastddp.DDPWrapper(nn.Linear(64, 64))
+    assert model.transport == "shm"
+    for _ in range(2):  # the second forward rebuilds the buckets (a gloo broadcast)
+        model(torch.randn(4, 64)).sum().backward()
+    if rank == 1:
+        if fault == "exit":
+            os._exit(3)
+        time.sleep(20)
+        os._exit(0)
+    start = time.monotonic()
+    try:
+        model(torch.randn(4, 64)).sum().backward()
+        results.put(("no error", "", time.monotonic() - start, None))
+    except Exception as exc:  # noqa: BLE001 - the test inspects whatever was raised
+        results.put((type(exc).__name__, str(exc), time.monotonic() - start, lost_peer_message(exc, 0, 2)))
+    results.close()
+    results.join_thread()  # flushed before the hard exit (a clean one would wait for gloo)
+    os._exit(0)
+
+
+@pytest.mark.parametrize("fault", ["exit", "stall"])
+def test_dead_or_stuck_peer_fails_the_collective_clearly(fault: str) -> None:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=_faulty_peer, args=(r, os.path.join(tmp, "init"), fault, results))
+                 for r in range(2)]
+        for p in procs:
+            p.start()
+        try:
+            kind, text, waited, line = results.get(timeout=60)
+        except queue.Empty:
+            pytest.fail(f"rank 0 reported nothing: exit codes {[p.exitcode for p in procs]}")
+        finally:
+            for p in procs:
+                p.join(timeout=30)
+                if p.is_alive():
+                    p.kill()
+    assert kind == "DistBackendError", (kind, text)
+    if fault == "exit":
+        # found by the liveness check (every 0.2 s), long before the 3 s timeout
+        assert "rank 1" in text and "exited" in text and waited < 3, (text, waited)
+        assert line is not None and "lost contact with the other ranks" in line and "rank 1 died" in line, line
+    else:
+        assert "timed out after 3000 ms waiting for rank 1" in text and 3 <= waited < 10, (text, waited)
