@@ -9,8 +9,12 @@ import datetime
 import glob
 import os
 import queue
+import shutil
+import subprocess
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -113,3 +117,52 @@ def test_dead_or_stuck_peer_fails_the_collective_clearly(fault: str) -> None:
         assert line is not None and "lost contact with the other ranks" in line and "rank 1 died" in line, line
     else:
         assert "timed out after 3000 ms waiting for rank 1" in text and 3 <= waited < 10, (text, waited)
+
+
+def _small_dev_shm(rank: int, world_size: int) -> tuple[str, str, list[str], bool]:
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = fastddp.DDPWrapper(nn.Linear(512, 1024))  # 2 MiB of gradients per rank
+    x = torch.full((2, 512), float(rank + 1))
+    model(x).sum().backward()
+    expected = 2 * sum(r + 1 for r in range(world_size)) / world_size
+    return (model.transport, model.bucket_report()["transport_note"], [str(w.message) for w in caught],
+            bool(torch.equal(model.module.weight.grad, torch.full((1024, 512), expected))))
+
+
+_SMALL_SHM_SCRIPT = """
+import json, sys
+from tests.distributed import run_distributed
+from tests.test_shm_allreduce import _small_dev_shm
+if __name__ == "__main__":
+    print(json.dumps(run_distributed(_small_dev_shm, world_size=2)))
+"""
+
+
+def test_too_small_dev_shm_falls_back_with_a_warning(tmp_path: Path) -> None:
+    """A container's /dev/shm is often 64 MB: when the gradients do not fit, the ranks train
+    through the process group and rank 0 says why (instead of dying of SIGBUS later)."""
+    if shutil.which("unshare") is None or os.geteuid() != 0:
+        pytest.skip("needs root and unshare(1) to mount a small tmpfs on /dev/shm")
+    probe = subprocess.run(["unshare", "-m", "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot create a mount namespace here: {probe.stderr.decode().strip()}")
+    script = tmp_path / "small_shm.py"
+    script.write_text(_SMALL_SHM_SCRIPT)
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run(
+        ["unshare", "-m", "sh", "-c",
+         f"mount -t tmpfs -o size=1m tmpfs /dev/shm && exec {sys.executable} {script}"],
+        cwd=root, capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(root)]))))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import json
+
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    for rank, (transport, note, _warned, grad_ok) in enumerate(results):
+        assert transport == "c10d" and grad_ok, (rank, transport, note)
+        assert "No space left on device" in note or rank != 0, (rank, note)
+    assert any("not shared memory" in w and "/dev/shm" in w for w in results[0][2]), results[0][2]
+    assert results[1][2] == [], results[1][2]

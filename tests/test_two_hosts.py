@@ -59,7 +59,10 @@ def hosts() -> Iterator[tuple[str, str]]:
 def _node(ns: str, ifname: str, port: int, extra: list[str], save_dir: Path,
           host_store: bool, log: Path | None = None) -> subprocess.Popen:
     # fastddp is imported as the test process imports it (installed, or PYTHONPATH=python)
-    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=ifname)
+    # Two real hosts share no /dev/shm; these namespaces do, so keep the gradients on the
+    # network (gloo) as on two machines. (The one-host run below uses shared memory: the
+    # comparison checks that both transports train identically.)
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=ifname, FASTDDP_SHM_ALLREDUCE="0")
     cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "torch.distributed.run",
            "--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d",
            f"--rdzv-endpoint={ADDR_A}:{port}", "--rdzv-id=fastddp-two-hosts",

@@ -284,7 +284,7 @@ std::shared_ptr<ShmAllreduce> ShmAllreduce::create(const c10::intrusive_ptr<c10d
   // 3. Everyone mapped it (or someone failed): agree, then rank 0 unlinks the name so nothing
   //    is left in /dev/shm whatever happens to the processes later.
   auto ok = at::full({2}, error.empty() ? 1 : 0, cpu_long);
-  ok.data_ptr<int64_t>()[1] = error.empty() ? -1 : rank;
+  ok.data_ptr<int64_t>()[1] = error.empty() ? world : rank;  // MIN: the first rank that failed
   {
     std::vector<at::Tensor> t{ok};
     c10d::AllreduceOptions opts;
@@ -294,8 +294,8 @@ std::shared_ptr<ShmAllreduce> ShmAllreduce::create(const c10::intrusive_ptr<c10d
   if (rank == 0 && !name.empty()) shm_unlink(name.c_str());
   if (ok.data_ptr<int64_t>()[0] == 0) {
     if (why) {
-      *why = error.empty() ? "rank " + std::to_string(ok.data_ptr<int64_t>()[1] < 0 ? 0 : ok.data_ptr<int64_t>()[1]) +
-                                 " could not map the shared-memory segment"
+      *why = error.empty() ? "rank " + std::to_string(ok.data_ptr<int64_t>()[1]) +
+                                 " could not set up the shared-memory segment (see its warning)"
                            : error;
     }
     return nullptr;
@@ -305,11 +305,20 @@ std::shared_ptr<ShmAllreduce> ShmAllreduce::create(const c10::intrusive_ptr<c10d
 
 ShmAllreduce::ShmAllreduce(std::shared_ptr<ShmSegment> segment, int rank, int world, int64_t arena_bytes,
                            std::chrono::milliseconds timeout)
-    : segment_(std::move(segment)), rank_(rank), world_(world), arena_bytes_(arena_bytes), timeout_(timeout) {
+    : segment_(std::move(segment)),
+      rank_(rank),
+      world_(world),
+      arena_bytes_(arena_bytes),
+      timeout_(timeout),
+      owner_pid_(getpid()) {
   thread_ = std::thread([this] { run(); });
 }
 
 ShmAllreduce::~ShmAllreduce() {
+  if (getpid() != owner_pid_) {  // forked child (e.g. a DataLoader worker): no thread to join
+    thread_.detach();
+    return;
+  }
   {
     std::lock_guard<std::mutex> lock(mutex_);
     stop_ = true;

@@ -77,6 +77,7 @@ class ShmAllreduce {
   std::atomic<bool> stop_{false};
   std::string broken_;  // first failure; every later collective fails with it
   std::thread thread_;
+  int owner_pid_;  // a forked child inherits this object but not the thread
 };
 
 }  // namespace fastddp::reducer

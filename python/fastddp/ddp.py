@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from collections.abc import Iterator
 from typing import Any, Optional
 
@@ -148,6 +149,14 @@ class DDPWrapper(nn.Module):
                                   gradient_as_bucket_view, find_unused_parameters, static_graph,
                                   None if comm_dtype is None else comm_dtype,
                                   self._shm_wish(params, shm_allreduce), self._timeout_s())
+        note = self._reducer.transport_note
+        own_failure = note.startswith(("shm_open", "reserving", "segment", "mmap", "cannot"))
+        if shm_allreduce is None and self._reducer.transport != "shm" and (
+                own_failure or (self.rank == 0 and note.startswith("rank "))):
+            # Wanted and possible in principle, but the mapping failed: the failing rank (and
+            # rank 0) say so.
+            warnings.warn(f"DDPWrapper: all-reducing through the process group, not shared memory: {note}",
+                          RuntimeWarning, stacklevel=2)
         if shm_allreduce and self._reducer.transport != "shm":
             raise RuntimeError(f"DDPWrapper: shm_allreduce=True but the ranks cannot all-reduce through shared "
                                f"memory: {self._reducer.transport_note}. Pass shm_allreduce=None to fall "
