@@ -87,6 +87,47 @@ def test_memory_flat_over_10000_steps(tmp_path: Path) -> None:
     assert slope < MAX_SLOPE and growth < 4 * 2**20, (slope, growth)
 
 
+def _shm_soak(rank: int, world_size: int, steps: int) -> tuple[float, int, int, int]:
+    """Two CPU ranks, DDPWrapper on its shared-memory transport: resident memory over
+    ``steps`` steps, and what 20 wrappers created, used and dropped leave behind (threads,
+    mappings of /dev/shm segments)."""
+    torch.manual_seed(0)
+    threads = _threads()
+    for _ in range(20):
+        m = fastddp.DDPWrapper(nn.Linear(16, 16))
+        assert m.transport == "shm"
+        m(torch.randn(2, 16)).sum().backward()
+        del m
+    gc.collect()
+    with open("/proc/self/maps") as f:
+        mappings = sum("/dev/shm/fastddp-" in line for line in f)
+    extra_threads = _threads() - threads
+    model = fastddp.DDPWrapper(nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 4)))
+    assert model.transport == "shm"
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(64, 64)
+    warmup = 2_500
+    points: list[tuple[int, int]] = []
+    for step in range(1, steps + 1):
+        opt.zero_grad(set_to_none=True)
+        model(x).pow(2).mean().backward()
+        opt.step()
+        if step >= warmup and step % 50 == 0:
+            points.append((step, _rss()))
+    return _slope(points), points[-1][1] - points[0][1], extra_threads, mappings
+
+
+def test_shared_memory_allreduce_flat_over_10000_steps() -> None:
+    from .distributed import run_distributed
+
+    for rank, (slope, growth, extra_threads, mappings) in enumerate(
+            run_distributed(_shm_soak, world_size=2, args=(10_000,), timeout=600)):
+        print(f"rank {rank}: RSS slope {slope:.1f} B/step, growth {growth / 2**20:.2f} MiB")
+        assert slope < MAX_SLOPE and growth < 4 * 2**20, (rank, slope, growth)
+        # every comm thread joined, every segment unmapped once its wrapper is gone
+        assert extra_threads == 0 and mappings == 0, (rank, extra_threads, mappings)
+
+
 def test_loader_threads_not_leaked_over_100_epochs() -> None:
     x = torch.randn(2000, 16)
     y = torch.arange(2000)
