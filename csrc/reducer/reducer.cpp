@@ -383,6 +383,12 @@ void Reducer::launch_ready_buckets_locked() {
       tensors.push_back(bucket.buffer);
     }
     bucket.launched = std::chrono::steady_clock::now();
+    if (process_group_->getSize() == 1) {
+      // The sum over one rank is the bucket itself: no collective (its host-side launch costs
+      // tens of microseconds per bucket on a GPU, more than the rest of the reducer's work).
+      bucket.work.reset();
+      continue;
+    }
     if (bucket.shm) {
       bucket.work = shm_->allreduce_sum(tensors.front(), bucket.comm.defined() ? 1.0 : inv_world_);
       continue;
@@ -431,10 +437,14 @@ void Reducer::finalize_backward() {
     auto used = at::empty({static_cast<int64_t>(params_.size())}, at::TensorOptions().dtype(at::kInt));
     auto* u = used.data_ptr<int32_t>();
     for (size_t i = 0; i < locally_used_.size(); ++i) u[i] = locally_used_[i];
-    auto used_dev = used.to(buckets_.empty() ? at::Device(at::kCPU) : buckets_[0].buffer.device());
-    std::vector<at::Tensor> t{used_dev};
-    process_group_->allreduce(t)->wait();
-    global_used = used_dev.cpu();
+    if (process_group_->getSize() > 1) {
+      auto used_dev = used.to(buckets_.empty() ? at::Device(at::kCPU) : buckets_[0].buffer.device());
+      std::vector<at::Tensor> t{used_dev};
+      process_group_->allreduce(t)->wait();
+      global_used = used_dev.cpu();
+    } else {
+      global_used = used;
+    }
     // static_graph: the parameters unused on every rank in the first iteration stay unused.
     if (static_first) static_global_used_ = global_used;
   }
@@ -445,10 +455,14 @@ void Reducer::finalize_backward() {
     stats = at::zeros({1}, buckets_[0].buffer.options().dtype(at::kDouble));
   }
   for (auto& bucket : buckets_) {
-    bucket.work->wait();
-    bucket.last_allreduce_ms =
-        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - bucket.launched).count();
-    bucket.work.reset();
+    if (bucket.work) {
+      bucket.work->wait();
+      bucket.last_allreduce_ms =
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - bucket.launched).count();
+      bucket.work.reset();
+    } else {
+      bucket.last_allreduce_ms = 0.0;  // a world of one: nothing to reduce
+    }
     if (bucket.comm.defined()) bucket.buffer.copy_(bucket.comm);
     // Read this bucket for the AMP check while the later buckets are still on the wire.
     if (stats.defined()) fastddp::amp::accumulate_stats_({bucket.buffer}, stats);

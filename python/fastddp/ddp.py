@@ -303,7 +303,8 @@ class DDPWrapper(nn.Module):
 
     def bucket_report(self) -> dict[str, Any]:
         """Bucket sizes, which parameter sits in which bucket, and the last measured
-        all-reduce time of each bucket (launch to completion, ms; -1 before any)."""
+        all-reduce time of each bucket (launch to completion, ms; None before any; 0 in a
+        world of one, where no collective is issued)."""
         buffers = self._reducer.bucket_buffers()
         times = self._reducer.bucket_allreduce_ms()
         shm = self._reducer.bucket_shm()
