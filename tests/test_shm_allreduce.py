@@ -128,17 +128,19 @@ def test_dead_or_stuck_peer_fails_the_collective_clearly(fault: str) -> None:
         assert "timed out after 3000 ms waiting for rank 1" in text and 3 <= waited < 10, (text, waited)
 
 
-def _small_dev_shm(rank: int, world_size: int) -> tuple[str, str, list[str], bool]:
+def _small_dev_shm(rank: int, world_size: int) -> tuple[str, str, list[str], bool, list[str]]:
     import warnings
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model = fastddp.DDPWrapper(nn.Linear(512, 1024))  # 2 MiB of gradients per rank
+    dist.barrier()
+    leftovers = glob.glob("/dev/shm/fastddp-*")  # this tmpfs is private to the test
     x = torch.full((2, 512), float(rank + 1))
     model(x).sum().backward()
     expected = 2 * sum(r + 1 for r in range(world_size)) / world_size
     return (model.transport, model.bucket_report()["transport_note"], [str(w.message) for w in caught],
-            bool(torch.equal(model.module.weight.grad, torch.full((1024, 512), expected))))
+            bool(torch.equal(model.module.weight.grad, torch.full((1024, 512), expected))), leftovers)
 
 
 _SMALL_SHM_SCRIPT = """
@@ -174,8 +176,8 @@ def test_too_small_dev_shm_falls_back_with_a_warning(tmp_path: Path) -> None:
     import json
 
     results = json.loads(proc.stdout.strip().splitlines()[-1])
-    for rank, (transport, note, _warned, grad_ok) in enumerate(results):
-        assert transport == "c10d" and grad_ok, (rank, transport, note)
+    for rank, (transport, note, _warned, grad_ok, leftovers) in enumerate(results):
+        assert transport == "c10d" and grad_ok and leftovers == [], (rank, transport, note, leftovers)
         assert "No space left on device" in note or rank != 0, (rank, note)
     assert any("not shared memory" in w and "/dev/shm" in w for w in results[0][2]), results[0][2]
     assert results[1][2] == [], results[1][2]

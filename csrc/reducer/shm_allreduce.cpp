@@ -221,6 +221,7 @@ std::shared_ptr<ShmAllreduce> ShmAllreduce::create(const c10::intrusive_ptr<c10d
   const int64_t size = header_bytes + world * stride;
   std::string error;
   std::string name;
+  std::string created;  // rank 0: the name to unlink, whether or not set-up succeeds
   auto name_buf = at::zeros({64}, at::TensorOptions().dtype(at::kByte));
   if (rank == 0) {
     std::random_device rd;
@@ -231,6 +232,7 @@ std::shared_ptr<ShmAllreduce> ShmAllreduce::create(const c10::intrusive_ptr<c10d
     if (fd < 0) {
       error = "shm_open(" + name + "): " + std::strerror(errno);
     } else {
+      created = name;
       const int rc = posix_fallocate(fd, 0, size);
       if (rc != 0) {
         error = "reserving " + std::to_string(size >> 20) + " MiB in /dev/shm: " + std::strerror(rc) +
@@ -291,7 +293,7 @@ std::shared_ptr<ShmAllreduce> ShmAllreduce::create(const c10::intrusive_ptr<c10d
     opts.reduceOp = c10d::ReduceOp::MIN;
     pg->allreduce(t, opts)->wait();
   }
-  if (rank == 0 && !name.empty()) shm_unlink(name.c_str());
+  if (!created.empty()) shm_unlink(created.c_str());
   if (ok.data_ptr<int64_t>()[0] == 0) {
     if (why) {
       *why = error.empty() ? "rank " + std::to_string(ok.data_ptr<int64_t>()[1]) +
