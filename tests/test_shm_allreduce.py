@@ -58,6 +58,34 @@ def test_ranks_agree_on_the_transport_and_leave_nothing_in_dev_shm() -> None:
         assert r["leftovers"] == [], r
 
 
+class _Buffers(nn.Module):
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("stats", torch.full((3, 5), float(rank)))
+        self.register_buffer("count", torch.tensor(rank, dtype=torch.int64))
+        self.register_buffer("strided", torch.full((6, 4), float(rank)).t())  # non-contiguous
+
+    def forward(self, x):
+        return self.lin(x) + self.stats.sum() + self.strided.sum()
+
+
+def _buffers(rank: int, world_size: int) -> list:
+    model = fastddp.DDPWrapper(_Buffers(rank))  # construction broadcasts (c10d) once
+    with torch.no_grad():  # diverge again: every forward must bring rank 0's values back
+        for b in model.module.buffers():
+            b.fill_(rank + 10)
+    model(torch.ones(2, 4)).sum().backward()
+    return [model.transport, *(b.tolist() for b in model.module.buffers())]
+
+
+def test_buffers_broadcast_from_rank_0_through_shared_memory() -> None:
+    results = run_distributed(_buffers, world_size=3)
+    assert results[0][0] == "shm"
+    assert all(r == results[0] for r in results)
+    assert results[0][1:] == [[[10.0] * 5] * 3, 10, [[10.0] * 6] * 4]
+
+
 def _world_one(rank: int, world_size: int) -> str:
     with pytest.raises(ValueError, match="shm_allreduce=True needs CPU parameters and more than one process"):
         fastddp.DDPWrapper(nn.Linear(4, 4), shm_allreduce=True)

@@ -14,18 +14,21 @@ void bind_reducer(py::module_& m) {
                        std::vector<std::vector<int64_t>> buckets,
                        const c10::intrusive_ptr<c10d::ProcessGroup>& pg, bool grad_as_view, bool find_unused,
                        bool static_graph, std::optional<at::ScalarType> comm_dtype, std::optional<bool> shm,
-                       double shm_timeout_s) {
+                       double shm_timeout_s, int64_t shm_broadcast_bytes) {
              // Construction may run collectives (the shared-memory handshake): no GIL meanwhile.
              py::gil_scoped_release release;
              auto r = std::make_shared<fastddp::reducer::Reducer>(std::move(params), std::move(names), buckets, pg,
                                                                   grad_as_view, find_unused, static_graph,
-                                                                  comm_dtype, shm, shm_timeout_s);
+                                                                  comm_dtype, shm, shm_timeout_s, shm_broadcast_bytes);
              r->register_hooks();
              return r;
            }),
            py::arg("params"), py::arg("names"), py::arg("buckets"), py::arg("process_group"),
            py::arg("gradient_as_bucket_view"), py::arg("find_unused_parameters"), py::arg("static_graph"),
-           py::arg("comm_dtype"), py::arg("shm_allreduce") = py::none(), py::arg("shm_timeout_s") = 1800.0)
+           py::arg("comm_dtype"), py::arg("shm_allreduce") = py::none(), py::arg("shm_timeout_s") = 1800.0, py::arg("shm_broadcast_bytes") = 0)
+      .def("broadcast_buffers", &fastddp::reducer::Reducer::broadcast_buffers, py::arg("tensors"),
+           "Shared-memory transport: copy group rank 0's tensors into every rank's (True); else False.",
+           py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("transport", &fastddp::reducer::Reducer::transport,
                              "'shm' (co-located CPU ranks, shared memory) or 'c10d'.")
       .def_property_readonly("transport_note", &fastddp::reducer::Reducer::transport_note,

@@ -36,7 +36,8 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
                  const std::vector<std::vector<int64_t>>& bucket_indices,
                  c10::intrusive_ptr<c10d::ProcessGroup> process_group, bool gradient_as_bucket_view,
                  bool find_unused_parameters, bool static_graph, std::optional<at::ScalarType> comm_dtype,
-                 std::optional<bool> shm_allreduce, double shm_timeout_s)
+                 std::optional<bool> shm_allreduce, double shm_timeout_s,
+                 int64_t shm_broadcast_bytes)
     : params_(std::move(params)),
       names_(std::move(names)),
       process_group_(std::move(process_group)),
@@ -69,7 +70,7 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
     }
     TORCH_CHECK(cpu, "DDPWrapper: shared-memory all-reduce is for CPU parameters");
     const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(shm_timeout_s * 1000.0));
-    shm_ = ShmAllreduce::create(process_group_, *shm_allreduce, arena, timeout, &transport_note_);
+    shm_ = ShmAllreduce::create(process_group_, *shm_allreduce, arena, shm_broadcast_bytes, timeout, &transport_note_);
   } else {
     transport_note_ = "not a multi-process CPU model";
   }
@@ -518,6 +519,12 @@ std::vector<double> Reducer::bucket_allreduce_ms() const {
   std::vector<double> out;
   for (const auto& b : buckets_) out.push_back(b.last_allreduce_ms);
   return out;
+}
+
+bool Reducer::broadcast_buffers(const std::vector<at::Tensor>& tensors) {
+  if (!shm_) return false;
+  shm_->broadcast_from_root(tensors);
+  return true;
 }
 
 std::vector<bool> Reducer::bucket_shm() const {

@@ -38,12 +38,17 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
           const std::vector<std::vector<int64_t>>& bucket_indices,
           c10::intrusive_ptr<c10d::ProcessGroup> process_group, bool gradient_as_bucket_view,
           bool find_unused_parameters, bool static_graph, std::optional<at::ScalarType> comm_dtype,
-          std::optional<bool> shm_allreduce = std::nullopt, double shm_timeout_s = 1800.0);
+          std::optional<bool> shm_allreduce = std::nullopt, double shm_timeout_s = 1800.0,
+          int64_t shm_broadcast_bytes = 0);
 
   // "shm" when the buckets are reduced through shared memory (co-located CPU ranks), else
   // "c10d"; transport_note() says why shared memory is not used (empty when it is).
   std::string transport() const { return shm_ ? "shm" : "c10d"; }
   std::string transport_note() const { return transport_note_; }
+
+  // With the shared-memory transport: copies group rank 0's `tensors` (module buffers) into
+  // every rank's and returns true; false (nothing done) on the c10d transport.
+  bool broadcast_buffers(const std::vector<at::Tensor>& tensors);
 
   // Installs the AccumulateGrad post hooks; called once right after construction, when
   // shared_from_this() is usable (the hooks hold only a weak reference to the reducer).

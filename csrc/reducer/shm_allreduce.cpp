@@ -175,13 +175,15 @@ struct ShmAllreduce::Task {
   at::ScalarType dtype;
   double scale;
   uint32_t seq;
+  std::vector<at::Tensor> broadcast;  // non-empty: a broadcast from rank 0 of these tensors
 };
 
 std::shared_ptr<ShmAllreduce> ShmAllreduce::create(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, bool wanted,
-                                                   int64_t arena_bytes, std::chrono::milliseconds timeout,
-                                                   std::string* why) {
+                                                   int64_t arena_bytes, int64_t broadcast_bytes,
+                                                   std::chrono::milliseconds timeout, std::string* why) {
   TORCH_CHECK(pg, "DDPWrapper: process group is null");
-  TORCH_CHECK(arena_bytes > 0, "DDPWrapper: shared-memory arena of ", arena_bytes, " bytes");
+  TORCH_CHECK(arena_bytes > 0 && broadcast_bytes >= 0, "DDPWrapper: shared-memory arena of ", arena_bytes,
+              " bytes and broadcast region of ", broadcast_bytes, " bytes");
   const int rank = pg->getRank();
   const int world = pg->getSize();
   auto cpu_long = at::TensorOptions().dtype(at::kLong);
@@ -217,7 +219,8 @@ std::shared_ptr<ShmAllreduce> ShmAllreduce::create(const c10::intrusive_ptr<c10d
   // 2. Rank 0 creates and sizes the segment (fallocate: a too small /dev/shm fails here, not
   //    later with SIGBUS) and broadcasts its name; every rank maps it and registers itself.
   const int64_t header_bytes = round_up(64 + world * kSlotBytes, kPage);
-  const int64_t stride = round_up(arena_bytes, kPage);
+  const int64_t broadcast_offset = round_up(arena_bytes, 64);
+  const int64_t stride = round_up(broadcast_offset + broadcast_bytes, kPage);
   const int64_t size = header_bytes + world * stride;
   std::string error;
   std::string name;
@@ -302,15 +305,18 @@ std::shared_ptr<ShmAllreduce> ShmAllreduce::create(const c10::intrusive_ptr<c10d
     }
     return nullptr;
   }
-  return std::shared_ptr<ShmAllreduce>(new ShmAllreduce(std::move(segment), rank, world, stride, timeout));
+  return std::shared_ptr<ShmAllreduce>(
+      new ShmAllreduce(std::move(segment), rank, world, arena_bytes, broadcast_offset, broadcast_bytes, timeout));
 }
 
 ShmAllreduce::ShmAllreduce(std::shared_ptr<ShmSegment> segment, int rank, int world, int64_t arena_bytes,
-                           std::chrono::milliseconds timeout)
+                           int64_t broadcast_offset, int64_t broadcast_bytes, std::chrono::milliseconds timeout)
     : segment_(std::move(segment)),
       rank_(rank),
       world_(world),
       arena_bytes_(arena_bytes),
+      broadcast_offset_(broadcast_offset),
+      broadcast_bytes_(broadcast_bytes),
       timeout_(timeout),
       owner_pid_(getpid()) {
   thread_ = std::thread([this] { run(); });
@@ -353,10 +359,29 @@ c10::intrusive_ptr<c10d::Work> ShmAllreduce::allreduce_sum(const at::Tensor& t, 
   auto work = c10::make_intrusive<ShmWork>();
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    queue_.push_back(Task{work, offset, t.numel(), dtype, scale, next_seq_++});
+    queue_.push_back(Task{work, offset, t.numel(), dtype, scale, next_seq_++, {}});
   }
   cv_.notify_one();
   return work;
+}
+
+void ShmAllreduce::broadcast_from_root(const std::vector<at::Tensor>& tensors) {
+  int64_t bytes = 0;
+  for (const auto& t : tensors) {
+    TORCH_CHECK(t.device().is_cpu() && t.layout() == at::kStrided, "DDPWrapper: shared-memory broadcast needs "
+                "strided CPU tensors, got ", t.device(), " ", t.layout());
+    bytes += round_up(t.numel() * static_cast<int64_t>(t.element_size()), 64);
+  }
+  TORCH_CHECK(bytes <= broadcast_bytes_, "DDPWrapper: module buffers of ", bytes, " bytes do not fit the ",
+              broadcast_bytes_, " bytes reserved for them at construction (were buffers replaced by larger ones?)");
+  if (tensors.empty()) return;
+  auto work = c10::make_intrusive<ShmWork>();
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    queue_.push_back(Task{work, broadcast_offset_, 0, at::kByte, 1.0, next_seq_++, tensors});
+  }
+  cv_.notify_one();
+  work->wait();
 }
 
 void ShmAllreduce::run() {
@@ -378,7 +403,11 @@ void ShmAllreduce::run() {
         if (broken.empty() && stop_) broken = "the DDPWrapper was destroyed while an all-reduce was pending";
       }
       if (!broken.empty()) fail(broken);
-      execute(task);
+      if (task.broadcast.empty()) {
+        execute(task);
+      } else {
+        execute_broadcast(task);
+      }
     } catch (const std::exception& e) {
       std::lock_guard<std::mutex> lock(mutex_);
       if (broken_.empty()) broken_ = e.what();
@@ -424,6 +453,39 @@ void ShmAllreduce::wait_for(int peer, int which, uint32_t seq) const {
            ", alive) in collective " + std::to_string(seq) + "; it is stuck or issued different collectives");
     }
   }
+}
+
+void ShmAllreduce::execute_broadcast(const Task& task) {
+  // Rank 0 packs its tensors into its broadcast region and publishes `ready`; every other rank
+  // copies them out and publishes `done`; rank 0 returns (and may pack again) only after all
+  // are done. The counters stay monotonic: the next collective's sequence number is higher.
+  char* region = segment_->arena(0) + task.offset;
+  int64_t pos = 0;
+  if (rank_ == 0) {
+    for (const auto& t : task.broadcast) {
+      const int64_t n = t.numel() * static_cast<int64_t>(t.element_size());
+      if (t.is_contiguous()) {
+        std::memcpy(region + pos, t.data_ptr(), static_cast<size_t>(n));
+      } else {
+        at::from_blob(region + pos, t.sizes(), t.options()).copy_(t);
+      }
+      pos += round_up(n, 64);
+    }
+    publish(kReady, task.seq);
+    for (int j = 1; j < world_; ++j) wait_for(j, kDone, task.seq);
+    return;
+  }
+  wait_for(0, kReady, task.seq);
+  for (const auto& t : task.broadcast) {
+    const int64_t n = t.numel() * static_cast<int64_t>(t.element_size());
+    if (t.is_contiguous()) {
+      std::memcpy(t.data_ptr(), region + pos, static_cast<size_t>(n));
+    } else {
+      t.copy_(at::from_blob(region + pos, t.sizes(), t.options()));
+    }
+    pos += round_up(n, 64);
+  }
+  publish(kDone, task.seq);
 }
 
 void ShmAllreduce::execute(const Task& task) {

@@ -36,10 +36,11 @@ class ShmAllreduce {
   // Collective over `pg` (every rank must call it). Returns nullptr on every rank when some
   // rank did not want it, the ranks do not share this host's /dev/shm, or the mapping could not
   // be set up on some rank; `why` then says why (on every rank). `arena_bytes` is the gradient
-  // memory each rank needs; `timeout` bounds a wait for a live peer.
+  // memory each rank needs, `broadcast_bytes` the room for broadcast_from_root (module
+  // buffers); `timeout` bounds a wait for a live peer.
   static std::shared_ptr<ShmAllreduce> create(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, bool wanted,
-                                              int64_t arena_bytes, std::chrono::milliseconds timeout,
-                                              std::string* why);
+                                              int64_t arena_bytes, int64_t broadcast_bytes,
+                                              std::chrono::milliseconds timeout, std::string* why);
   ~ShmAllreduce();
   ShmAllreduce(const ShmAllreduce&) = delete;
   ShmAllreduce& operator=(const ShmAllreduce&) = delete;
@@ -54,12 +55,18 @@ class ShmAllreduce {
   // calls with tensors at the same offsets.
   c10::intrusive_ptr<c10d::Work> allreduce_sum(const at::Tensor& t, double scale = 1.0);
 
+  // Copies group rank 0's `tensors` (any CPU tensors, at most broadcast_bytes() in all) into
+  // every other rank's, in the same sequence as the all-reduces; returns when done here.
+  void broadcast_from_root(const std::vector<at::Tensor>& tensors);
+  int64_t broadcast_bytes() const { return broadcast_bytes_; }
+
  private:
   struct Task;
   ShmAllreduce(std::shared_ptr<ShmSegment> segment, int rank, int world, int64_t arena_bytes,
-               std::chrono::milliseconds timeout);
+               int64_t broadcast_offset, int64_t broadcast_bytes, std::chrono::milliseconds timeout);
   void run();
   void execute(const Task& task);
+  void execute_broadcast(const Task& task);
   void wait_for(int peer, int which, uint32_t seq) const;
   void publish(int which, uint32_t seq) const;
   [[noreturn]] void fail(const std::string& what) const;
@@ -67,7 +74,9 @@ class ShmAllreduce {
   std::shared_ptr<ShmSegment> segment_;
   int rank_;
   int world_;
-  int64_t arena_bytes_;
+  int64_t arena_bytes_;       // gradient part of each rank's arena
+  int64_t broadcast_offset_;  // then the broadcast region
+  int64_t broadcast_bytes_;
   std::chrono::milliseconds timeout_;
   uint32_t next_seq_ = 1;  // issued on the caller's thread, under mutex_
 

@@ -148,7 +148,8 @@ class DDPWrapper(nn.Module):
         self._reducer = C.Reducer(params, self._param_names, self._buckets, self.process_group,
                                   gradient_as_bucket_view, find_unused_parameters, static_graph,
                                   None if comm_dtype is None else comm_dtype,
-                                  self._shm_wish(params, shm_allreduce), self._timeout_s())
+                                  self._shm_wish(params, shm_allreduce), self._timeout_s(),
+                                  self._buffer_bytes())
         note = self._reducer.transport_note
         own_failure = note.startswith(("shm_open", "reserving", "segment", "mmap", "cannot"))
         if shm_allreduce is None and self._reducer.transport != "shm" and (
@@ -157,6 +158,7 @@ class DDPWrapper(nn.Module):
             # rank 0) say so.
             warnings.warn(f"DDPWrapper: all-reducing through the process group, not shared memory: {note}",
                           RuntimeWarning, stacklevel=2)
+        self._shm_buffers = self._reducer.transport == "shm" and self._buffer_bytes() > 0
         if shm_allreduce and self._reducer.transport != "shm":
             raise RuntimeError(f"DDPWrapper: shm_allreduce=True but the ranks cannot all-reduce through shared "
                                f"memory: {self._reducer.transport_note}. Pass shm_allreduce=None to fall "
@@ -174,6 +176,13 @@ class DDPWrapper(nn.Module):
         if requested is not None:
             return bool(requested)
         return os.environ.get("FASTDDP_SHM_ALLREDUCE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+    def _buffer_bytes(self) -> int:
+        """Room for the per-forward buffer broadcast in the shared-memory arena (CPU buffers;
+        each packed at a 64-byte boundary)."""
+        if not self.broadcast_buffers or any(b.device.type != "cpu" for b in self._module_buffers):
+            return 0
+        return sum((b.numel() * b.element_size() + 63) // 64 * 64 for b in self._module_buffers)
 
     def _timeout_s(self) -> float:
         """The process group's timeout (a shared-memory wait for a live peer gives up after it)."""
@@ -253,7 +262,9 @@ class DDPWrapper(nn.Module):
                 self._rebuild_buckets(order)
         if self.broadcast_buffers and self.world_size > 1 and self._module_buffers:
             with torch.no_grad():
-                self._broadcast_coalesced(self._module_buffers)
+                # co-located CPU ranks copy rank 0's buffers through shared memory; else c10d
+                if not (self._shm_buffers and self._reducer.broadcast_buffers(self._module_buffers)):
+                    self._broadcast_coalesced(self._module_buffers)
         output = self.module(*inputs, **kwargs)
         if grad_enabled:
             sync = self.require_backward_grad_sync
