@@ -457,11 +457,17 @@ void ShmAllreduce::wait_for(int peer, int which, uint32_t seq) const {
 
 void ShmAllreduce::execute_broadcast(const Task& task) {
   // Rank 0 packs its tensors into its broadcast region and publishes `ready`; every other rank
-  // copies them out and publishes `done`; rank 0 returns (and may pack again) only after all
-  // are done. The counters stay monotonic: the next collective's sequence number is higher.
+  // copies them out and publishes `done`. Rank 0 does not wait for that: it packs the region
+  // again only after every rank is done with the previous broadcast, so a forward on rank 0
+  // never waits for a slower peer here. The counters stay monotonic: the next collective's
+  // sequence number is higher.
   char* region = segment_->arena(0) + task.offset;
   int64_t pos = 0;
   if (rank_ == 0) {
+    if (last_broadcast_seq_ != 0) {
+      for (int j = 1; j < world_; ++j) wait_for(j, kDone, last_broadcast_seq_);
+    }
+    last_broadcast_seq_ = task.seq;
     for (const auto& t : task.broadcast) {
       const int64_t n = t.numel() * static_cast<int64_t>(t.element_size());
       if (t.is_contiguous()) {
@@ -472,7 +478,6 @@ void ShmAllreduce::execute_broadcast(const Task& task) {
       pos += round_up(n, 64);
     }
     publish(kReady, task.seq);
-    for (int j = 1; j < world_; ++j) wait_for(j, kDone, task.seq);
     return;
   }
   wait_for(0, kReady, task.seq);

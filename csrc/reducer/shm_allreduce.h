@@ -79,6 +79,7 @@ class ShmAllreduce {
   int64_t broadcast_bytes_;
   std::chrono::milliseconds timeout_;
   uint32_t next_seq_ = 1;  // issued on the caller's thread, under mutex_
+  uint32_t last_broadcast_seq_ = 0;  // rank 0, comm thread: the region is busy until peers are done
 
   std::mutex mutex_;
   std::condition_variable cv_;
