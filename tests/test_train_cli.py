@@ -118,5 +118,8 @@ def test_lost_peer_message_is_one_line_for_backend_errors_only() -> None:
                            "collective (Read error [127.0.0.1]:5557: Connection reset by peer)")
     assert "; a peer process died or the network failed" in line
     assert "; rank 1 died or the network failed" in lost_peer_message(gloo, 0, world=2)
+    # gloo, when a cut link goes silent (seen in the two-host link-cut test)
+    silent = RuntimeError("Application timeout caused pair closure")
+    assert "(Application timeout caused pair closure); rank 0 died" in lost_peer_message(silent, 1, world=2)
     assert lost_peer_message(ValueError("Connection reset by peer"), 0) is None
     assert lost_peer_message(RuntimeError("mat1 and mat2 shapes cannot be multiplied"), 0) is None

@@ -8,10 +8,11 @@ import sys
 from .cli import UsageError, build_parser, parse_args, validate
 
 # What a collective raises on a surviving rank when a peer process dies or the link fails
-# (gloo: the socket is reset/closed; NCCL/gloo: the --timeout expires).
-_LOST_PEER = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
-              "timed out", "Timed out", "Timeout", "NCCL communicator was aborted",
-              "Connection refused")
+# (gloo: the socket is reset/closed, or "Application timeout caused pair closure" when the
+# link goes silent; NCCL/gloo: the --timeout expires). Matched case-insensitively.
+_LOST_PEER = ("connection reset by peer", "connection closed by peer", "broken pipe",
+              "timed out", "timeout", "nccl communicator was aborted", "connection refused",
+              "pair closure")
 
 
 def lost_peer_message(exc: BaseException, rank: int, world: int = 0) -> str | None:
@@ -24,7 +25,7 @@ def lost_peer_message(exc: BaseException, rank: int, world: int = 0) -> str | No
                            if hasattr(dist, n))
     text = str(exc)
     if not (isinstance(exc, backend_errors) or
-            (isinstance(exc, RuntimeError) and any(k in text for k in _LOST_PEER))):
+            (isinstance(exc, RuntimeError) and any(k in text.lower() for k in _LOST_PEER))):
         return None
     first = re.sub(r"^\[[^\]]*\]\s*", "", text.strip().splitlines()[0] if text.strip() else "")
     first = first.split(". This is typically")[0][:200]
