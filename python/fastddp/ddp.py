@@ -67,8 +67,10 @@ class DDPWrapper(nn.Module):
     host with CPU parameters, the gradient buckets live in one shared-memory mapping and each
     rank sums its slice of every bucket straight from the others' memory instead of sending it
     through gloo's TCP loopback (fp32/fp64 buckets and compressed ones; an uncompressed
-    bf16/fp16 bucket stays on the process group so its rounding is torch DDP's); set ``FASTDDP_SHM_ALLREDUCE=0`` or pass False to use the
-    process group's backend, True to require it. ``transport`` says which one is in use.
+    bf16/fp16 bucket stays on the process group so its rounding is torch DDP's), and the
+    per-forward buffer broadcast copies rank 0's buffers through the same mapping. Set
+    ``FASTDDP_SHM_ALLREDUCE=0`` or pass False to use the process group's backend, True to
+    require shared memory. :attr:`transport` says which one is in use.
     ``comm_dtype=torch.bfloat16|torch.float16`` all-reduces the gradients in that dtype
     (they are divided by the world size before the cast, so the sum cannot overflow, and are
     copied back into the parameters' dtype); :meth:`bucket_report`; :meth:`bucket_buffers`
