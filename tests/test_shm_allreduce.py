@@ -149,11 +149,12 @@ def test_dead_or_stuck_peer_fails_the_collective_clearly(fault: str) -> None:
                     p.kill()
     assert kind == "DistBackendError", (kind, text)
     if fault == "exit":
-        # found by the liveness check (every 0.2 s), long before the 3 s timeout
-        assert "rank 1" in text and "exited" in text and waited < 3, (text, waited)
+        # found by the liveness check ("exited"), not by the 3 s timeout ("timed out")
+        assert "rank 1" in text and "exited" in text and "timed out" not in text, (text, waited)
         assert line is not None and "lost contact with the other ranks" in line and "rank 1 died" in line, line
     else:
-        assert "timed out after 3000 ms waiting for rank 1" in text and 3 <= waited < 10, (text, waited)
+        # a live peer is waited for the whole timeout, not given up on earlier
+        assert "timed out after 3000 ms waiting for rank 1" in text and waited >= 3, (text, waited)
 
 
 def _small_dev_shm(rank: int, world_size: int) -> tuple[str, str, list[str], bool, list[str]]:
