@@ -28,7 +28,6 @@ namespace fastddp::reducer {
 
 namespace {
 
-constexpr uint64_t kMagic = 0x66617374646470ULL;  // "fastddp"
 constexpr int64_t kSlotBytes = 128;              // one rank's counters, on their own cache lines
 constexpr int64_t kPage = 4096;
 constexpr int kReady = 0, kReduced = 1, kDone = 2;
