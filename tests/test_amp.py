@@ -128,20 +128,31 @@ def test_mixed_devices_rejected() -> None:
         s.step(o, grads=grads)
 
 
-def test_disabled_scaler_clips_like_clip_grad_norm() -> None:
+@pytest.mark.parametrize("opt", ["sgd", "adamw_fused"])
+def test_disabled_scaler_clips_like_clip_grad_norm(opt) -> None:
+    # SGD: the clip coefficient multiplies the gradients; fused AdamW: it is handed to the
+    # optimizer as grad_scale instead. Both must match clip_grad_norm_ + step, gradients too.
+    def make(m):
+        if opt == "sgd":
+            return torch.optim.SGD(m.parameters(), lr=0.1)
+        return torch.optim.AdamW(m.parameters(), lr=0.1, weight_decay=0.1, fused=True)
+
     ours_m, ref_m = _model("cpu"), _model("cpu")
-    ours_o = torch.optim.SGD(ours_m.parameters(), lr=0.1)
-    ref_o = torch.optim.SGD(ref_m.parameters(), lr=0.1)
+    ours_o, ref_o = make(ours_m), make(ref_m)
     s = fastddp.GradScaler("cpu", enabled=False)
-    x = torch.randn(4, 16)
-    for m in (ours_m, ref_m):
-        (m(x) ** 2).sum().mul(100).backward()
-    norm = s.step(ours_o, max_grad_norm=1.0)
-    ref_norm = nn.utils.clip_grad_norm_(ref_m.parameters(), 1.0)
-    ref_o.step()
-    torch.testing.assert_close(norm, ref_norm)
-    for a, b in zip(ours_m.parameters(), ref_m.parameters()):
-        torch.testing.assert_close(a, b)
+    for _ in range(3):
+        x = torch.randn(4, 16)
+        for m, o in ((ours_m, ours_o), (ref_m, ref_o)):
+            o.zero_grad()
+            (m(x) ** 2).sum().mul(100).backward()
+        norm = s.step(ours_o, max_grad_norm=1.0)
+        ref_norm = nn.utils.clip_grad_norm_(ref_m.parameters(), 1.0)
+        ref_o.step()
+        assert float(ref_norm) > 1.0  # the clip is active
+        torch.testing.assert_close(norm, ref_norm)
+        for a, b in zip(ours_m.parameters(), ref_m.parameters()):
+            torch.testing.assert_close(a.grad, b.grad)
+            torch.testing.assert_close(a, b)
 
 
 @pytest.mark.parametrize("device", devices())

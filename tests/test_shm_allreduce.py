@@ -210,3 +210,38 @@ def test_too_small_dev_shm_falls_back_with_a_warning(tmp_path: Path) -> None:
         assert "No space left on device" in note or rank != 0, (rank, note)
     assert any("not shared memory" in w and "/dev/shm" in w for w in results[0][2]), results[0][2]
     assert results[1][2] == [], results[1][2]
+
+
+def _grad_stats(rank: int, world_size: int, shm: bool, comm_dtype) -> list:
+    # The reducer's AMP statistics (sum of squares of the reduced buckets) come out of the
+    # shared-memory reduction itself on that transport, and from a separate pass on gloo: both
+    # must equal the sum of squares of the buckets as they end up, on every rank. The fourth
+    # backward poisons one rank's gradients: the statistics turn non-finite everywhere.
+    torch.manual_seed(0)
+    model = fastddp.DDPWrapper(nn.Sequential(nn.Linear(300, 200), nn.Linear(200, 7)), bucket_cap_mb=0.1,
+                               shm_allreduce=shm, comm_dtype=comm_dtype)
+    model._reducer.set_grad_stats(True)
+    g = torch.Generator().manual_seed(rank)
+    out = []
+    for step in range(4):
+        model.zero_grad()
+        poison = float("nan") if (step == 3 and rank == 1) else 1.0
+        (model(torch.randn(5, 300, generator=g)).square().sum() * poison).backward()
+        stats = model._reducer.take_grad_stats()
+        expected = sum(float(b.double().square().sum()) for b in model.bucket_buffers())
+        out.append((model.transport, len(model.bucket_buffers()), float(stats), expected))
+    return out
+
+
+@pytest.mark.parametrize("shm", [True, False])
+@pytest.mark.parametrize("comm_dtype", [None, torch.bfloat16])
+def test_reducer_grad_stats_equal_the_reduced_buckets(shm: bool, comm_dtype) -> None:
+    results = run_distributed(_grad_stats, world_size=3, args=(shm, comm_dtype))
+    for rows in results:
+        for step, (transport, buckets, stats, expected) in enumerate(rows):
+            assert transport == ("shm" if shm else "c10d") and buckets > 1
+            if step < 3:
+                assert stats == pytest.approx(expected, rel=1e-12), (step, rows)
+                assert stats == results[0][step][2]  # every rank reaches the same statistics
+            else:
+                assert stats != stats, rows  # NaN on every rank

@@ -2,6 +2,7 @@
 
 #include "amp/multi_tensor.h"
 #include "common/checks.h"
+#include "common/sum_squares.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/ops/empty.h>
@@ -55,21 +56,7 @@ void accumulate_stats_(const std::vector<at::Tensor>& grads, at::Tensor& stats) 
   for_each_chunk(plan, [&](int64_t i, const Chunk& c) {
     const auto& g = grads[c.tensor];
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, g.scalar_type(), "accumulate_stats_", [&] {
-      const scalar_t* p = g.const_data_ptr<scalar_t>();
-      // Four independent accumulators let the compiler vectorise the loop.
-      double acc[4] = {0, 0, 0, 0};
-      int64_t k = c.begin;
-      for (; k + 4 <= c.end; k += 4) {
-        for (int j = 0; j < 4; ++j) {
-          const double v = static_cast<double>(p[k + j]);
-          acc[j] += v * v;
-        }
-      }
-      for (; k < c.end; ++k) {
-        const double v = static_cast<double>(p[k]);
-        acc[0] += v * v;
-      }
-      partial[i] = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+      partial[i] = sum_squares(g.const_data_ptr<scalar_t>() + c.begin, c.end - c.begin);
     });
   });
   double total = 0;

@@ -228,6 +228,7 @@ void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs, bool 
   for (auto& b : buckets_) {
     b.pending = static_cast<int64_t>(b.params.size());
     b.work.reset();
+    b.squares_in_work = false;
   }
   if (!sync) return;
   if (static_graph_) {
@@ -391,7 +392,9 @@ void Reducer::launch_ready_buckets_locked() {
       continue;
     }
     if (bucket.shm) {
-      bucket.work = shm_->allreduce_sum(tensors.front(), bucket.comm.defined() ? 1.0 : inv_world_);
+      bucket.squares_in_work = grad_stats_enabled_;
+      bucket.work = shm_->allreduce_sum(tensors.front(), bucket.comm.defined() ? 1.0 : inv_world_,
+                                        bucket.squares_in_work);
       continue;
     }
     c10d::AllreduceOptions opts;
@@ -456,17 +459,27 @@ void Reducer::finalize_backward() {
     stats = at::zeros({1}, buckets_[0].buffer.options().dtype(at::kDouble));
   }
   for (auto& bucket : buckets_) {
+    std::optional<double> fused_squares;  // the reduction already summed this bucket's squares
     if (bucket.work) {
       bucket.work->wait();
       bucket.last_allreduce_ms =
           std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - bucket.launched).count();
+      // squares_in_work is set only where the work came from ShmAllreduce::allreduce_sum.
+      if (bucket.squares_in_work) fused_squares = static_cast<const ShmWork&>(*bucket.work).sum_of_squares();
       bucket.work.reset();
     } else {
       bucket.last_allreduce_ms = 0.0;  // a world of one: nothing to reduce
     }
+    // A compressed bucket's squares were taken of the reduced bf16/fp16 values, which the copy
+    // below widens exactly: the same numbers the buffer then holds.
     if (bucket.comm.defined()) bucket.buffer.copy_(bucket.comm);
-    // Read this bucket for the AMP check while the later buckets are still on the wire.
-    if (stats.defined()) fastddp::amp::accumulate_stats_({bucket.buffer}, stats);
+    if (!stats.defined()) continue;
+    if (fused_squares) {
+      stats.data_ptr<double>()[0] += *fused_squares;
+    } else {
+      // Read this bucket for the AMP check while the later buckets are still on the wire.
+      fastddp::amp::accumulate_stats_({bucket.buffer}, stats);
+    }
   }
   grad_stats_ = stats;
   const int32_t* gu = global_used.defined() ? global_used.data_ptr<int32_t>() : nullptr;

@@ -28,6 +28,9 @@ struct Bucket {
   bool shm = false;              // reduced through shared memory (else through c10d)
   int64_t pending = 0;           // parameters not yet ready in this backward
   c10::intrusive_ptr<c10d::Work> work;
+  // The shared-memory reduction also summed the squares of the result (a ShmWork): the AMP
+  // statistics of this bucket come with it instead of from another pass.
+  bool squares_in_work = false;
   std::chrono::steady_clock::time_point launched;
   double last_allreduce_ms = -1;  // launch to completion seen by the waiting thread
 };

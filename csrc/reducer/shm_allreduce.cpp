@@ -1,5 +1,7 @@
 #include "reducer/shm_allreduce.h"
 
+#include "common/sum_squares.h"
+
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
@@ -114,11 +116,13 @@ inline void cpu_relax() {
 inline bool reached(uint32_t value, uint32_t seq) { return static_cast<int32_t>(value - seq) >= 0; }
 
 // dst[i] = scale * sum over src of src[k][i], accumulated in Acc in rank order. dst may be one
-// of the sources: each block is read completely before it is written.
+// of the sources: each block is read completely before it is written. Returns the sum of
+// squares of the written values when `squares` (each block is squared while it is in L1).
 template <typename T, typename Acc>
-void sum_slices(T* dst, const std::vector<const T*>& src, int64_t n, Acc scale) {
+double sum_slices(T* dst, const std::vector<const T*>& src, int64_t n, Acc scale, bool squares) {
   constexpr int64_t kBlock = 2048;
   Acc acc[kBlock];
+  double sumsq = 0.0;
   for (int64_t base = 0; base < n; base += kBlock) {
     const int64_t m = std::min(kBlock, n - base);
     const T* s0 = src[0] + base;
@@ -133,22 +137,37 @@ void sum_slices(T* dst, const std::vector<const T*>& src, int64_t n, Acc scale) 
     } else {
       for (int64_t i = 0; i < m; ++i) d[i] = static_cast<T>(acc[i]);
     }
+    if (squares) sumsq += sum_squares(d, m);
   }
+  return sumsq;
 }
 
 template <typename T, typename Acc>
-void sum_bytes(char* dst, const std::vector<const char*>& src, int64_t n, double scale) {
+double sum_bytes(char* dst, const std::vector<const char*>& src, int64_t n, double scale, bool squares) {
   std::vector<const T*> typed;
   typed.reserve(src.size());
   for (const char* s : src) typed.push_back(reinterpret_cast<const T*>(s));
-  sum_slices<T, Acc>(reinterpret_cast<T*>(dst), typed, n, static_cast<Acc>(scale));
+  return sum_slices<T, Acc>(reinterpret_cast<T*>(dst), typed, n, static_cast<Acc>(scale), squares);
 }
 
-class ShmWork : public c10d::Work {
- public:
-  ShmWork() : c10d::Work(-1, c10d::OpType::ALLREDUCE) {}
-  void complete(std::exception_ptr error) { finish(std::move(error)); }
-};
+// memcpy of `n` elements, returning the sum of squares of the copied values when `squares`
+// (block by block, so each block is squared from L1 right after it was copied).
+template <typename T>
+double copy_elements(char* dst, const char* src, int64_t n, bool squares) {
+  if (!squares) {
+    std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(T));
+    return 0.0;
+  }
+  constexpr int64_t kBlock = 2048;
+  double sumsq = 0.0;
+  for (int64_t base = 0; base < n; base += kBlock) {
+    const int64_t m = std::min(kBlock, n - base);
+    T* d = reinterpret_cast<T*>(dst) + base;
+    std::memcpy(d, reinterpret_cast<const T*>(src) + base, static_cast<size_t>(m) * sizeof(T));
+    sumsq += sum_squares(d, m);
+  }
+  return sumsq;
+}
 
 }  // namespace
 
@@ -175,6 +194,7 @@ struct ShmAllreduce::Task {
   double scale;
   uint32_t seq;
   std::vector<at::Tensor> broadcast;  // non-empty: a broadcast from rank 0 of these tensors
+  bool sum_of_squares = false;        // all-reduce: also square the result (ShmWork)
 };
 
 std::shared_ptr<ShmAllreduce> ShmAllreduce::create(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, bool wanted,
@@ -344,7 +364,7 @@ at::Tensor ShmAllreduce::arena_tensor(int64_t offset, int64_t numel, at::ScalarT
   return at::from_blob(p, {numel}, [keep](void*) mutable { keep.reset(); }, at::TensorOptions().dtype(dtype));
 }
 
-c10::intrusive_ptr<c10d::Work> ShmAllreduce::allreduce_sum(const at::Tensor& t, double scale) {
+c10::intrusive_ptr<ShmWork> ShmAllreduce::allreduce_sum(const at::Tensor& t, double scale, bool sum_of_squares) {
   TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), "DDPWrapper: shared-memory all-reduce needs a contiguous "
               "CPU tensor, got ", t.device(), t.is_contiguous() ? "" : " (non-contiguous)");
   const char* p = static_cast<const char*>(t.data_ptr());
@@ -358,7 +378,7 @@ c10::intrusive_ptr<c10d::Work> ShmAllreduce::allreduce_sum(const at::Tensor& t, 
   auto work = c10::make_intrusive<ShmWork>();
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    queue_.push_back(Task{work, offset, t.numel(), dtype, scale, next_seq_++, {}});
+    queue_.push_back(Task{work, offset, t.numel(), dtype, scale, next_seq_++, {}, sum_of_squares});
   }
   cv_.notify_one();
   return work;
@@ -507,11 +527,14 @@ void ShmAllreduce::execute(const Task& task) {
   const int64_t my_lo = lo(rank_), my_n = lo(rank_ + 1) - my_lo;
   std::vector<const char*> slices(world_);
   for (int j = 0; j < world_; ++j) slices[j] = src[j] + my_lo * elem;
+  const bool sq = task.sum_of_squares;
+  double sumsq = 0.0;
+  char* my_slice = mine + my_lo * elem;
   switch (task.dtype) {
-    case at::kFloat: sum_bytes<float, float>(mine + my_lo * elem, slices, my_n, task.scale); break;
-    case at::kDouble: sum_bytes<double, double>(mine + my_lo * elem, slices, my_n, task.scale); break;
-    case at::kBFloat16: sum_bytes<c10::BFloat16, float>(mine + my_lo * elem, slices, my_n, task.scale); break;
-    case at::kHalf: sum_bytes<c10::Half, float>(mine + my_lo * elem, slices, my_n, task.scale); break;
+    case at::kFloat: sumsq = sum_bytes<float, float>(my_slice, slices, my_n, task.scale, sq); break;
+    case at::kDouble: sumsq = sum_bytes<double, double>(my_slice, slices, my_n, task.scale, sq); break;
+    case at::kBFloat16: sumsq = sum_bytes<c10::BFloat16, float>(my_slice, slices, my_n, task.scale, sq); break;
+    case at::kHalf: sumsq = sum_bytes<c10::Half, float>(my_slice, slices, my_n, task.scale, sq); break;
     default: fail("unsupported dtype");
   }
   publish(kReduced, task.seq);
@@ -520,8 +543,17 @@ void ShmAllreduce::execute(const Task& task) {
     const int j = (rank_ + k) % world_;
     wait_for(j, kReduced, task.seq);
     const int64_t j_lo = lo(j), j_n = lo(j + 1) - j_lo;
-    std::memcpy(mine + j_lo * elem, src[j] + j_lo * elem, static_cast<size_t>(j_n * elem));
+    char* to = mine + j_lo * elem;
+    const char* from = src[j] + j_lo * elem;
+    switch (task.dtype) {
+      case at::kFloat: sumsq += copy_elements<float>(to, from, j_n, sq); break;
+      case at::kDouble: sumsq += copy_elements<double>(to, from, j_n, sq); break;
+      case at::kBFloat16: sumsq += copy_elements<c10::BFloat16>(to, from, j_n, sq); break;
+      case at::kHalf: sumsq += copy_elements<c10::Half>(to, from, j_n, sq); break;
+      default: fail("unsupported dtype");
+    }
   }
+  task.work->set_sum_of_squares(sumsq);
   // Phase 4: nobody reads my buffer any more, so the caller may write it again.
   publish(kDone, task.seq);
   for (int k = 1; k < world_; ++k) wait_for((rank_ + k) % world_, kDone, task.seq);

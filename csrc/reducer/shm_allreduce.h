@@ -31,6 +31,21 @@ namespace fastddp::reducer {
 
 struct ShmSegment;  // the mapping; arena tensors keep it alive
 
+// The handle of one shared-memory collective. With `sum_of_squares` requested, the rank's comm
+// thread also adds up the squares of the reduced values as it writes them (its own slice) and
+// copies them (the peers' slices): the AMP statistics of the bucket without another pass.
+class ShmWork : public c10d::Work {
+ public:
+  ShmWork() : c10d::Work(-1, c10d::OpType::ALLREDUCE) {}
+  void complete(std::exception_ptr error) { finish(std::move(error)); }
+  // Valid once wait() returned (set by the comm thread before it completes the work).
+  double sum_of_squares() const { return sum_of_squares_; }
+  void set_sum_of_squares(double v) { sum_of_squares_ = v; }
+
+ private:
+  double sum_of_squares_ = 0.0;
+};
+
 class ShmAllreduce {
  public:
   // Collective over `pg` (every rank must call it). Returns nullptr on every rank when some
@@ -52,8 +67,9 @@ class ShmAllreduce {
 
   // Sums `t` (an arena tensor) over the ranks in place and multiplies the sum by `scale` in the
   // same pass (1/world averages), asynchronously: every rank must issue the same sequence of
-  // calls with tensors at the same offsets.
-  c10::intrusive_ptr<c10d::Work> allreduce_sum(const at::Tensor& t, double scale = 1.0);
+  // calls with tensors at the same offsets. `sum_of_squares`: also compute the sum of squares
+  // of the result (ShmWork::sum_of_squares), fused into the reduction and copy passes.
+  c10::intrusive_ptr<ShmWork> allreduce_sum(const at::Tensor& t, double scale = 1.0, bool sum_of_squares = false);
 
   // Copies group rank 0's `tensors` (any CPU tensors, at most broadcast_bytes() in all) into
   // every other rank's, in the same sequence as the all-reduces; returns when done here.

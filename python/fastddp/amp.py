@@ -101,6 +101,19 @@ class GradScaler(torch.amp.GradScaler):
             return ddp.bucket_buffers()
         return self._collect(optimizer, None)
 
+    @staticmethod
+    def _fused_step(optimizer: torch.optim.Optimizer, grad_scale: Optional[torch.Tensor],
+                    found_inf: torch.Tensor, args: tuple, kwargs: dict) -> Any:
+        """Step a fused optimizer (``_step_supports_amp_scaling``) that divides the gradients by
+        ``grad_scale`` and skips the update where ``found_inf`` is set, inside its kernel."""
+        optimizer.grad_scale = None if grad_scale is None else grad_scale.view(())  # type: ignore[attr-defined]
+        optimizer.found_inf = found_inf.view(())  # type: ignore[attr-defined]
+        try:
+            return optimizer.step(*args, **kwargs)
+        finally:
+            del optimizer.grad_scale  # type: ignore[attr-defined]
+            del optimizer.found_inf  # type: ignore[attr-defined]
+
     def _device_of(self, grads: list[torch.Tensor]) -> torch.device:
         if self._scale is not None:
             if grads and grads[0].device != self._scale.device:
@@ -160,8 +173,14 @@ class GradScaler(torch.amp.GradScaler):
                 optimizer.step(*args, **kwargs)
                 return torch.zeros((), device=self._device)
             one = torch.ones(1, dtype=torch.float32, device=g[0].device)
-            _, norm, coef, _ = C.amp_finalize(self._stats(g, g[0].device, ddp), one,
-                                              float(max_grad_norm), CLIP_EPS)
+            found_inf, norm, coef, inv_coef = C.amp_finalize(self._stats(g, g[0].device, ddp), one,
+                                                             float(max_grad_norm), CLIP_EPS)
+            if getattr(optimizer, "_step_supports_amp_scaling", False):
+                # The clip coefficient rides into the fused optimizer as its grad_scale: no
+                # separate multiply pass. Without AMP nothing is skipped (found_inf 0), and a
+                # non-finite norm leaves the gradients as they are, as the multiply path does.
+                self._fused_step(optimizer, inv_coef, torch.zeros_like(found_inf), args, kwargs)
+                return norm
             C.amp_scale_(g, coef)
             optimizer.step(*args, **kwargs)
             return norm
@@ -188,13 +207,7 @@ class GradScaler(torch.amp.GradScaler):
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             # Fused optimizers divide by grad_scale and skip on found_inf inside their kernel:
             # the gradients are never rewritten and nothing is read back to the host.
-            optimizer.grad_scale = inv_coef.view(()) if rescale else None  # type: ignore[attr-defined]
-            optimizer.found_inf = found_inf.view(())  # type: ignore[attr-defined]
-            try:
-                retval = optimizer.step(*args, **kwargs)
-            finally:
-                del optimizer.grad_scale  # type: ignore[attr-defined]
-                del optimizer.found_inf  # type: ignore[attr-defined]
+            retval = self._fused_step(optimizer, inv_coef if rescale else None, found_inf, args, kwargs)
         else:
             if rescale and g:
                 C.amp_scale_(g, coef)
