@@ -20,11 +20,11 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from fastddp.data import har
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
+from fastddp.data import har
 from fastddp.train.loop import lr_lambda
 from fastddp.train.metrics import accuracy, confusion, macro_f1
 from fastddp.train.models import build_model
