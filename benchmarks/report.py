@@ -78,6 +78,11 @@ def plots(results: dict[str, list[dict[str, Any]]], img: Path) -> list[str]:
                 rows = sorted((r for r in e2e if r["nproc"] == nproc), key=lambda r: r["batch"])
                 ax.plot([r["batch"] for r in rows], [r[f"{side}_samples_per_s"] for r in rows],
                         marker="o", label=f"{side}, {nproc} proc")
+        for nproc in sorted({r["nproc"] for r in e2e if r.get("floor_samples_per_s")}):
+            rows = sorted((r for r in e2e if r["nproc"] == nproc and r.get("floor_samples_per_s")),
+                          key=lambda r: r["batch"])
+            ax.plot([r["batch"] for r in rows], [r["floor_samples_per_s"] for r in rows],
+                    linestyle="--", label=f"compute floor, {nproc} proc")
         ax.set_xscale("log", base=2)
         made.append(_finish(plt, fig, ax, img / "e2e_samples_per_s.png",
                             "batch size per process", "samples/s", "HAR end to end"))
