@@ -54,7 +54,7 @@ def _time_to(history: list[dict], key: str, target: float) -> float | None:
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("batch", [64] if SMOKE else ([32, 512] if torch.cuda.is_available() else [64, 512]))
+@pytest.mark.parametrize("batch", [64] if SMOKE else ([32, 512] if torch.cuda.is_available() else [32, 64, 512]))
 @pytest.mark.parametrize("nproc", [1] if SMOKE or torch.cuda.is_available() else [1, 2])
 def test_e2e_vs_reference(tmp_path, nproc: int, batch: int) -> None:
     flags = ["--epochs", str(EPOCHS), "--batch-size", str(batch), "--num-workers", "2",

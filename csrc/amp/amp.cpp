@@ -2,7 +2,7 @@
 
 #include "amp/multi_tensor.h"
 #include "common/checks.h"
-#include "common/sum_squares.h"
+#include "common/cpu_kernels.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/ops/empty.h>
@@ -116,10 +116,7 @@ void scale_(const std::vector<at::Tensor>& grads, const at::Tensor& coef) {
   for_each_chunk(plan, [&](int64_t, const Chunk& ch) {
     const auto& g = grads[ch.tensor];
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, g.scalar_type(), "scale_", [&] {
-      using opmath_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
-      scalar_t* p = g.data_ptr<scalar_t>();
-      for (int64_t k = ch.begin; k < ch.end; ++k)
-        p[k] = static_cast<scalar_t>(static_cast<opmath_t>(p[k]) * static_cast<opmath_t>(c));
+      scale_in_place(g.data_ptr<scalar_t>() + ch.begin, ch.end - ch.begin, c);
     });
   });
 }

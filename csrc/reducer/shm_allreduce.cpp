@@ -1,6 +1,6 @@
 #include "reducer/shm_allreduce.h"
 
-#include "common/sum_squares.h"
+#include "common/cpu_kernels.h"
 
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/zeros.h>
@@ -148,6 +148,18 @@ double sum_bytes(char* dst, const std::vector<const char*>& src, int64_t n, doub
   typed.reserve(src.size());
   for (const char* s : src) typed.push_back(reinterpret_cast<const T*>(s));
   return sum_slices<T, Acc>(reinterpret_cast<T*>(dst), typed, n, static_cast<Acc>(scale), squares);
+}
+
+// The reduction of one slice per dtype, each compiled for AVX2 + FMA and the baseline.
+FASTDDP_CPU_CLONES double reduce_slice(at::ScalarType dtype, char* dst, const std::vector<const char*>& src,
+                                       int64_t n, double scale, bool squares) {
+  switch (dtype) {
+    case at::kFloat: return sum_bytes<float, float>(dst, src, n, scale, squares);
+    case at::kDouble: return sum_bytes<double, double>(dst, src, n, scale, squares);
+    case at::kBFloat16: return sum_bytes<c10::BFloat16, float>(dst, src, n, scale, squares);
+    case at::kHalf: return sum_bytes<c10::Half, float>(dst, src, n, scale, squares);
+    default: TORCH_CHECK(false, "DDPWrapper: shared-memory all-reduce does not support ", dtype);
+  }
 }
 
 // memcpy of `n` elements, returning the sum of squares of the copied values when `squares`
@@ -528,15 +540,11 @@ void ShmAllreduce::execute(const Task& task) {
   std::vector<const char*> slices(world_);
   for (int j = 0; j < world_; ++j) slices[j] = src[j] + my_lo * elem;
   const bool sq = task.sum_of_squares;
-  double sumsq = 0.0;
   char* my_slice = mine + my_lo * elem;
-  switch (task.dtype) {
-    case at::kFloat: sumsq = sum_bytes<float, float>(my_slice, slices, my_n, task.scale, sq); break;
-    case at::kDouble: sumsq = sum_bytes<double, double>(my_slice, slices, my_n, task.scale, sq); break;
-    case at::kBFloat16: sumsq = sum_bytes<c10::BFloat16, float>(my_slice, slices, my_n, task.scale, sq); break;
-    case at::kHalf: sumsq = sum_bytes<c10::Half, float>(my_slice, slices, my_n, task.scale, sq); break;
-    default: fail("unsupported dtype");
-  }
+  // Squares are summed per slice and the slices in rank order, so every rank arrives at the
+  // same bits (a rank-dependent order would let the ranks' clip coefficients drift apart).
+  std::vector<double> slice_squares(world_, 0.0);
+  slice_squares[rank_] = reduce_slice(task.dtype, my_slice, slices, my_n, task.scale, sq);
   publish(kReduced, task.seq);
   // Phase 3: copy the other ranks' reduced slices into my buffer.
   for (int k = 1; k < world_; ++k) {
@@ -546,13 +554,15 @@ void ShmAllreduce::execute(const Task& task) {
     char* to = mine + j_lo * elem;
     const char* from = src[j] + j_lo * elem;
     switch (task.dtype) {
-      case at::kFloat: sumsq += copy_elements<float>(to, from, j_n, sq); break;
-      case at::kDouble: sumsq += copy_elements<double>(to, from, j_n, sq); break;
-      case at::kBFloat16: sumsq += copy_elements<c10::BFloat16>(to, from, j_n, sq); break;
-      case at::kHalf: sumsq += copy_elements<c10::Half>(to, from, j_n, sq); break;
+      case at::kFloat: slice_squares[j] = copy_elements<float>(to, from, j_n, sq); break;
+      case at::kDouble: slice_squares[j] = copy_elements<double>(to, from, j_n, sq); break;
+      case at::kBFloat16: slice_squares[j] = copy_elements<c10::BFloat16>(to, from, j_n, sq); break;
+      case at::kHalf: slice_squares[j] = copy_elements<c10::Half>(to, from, j_n, sq); break;
       default: fail("unsupported dtype");
     }
   }
+  double sumsq = 0.0;
+  for (double v : slice_squares) sumsq += v;
   task.work->set_sum_of_squares(sumsq);
   // Phase 4: nobody reads my buffer any more, so the caller may write it again.
   publish(kDone, task.seq);

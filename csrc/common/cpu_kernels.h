@@ -1,0 +1,66 @@
+// The CPU inner loops of the AMP kernels and the shared-memory all-reduce. Each is compiled
+// twice -- for x86-64-v3 (AVX2 + FMA) and for the baseline -- and the dynamic loader picks one
+// when the module loads (GCC function multi-versioning, FASTDDP_CPU_CLONES), so one build runs
+// on any x86-64 CPU and uses 256-bit vectors and FMA where it has them. Elsewhere, and in
+// sanitizer builds (FASTDDP_NO_CPU_CLONES), there is one baseline version.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(FASTDDP_NO_CPU_CLONES)
+#define FASTDDP_CPU_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define FASTDDP_CPU_CLONES
+#endif
+
+namespace fastddp {
+
+// Sum of squares of p[0..n), accumulated in double: squares of finite fp32/fp16/bf16 values
+// cannot overflow a double, so a non-finite result means an inf/NaN input (the AMP check).
+double sum_squares(const float* p, int64_t n);
+double sum_squares(const double* p, int64_t n);
+double sum_squares(const c10::Half* p, int64_t n);
+double sum_squares(const c10::BFloat16* p, int64_t n);
+
+// p[i] *= c, computed in float (double for double tensors) and rounded once.
+void scale_in_place(float* p, int64_t n, float c);
+void scale_in_place(double* p, int64_t n, float c);
+void scale_in_place(c10::Half* p, int64_t n, float c);
+void scale_in_place(c10::BFloat16* p, int64_t n, float c);
+
+namespace detail {
+
+template <typename T>
+inline double sum_squares(const T* p, int64_t n) {
+  // Sixteen independent accumulators: the loop is bound by the latency of the additions, not
+  // by their width, so it needs several vector dependency chains in flight (four of 4 doubles
+  // with AVX2, eight of 2 with SSE2); one accumulator would be a single serial chain, as
+  // floating-point addition may not be reordered.
+  constexpr int kLanes = 16;
+  double acc[kLanes] = {};
+  int64_t k = 0;
+  for (; k + kLanes <= n; k += kLanes) {
+    for (int j = 0; j < kLanes; ++j) {
+      const double v = static_cast<double>(p[k + j]);
+      acc[j] += v * v;
+    }
+  }
+  for (; k < n; ++k) {
+    const double v = static_cast<double>(p[k]);
+    acc[0] += v * v;
+  }
+  double total = 0.0;
+  for (double a : acc) total += a;
+  return total;
+}
+
+template <typename T, typename Op>
+inline void scale_in_place(T* p, int64_t n, Op c) {
+  for (int64_t k = 0; k < n; ++k) p[k] = static_cast<T>(static_cast<Op>(p[k]) * c);
+}
+
+}  // namespace detail
+}  // namespace fastddp
