@@ -115,12 +115,16 @@ inline void cpu_relax() {
 
 inline bool reached(uint32_t value, uint32_t seq) { return static_cast<int32_t>(value - seq) >= 0; }
 
+// Elements per block of the reduction and the copy. The squares of a slice are summed block by
+// block, by its owner as it reduces the slice and by every other rank as it copies it: the same
+// blocking on both sides gives the same bits on every rank.
+constexpr int64_t kBlock = 2048;
+
 // dst[i] = scale * sum over src of src[k][i], accumulated in Acc in rank order. dst may be one
 // of the sources: each block is read completely before it is written. Returns the sum of
 // squares of the written values when `squares` (each block is squared while it is in L1).
 template <typename T, typename Acc>
 double sum_slices(T* dst, const std::vector<const T*>& src, int64_t n, Acc scale, bool squares) {
-  constexpr int64_t kBlock = 2048;
   Acc acc[kBlock];
   double sumsq = 0.0;
   for (int64_t base = 0; base < n; base += kBlock) {
@@ -170,7 +174,6 @@ double copy_elements(char* dst, const char* src, int64_t n, bool squares) {
     std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(T));
     return 0.0;
   }
-  constexpr int64_t kBlock = 2048;
   double sumsq = 0.0;
   for (int64_t base = 0; base < n; base += kBlock) {
     const int64_t m = std::min(kBlock, n - base);
@@ -179,6 +182,16 @@ double copy_elements(char* dst, const char* src, int64_t n, bool squares) {
     sumsq += sum_squares(d, m);
   }
   return sumsq;
+}
+
+double copy_slice(at::ScalarType dtype, char* dst, const char* src, int64_t n, bool squares) {
+  switch (dtype) {
+    case at::kFloat: return copy_elements<float>(dst, src, n, squares);
+    case at::kDouble: return copy_elements<double>(dst, src, n, squares);
+    case at::kBFloat16: return copy_elements<c10::BFloat16>(dst, src, n, squares);
+    case at::kHalf: return copy_elements<c10::Half>(dst, src, n, squares);
+    default: TORCH_CHECK(false, "DDPWrapper: shared-memory all-reduce does not support ", dtype);
+  }
 }
 
 }  // namespace
@@ -551,15 +564,7 @@ void ShmAllreduce::execute(const Task& task) {
     const int j = (rank_ + k) % world_;
     wait_for(j, kReduced, task.seq);
     const int64_t j_lo = lo(j), j_n = lo(j + 1) - j_lo;
-    char* to = mine + j_lo * elem;
-    const char* from = src[j] + j_lo * elem;
-    switch (task.dtype) {
-      case at::kFloat: slice_squares[j] = copy_elements<float>(to, from, j_n, sq); break;
-      case at::kDouble: slice_squares[j] = copy_elements<double>(to, from, j_n, sq); break;
-      case at::kBFloat16: slice_squares[j] = copy_elements<c10::BFloat16>(to, from, j_n, sq); break;
-      case at::kHalf: slice_squares[j] = copy_elements<c10::Half>(to, from, j_n, sq); break;
-      default: fail("unsupported dtype");
-    }
+    slice_squares[j] = copy_slice(task.dtype, mine + j_lo * elem, src[j] + j_lo * elem, j_n, sq);
   }
   double sumsq = 0.0;
   for (double v : slice_squares) sumsq += v;
