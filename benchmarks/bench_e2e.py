@@ -9,7 +9,8 @@ shared machine one run can lose a third of its speed to neighbours.
 
 On CPU the row also carries the compute floor (``benchmarks/compute_floor.py``): the samples/s
 that the bare model's forward + backward + optimizer step alone allows on the same processes
-and threads, and so the highest speed-up over the reference that any implementation can reach.
+and threads (measured after each pair of runs; the best is kept), and so the highest speed-up
+over the reference that any implementation of the same training can reach.
 """
 
 from __future__ import annotations
@@ -65,7 +66,9 @@ def test_e2e_vs_reference(tmp_path, nproc: int, batch: int) -> None:
         rows = history[1:] if len(history) > 1 else history
         return sum(r["samples_per_s"] for r in rows) / len(rows)
 
+    on_gpu = torch.cuda.is_available()
     runs: dict[str, list[list[dict]]] = {"ours": [], "ref": []}
+    floors: list[dict] = []
     for rep in range(REPEATS):  # alternate, so both sides see the same spells of machine load
         ours_dir = tmp_path / f"fastddp{rep}"
         _run(_cmd(nproc, ["-m", "fastddp.train", *flags, "--save-dir", str(ours_dir),
@@ -77,10 +80,11 @@ def test_e2e_vs_reference(tmp_path, nproc: int, batch: int) -> None:
         _run(_cmd(nproc, [str(ROOT / "benchmarks" / "reference" / "torch_har.py"), *flags,
                           "--json-out", str(ref_json)]))
         runs["ref"].append(json.loads(ref_json.read_text())["history"])
+        if not on_gpu:  # the floor, too, is measured in each spell; its best is the bound
+            floors.append(floor("flatten", batch, nproc, steps=20 if SMOKE else 150, threads=THREADS))
     ours = max(runs["ours"], key=steady_sps)
     ref = max(runs["ref"], key=steady_sps)
     ours_sps, ref_sps = steady_sps(ours), steady_sps(ref)
-    on_gpu = torch.cuda.is_available()
     result = {
         "device": "cuda" if on_gpu else "cpu",
         "nproc": nproc, "batch": batch, "epochs": EPOCHS,
@@ -95,8 +99,8 @@ def test_e2e_vs_reference(tmp_path, nproc: int, batch: int) -> None:
         "fastddp_val_f1": ours[-1]["val_f1"], "torch_val_f1": ref[-1]["val_f1"],
         "command": "pytest benchmarks/bench_e2e.py -s",
     }
-    if not on_gpu:
-        fl = floor("flatten", batch, nproc, steps=20 if SMOKE else 150, threads=THREADS)
+    if floors:
+        fl = max(floors, key=lambda f: f["floor_samples_per_s"])
         result.update(fl, ceiling_speedup=fl["floor_samples_per_s"] / ref_sps,
                       fraction_of_floor=ours_sps / fl["floor_samples_per_s"])
     print(json.dumps(result, indent=1))

@@ -52,7 +52,7 @@ def _finish(plt, fig, ax, path: Path, xlabel: str, ylabel: str, title: str) -> s
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
-    ax.legend()
+    ax.legend(fontsize="small", loc="center left", bbox_to_anchor=(1.01, 0.5))
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -72,18 +72,22 @@ def plots(results: dict[str, list[dict[str, Any]]], img: Path) -> list[str]:
     img.mkdir(parents=True, exist_ok=True)
     e2e = results.get("e2e", [])
     if e2e:
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        for side in ("fastddp", "torch"):
-            for nproc in sorted({r["nproc"] for r in e2e}):
-                rows = sorted((r for r in e2e if r["nproc"] == nproc), key=lambda r: r["batch"])
-                ax.plot([r["batch"] for r in rows], [r[f"{side}_samples_per_s"] for r in rows],
-                        marker="o", label=f"{side}, {nproc} proc")
-        for nproc in sorted({r["nproc"] for r in e2e if r.get("floor_samples_per_s")}):
-            rows = sorted((r for r in e2e if r["nproc"] == nproc and r.get("floor_samples_per_s")),
+        # One line per (device, processes) and side: CPU and GPU rows never share a line, and a
+        # log axis keeps the CPU numbers readable beside the GPU ones.
+        fig, ax = plt.subplots(figsize=(9, 4))
+        groups = sorted({(r.get("device", "cpu"), r["nproc"]) for r in e2e})
+        for device, nproc in groups:
+            rows = sorted((r for r in e2e if r.get("device", "cpu") == device and r["nproc"] == nproc),
                           key=lambda r: r["batch"])
-            ax.plot([r["batch"] for r in rows], [r["floor_samples_per_s"] for r in rows],
-                    linestyle="--", label=f"compute floor, {nproc} proc")
+            for side, style in (("fastddp", "-"), ("torch", ":")):
+                ax.plot([r["batch"] for r in rows], [r[f"{side}_samples_per_s"] for r in rows],
+                        linestyle=style, marker="o", label=f"{side}, {device}, {nproc} proc")
+            floor = [r for r in rows if r.get("floor_samples_per_s")]
+            if floor:
+                ax.plot([r["batch"] for r in floor], [r["floor_samples_per_s"] for r in floor],
+                        linestyle="--", label=f"compute floor, {device}, {nproc} proc")
         ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
         made.append(_finish(plt, fig, ax, img / "e2e_samples_per_s.png",
                             "batch size per process", "samples/s", "HAR end to end"))
     scaling = results.get("scaling", [])
