@@ -1,7 +1,7 @@
 """DDPWrapper vs torch DistributedDataParallel: step time (forward + backward + optimizer),
 same model, data and process group, measured alternately in the same ranks.
 
-    pytest benchmarks/bench_ddp.py -s          # CPU, gloo, world size 2
+    pytest benchmarks/bench_ddp.py -s          # CPU, gloo, world sizes 2 and 1
     pytest benchmarks/bench_ddp.py -s -m cuda  # GPU, NCCL, world size 1: overhead over the bare model
 
 On CPU, fastddp runs twice: with its default transport for co-located ranks (shared memory)
@@ -14,6 +14,7 @@ layers (~200 parameters: per-parameter overhead dominates).
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 
@@ -91,30 +92,43 @@ def test_ddp_step_time_cpu_world2(name: str) -> None:
     record("ddp", f"cpu-gloo-w2-{name}", result)
 
 
-def _gpu_step_times(name: str) -> dict:
-    """One process, NCCL world size 1: the bare model, DDPWrapper and torch DDP on the same
-    model and batch, alternated; median step time of each (CUDA-synchronised)."""
+def _world1_step_times(name: str, device: str) -> dict:
+    """One process, world size 1: the bare model, DDPWrapper (gradients passed through, its
+    default in a world of one), DDPWrapper through its buckets (``FASTDDP_WORLD1_PASSTHROUGH=0``:
+    the copies into the buckets a larger world makes, without the collective) and torch DDP,
+    on the same model and batch, alternated; median step time of each (CUDA-synchronised)."""
     factory, make_x = MODELS[name]
     torch.manual_seed(0)
-    base = factory().cuda()
+    dev = torch.device(device)
+    ids = [0] if dev.type == "cuda" else None
+    base = factory().to(dev)
     models: dict[str, nn.Module] = {}
-    for kind in ("bare", "fastddp", "torch"):
-        m = factory().cuda()
+    for kind in ("bare", "fastddp", "fastddp_buckets", "torch"):
+        m = factory().to(dev)
         m.load_state_dict(base.state_dict())
-        models[kind] = (m if kind == "bare" else
-                        fastddp.DDPWrapper(m, device_ids=[0]) if kind == "fastddp" else
-                        TorchDDP(m, device_ids=[0]))
+        if kind == "fastddp_buckets":
+            os.environ["FASTDDP_WORLD1_PASSTHROUGH"] = "0"
+            try:
+                models[kind] = fastddp.DDPWrapper(m, device_ids=ids)
+            finally:
+                del os.environ["FASTDDP_WORLD1_PASSTHROUGH"]
+        else:
+            models[kind] = (m if kind == "bare" else
+                            fastddp.DDPWrapper(m, device_ids=ids) if kind == "fastddp" else
+                            TorchDDP(m, device_ids=ids))
+    assert models["fastddp"]._reducer.passthrough and not models["fastddp_buckets"]._reducer.passthrough
     opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in models.items()}
-    x = make_x().cuda()
+    x = make_x().to(dev)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
     def step(kind: str) -> float:
         m, o = models[kind], opts[kind]
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         o.zero_grad()
         m(x).pow(2).mean().backward()
         o.step()
-        torch.cuda.synchronize()
+        sync()
         return time.perf_counter() - t0
 
     for kind in models:
@@ -127,24 +141,41 @@ def _gpu_step_times(name: str) -> dict:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def _cpu_world1_rank(rank: int, world_size: int, name: str) -> dict:
+    torch.set_num_threads(1)
+    return _world1_step_times(name, "cpu")
+
+
+def _world1(name: str, backend: str) -> None:
+    if backend == "gloo":  # in a spawned rank with its own gloo group, one thread
+        res = run_distributed(_cpu_world1_rank, world_size=1, args=(name,), timeout=900)[0]
+    else:
+        from fastddp._net import free_port
+
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        dist.init_process_group(backend, rank=0, world_size=1)
+        try:
+            res = _world1_step_times(name, "cuda")
+        finally:
+            dist.destroy_process_group()
+    result = {"model": name, "world_size": 1, "backend": backend,
+              "bare_step_ms": res["bare"] * 1e3, "fastddp_step_ms": res["fastddp"] * 1e3,
+              "fastddp_buckets_step_ms": res["fastddp_buckets"] * 1e3,
+              "torch_step_ms": res["torch"] * 1e3,
+              "fastddp_overhead": res["fastddp"] / res["bare"] - 1,
+              "fastddp_buckets_overhead": res["fastddp_buckets"] / res["bare"] - 1,
+              "torch_overhead": res["torch"] / res["bare"] - 1,
+              "command": "pytest benchmarks/bench_ddp.py -s" + (" -m cuda" if backend == "nccl" else "")}
+    print(json.dumps(result, indent=1))
+    record("ddp", f"{'gpu' if backend == 'nccl' else 'cpu'}-{backend}-w1-{name}", result)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_ddp_overhead_cpu_gloo_world1(name: str) -> None:
+    _world1(name, "gloo")
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("name", list(MODELS))
 def test_ddp_overhead_gpu_nccl_world1(name: str) -> None:
-    import os
-
-    from fastddp._net import free_port
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    dist.init_process_group("nccl", rank=0, world_size=1)
-    try:
-        res = _gpu_step_times(name)
-    finally:
-        dist.destroy_process_group()
-    result = {"model": name, "world_size": 1, "backend": "nccl",
-              "bare_step_ms": res["bare"] * 1e3, "fastddp_step_ms": res["fastddp"] * 1e3,
-              "torch_step_ms": res["torch"] * 1e3,
-              "fastddp_overhead": res["fastddp"] / res["bare"] - 1,
-              "torch_overhead": res["torch"] / res["bare"] - 1,
-              "command": "pytest benchmarks/bench_ddp.py -s -m cuda"}
-    print(json.dumps(result, indent=1))
-    record("ddp", f"gpu-nccl-w1-{name}", result)
+    _world1(name, "nccl")

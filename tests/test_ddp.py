@@ -155,15 +155,27 @@ def _vec(g, n=6):
 
 
 def _parity_suite(rank: int, world_size: int, transport: str = "shm") -> list[str]:
-    os.environ["FASTDDP_SHM_ALLREDUCE"] = "1" if transport == "shm" else "0"
+    """``transport``: "shm" or "c10d", "+batched" for one multi-tensor copy per bucket, or
+    "buckets" (a world of one through the buckets instead of passing gradients through)."""
+    os.environ["FASTDDP_SHM_ALLREDUCE"] = "1" if transport.startswith("shm") else "0"
+    os.environ["FASTDDP_BATCH_GRAD_COPIES"] = "1" if transport.endswith("+batched") else "0"
+    os.environ["FASTDDP_WORLD1_PASSTHROUGH"] = "0" if transport == "buckets" else "1"
+    passthrough = world_size == 1 and transport != "buckets"
     done = []
     # MLP, many tiny buckets, both zero_grad styles, both gradient layouts
     for set_to_none in (True, False):
         for as_view in (True, False):
             ours, ref = _pair(_mlp, {"bucket_cap_mb": 0.001},
                               {"gradient_as_bucket_view": as_view})
+            report = ours.bucket_report()
+            assert (report["passthrough"], report["batch_copies"]) == (passthrough, transport.endswith("+batched"))
             _train(ours, ref, _vec, set_to_none=set_to_none)
             assert len(ours.bucket_report()["buckets"]) >= 4
+            # .grad lives in the buckets exactly when they are used and the layout asks for it
+            storages = {b.untyped_storage().data_ptr() for b in ours.bucket_buffers()}
+            for name, p in ours.module.named_parameters():
+                in_bucket = p.grad.untyped_storage().data_ptr() in storages
+                assert in_bucket == (as_view and not passthrough), (name, in_bucket)
             done.append(f"mlp set_to_none={set_to_none} view={as_view}")
     # conv net with BatchNorm (buffers broadcast from rank 0 before each forward)
     ours, ref = _pair(_conv_bn, {})
@@ -270,7 +282,8 @@ def _parity_suite(rank: int, world_size: int, transport: str = "shm") -> list[st
 
 
 @pytest.mark.parametrize(("world_size", "transport"),
-                         [(1, "c10d"), (2, "shm"), (2, "c10d"), (3, "shm"), (3, "c10d")])
+                         [(1, "c10d"), (1, "buckets"), (2, "shm"), (2, "c10d"), (2, "c10d+batched"),
+                          (3, "shm"), (3, "c10d"), (3, "shm+batched")])
 def test_parity_with_torch_ddp(world_size: int, transport: str) -> None:
     results = run_distributed(_parity_suite, world_size=world_size, args=(transport,), timeout=300)
     assert all(len(r) == 15 for r in results), results
@@ -338,12 +351,20 @@ def _nccl_world_one() -> Iterator[None]:
 
 
 @pytest.mark.cuda
-def test_nccl_world_one_parity_under_autocast() -> None:
+@pytest.mark.parametrize("passthrough", ["1", "0"])
+def test_nccl_world_one_parity_under_autocast(monkeypatch, passthrough: str) -> None:
+    """World of one on NCCL, gradients passed through (the default) or through the buckets
+    (FASTDDP_WORLD1_PASSTHROUGH=0: on a GPU each bucket's gradients are copied in with one
+    multi-tensor copy)."""
+    monkeypatch.setenv("FASTDDP_WORLD1_PASSTHROUGH", passthrough)
     with _nccl_world_one():
         torch.manual_seed(0)
         a, b = _mlp().cuda(), _mlp().cuda()
         b.load_state_dict(a.state_dict())
-        ours = fastddp.DDPWrapper(a, device_ids=[0])
+        ours = fastddp.DDPWrapper(a, device_ids=[0], bucket_cap_mb=0.001)
+        report = ours.bucket_report()
+        assert report["passthrough"] == (passthrough == "1") and report["batch_copies"], report
+        assert len(report["buckets"]) >= 3
         ref = TorchDDP(b, device_ids=[0])
         opt_a = torch.optim.AdamW(ours.parameters(), lr=1e-3, fused=True)
         opt_b = torch.optim.AdamW(ref.parameters(), lr=1e-3, fused=True)
@@ -354,7 +375,10 @@ def test_nccl_world_one_parity_under_autocast() -> None:
                 with torch.autocast("cuda", dtype=torch.bfloat16):
                     loss = m(x).float().pow(2).mean()
                 loss.backward()
-                o.step()
+            for p, q in zip(ours.parameters(), ref.parameters()):
+                torch.testing.assert_close(p.grad, q.grad)
+            opt_a.step()
+            opt_b.step()
             for p, q in zip(ours.parameters(), ref.parameters()):
                 torch.testing.assert_close(p, q)
 
@@ -518,3 +542,14 @@ def _subgroup(rank: int, world_size: int) -> str:
 
 def test_parity_in_a_process_subgroup() -> None:
     assert run_distributed(_subgroup, world_size=3) == ["outside", "trained", "trained"]
+
+
+def test_env_settings_are_checked(monkeypatch) -> None:
+    from fastddp.ddp import _env_flag
+
+    for value, expected in (("1", True), ("off", False), ("auto", None), ("", None)):
+        monkeypatch.setenv("FASTDDP_BATCH_GRAD_COPIES", value)
+        assert _env_flag("FASTDDP_BATCH_GRAD_COPIES") is expected
+    monkeypatch.setenv("FASTDDP_WORLD1_PASSTHROUGH", "maybe")
+    with pytest.raises(ValueError, match=r"FASTDDP_WORLD1_PASSTHROUGH='maybe' is not understood; set it to 1, 0"):
+        _env_flag("FASTDDP_WORLD1_PASSTHROUGH")

@@ -14,23 +14,32 @@ void bind_reducer(py::module_& m) {
                        std::vector<std::vector<int64_t>> buckets,
                        const c10::intrusive_ptr<c10d::ProcessGroup>& pg, bool grad_as_view, bool find_unused,
                        bool static_graph, std::optional<at::ScalarType> comm_dtype, std::optional<bool> shm,
-                       double shm_timeout_s, int64_t shm_broadcast_bytes) {
+                       double shm_timeout_s, int64_t shm_broadcast_bytes, std::optional<bool> batch_copies,
+                       bool single_rank_passthrough) {
              // Construction may run collectives (the shared-memory handshake): no GIL meanwhile.
              py::gil_scoped_release release;
              auto r = std::make_shared<fastddp::reducer::Reducer>(std::move(params), std::move(names), buckets, pg,
                                                                   grad_as_view, find_unused, static_graph,
-                                                                  comm_dtype, shm, shm_timeout_s, shm_broadcast_bytes);
+                                                                  comm_dtype, shm, shm_timeout_s, shm_broadcast_bytes,
+                                                                  batch_copies, single_rank_passthrough);
              r->register_hooks();
              return r;
            }),
            py::arg("params"), py::arg("names"), py::arg("buckets"), py::arg("process_group"),
            py::arg("gradient_as_bucket_view"), py::arg("find_unused_parameters"), py::arg("static_graph"),
-           py::arg("comm_dtype"), py::arg("shm_allreduce") = py::none(), py::arg("shm_timeout_s") = 1800.0, py::arg("shm_broadcast_bytes") = 0)
+           py::arg("comm_dtype"), py::arg("shm_allreduce") = py::none(), py::arg("shm_timeout_s") = 1800.0, py::arg("shm_broadcast_bytes") = 0,
+           py::arg("batch_copies") = py::none(), py::arg("single_rank_passthrough") = true)
       .def("broadcast_buffers", &fastddp::reducer::Reducer::broadcast_buffers, py::arg("tensors"),
            "Shared-memory transport: copy group rank 0's tensors into every rank's (True); else False.",
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("transport", &fastddp::reducer::Reducer::transport,
                              "'shm' (co-located CPU ranks, shared memory) or 'c10d'.")
+      .def_property_readonly("passthrough", &fastddp::reducer::Reducer::passthrough,
+                             "A world of one without comm_dtype: gradients are left where autograd put them.")
+      .def_property_readonly("grads_in_buckets", &fastddp::reducer::Reducer::grads_in_buckets,
+                             "Whether param.grad are views into bucket_buffers() after a reduced backward.")
+      .def_property_readonly("batch_copies", &fastddp::reducer::Reducer::batch_copies,
+                             "Gradients are copied into a full bucket with one multi-tensor copy.")
       .def_property_readonly("transport_note", &fastddp::reducer::Reducer::transport_note,
                              "Why the shared-memory path is not used (empty when it is).")
       .def("prepare_for_backward", &fastddp::reducer::Reducer::prepare_for_backward, py::arg("outputs"),

@@ -2,6 +2,7 @@
 
 #include "amp/amp.h"
 
+#include <ATen/ops/_foreach_copy.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mul.h>
 #include <ATen/ops/zeros.h>
@@ -37,7 +38,8 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
                  c10::intrusive_ptr<c10d::ProcessGroup> process_group, bool gradient_as_bucket_view,
                  bool find_unused_parameters, bool static_graph, std::optional<at::ScalarType> comm_dtype,
                  std::optional<bool> shm_allreduce, double shm_timeout_s,
-                 int64_t shm_broadcast_bytes)
+                 int64_t shm_broadcast_bytes, std::optional<bool> batch_copies,
+                 bool single_rank_passthrough)
     : params_(std::move(params)),
       names_(std::move(names)),
       process_group_(std::move(process_group)),
@@ -49,6 +51,10 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
   TORCH_CHECK(names_.size() == params_.size(), "DDPWrapper: ", params_.size(), " parameters but ",
               names_.size(), " names");
   inv_world_ = 1.0 / static_cast<double>(process_group_->getSize());
+  passthrough_ = single_rank_passthrough && process_group_->getSize() == 1 && !comm_dtype_;
+  bool any_cuda = false;
+  for (const auto& p : params_) any_cuda = any_cuda || p.is_cuda();
+  batch_copies_ = batch_copies.value_or(any_cuda);
   // A 0-dim CPU double multiplies tensors of any device/dtype without promoting them.
   inv_world_tensor_ = at::scalar_tensor(inv_world_, at::TensorOptions().dtype(at::kDouble));
   const int64_t n = static_cast<int64_t>(params_.size());
@@ -145,7 +151,7 @@ void Reducer::install_buckets_locked(const std::vector<std::vector<int64_t>>& bu
     views_.push_back(bucket.buffer.narrow(0, bucket.offsets[param_slot_[i]], p.numel()).view(p.sizes()));
   }
 
-  if (gradient_as_bucket_view_) {
+  if (gradient_as_bucket_view_ && !passthrough_) {
     // Existing gradients (possibly views of the previous buffers, which stay alive until
     // the copy is done) move into the new buckets, so backward accumulates into them.
     for (int64_t i = 0; i < n; ++i) {
@@ -229,6 +235,7 @@ void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs, bool 
     b.pending = static_cast<int64_t>(b.params.size());
     b.work.reset();
     b.squares_in_work = false;
+    b.deferred.clear();
   }
   if (!sync) return;
   if (static_graph_) {
@@ -294,6 +301,7 @@ void Reducer::mark_unused_locked(int64_t index) {
 }
 
 void Reducer::copy_grad_to_bucket_locked(int64_t index) {
+  if (passthrough_) return;  // nothing to reduce: .grad stays autograd's
   auto& grad = params_[index].mutable_grad();
   auto view = bucket_view(index);
   // Divide by the world size before the reduction (SUM), unless the collective averages
@@ -304,6 +312,11 @@ void Reducer::copy_grad_to_bucket_locked(int64_t index) {
   if (grad.defined()) {
     if (grad.is_alias_of(view)) {
       if (divide) view.mul_(inv_world_);  // accumulated in place (bucket view): pre-divide there
+    } else if (batch_copies_ && !divide && grad.layout() == at::kStrided &&
+               grad.scalar_type() == view.scalar_type() && grad.device() == view.device() &&
+               grad.sizes() == view.sizes()) {
+      // Copied with the rest of its bucket once the bucket is full (flush_deferred_locked).
+      buckets_[param_bucket_[index]].deferred.push_back(index);
     } else {
       // Copy into the bucket and divide by the world size in the same pass.
       if (divide) {
@@ -377,6 +390,7 @@ void Reducer::launch_ready_buckets_locked() {
   // same sequence whatever order its gradients arrive in.
   while (next_launch_ < static_cast<int64_t>(buckets_.size()) && buckets_[next_launch_].pending == 0) {
     auto& bucket = buckets_[next_launch_++];
+    flush_deferred_locked(bucket);
     std::vector<at::Tensor> tensors;
     if (bucket.comm.defined()) {
       bucket.comm.copy_(bucket.buffer);
@@ -401,6 +415,23 @@ void Reducer::launch_ready_buckets_locked() {
     opts.reduceOp = reduce_avg_locked() ? c10d::ReduceOp::AVG : c10d::ReduceOp::SUM;
     bucket.work = process_group_->allreduce(tensors, opts);
   }
+}
+
+void Reducer::flush_deferred_locked(Bucket& bucket) {
+  if (bucket.deferred.empty()) return;
+  std::vector<at::Tensor> views;
+  std::vector<at::Tensor> grads;
+  views.reserve(bucket.deferred.size());
+  grads.reserve(bucket.deferred.size());
+  for (int64_t i : bucket.deferred) {
+    views.push_back(bucket_view(i));
+    grads.push_back(params_[i].grad());
+  }
+  at::_foreach_copy_(views, grads);
+  if (gradient_as_bucket_view_) {
+    for (size_t k = 0; k < bucket.deferred.size(); ++k) params_[bucket.deferred[k]].mutable_grad() = views[k];
+  }
+  bucket.deferred.clear();
 }
 
 void Reducer::finalize_backward() {
@@ -434,6 +465,12 @@ void Reducer::finalize_backward() {
               "If some parameters are legitimately unused in some iterations, pass find_unused_parameters=True; "
               "also make sure every forward output that depends on parameters takes part in the loss.");
   launch_ready_buckets_locked();
+  if (passthrough_) {
+    // The gradients are autograd's own and a world of one sums nothing: no bucket to wait
+    // for, no gradient to put back (parameters unused here keep .grad, as in torch DDP).
+    for (auto& bucket : buckets_) bucket.last_allreduce_ms = 0.0;
+    return;
+  }
 
   at::Tensor global_used = static_global_used_;
   if ((find_unused_ && !static_graph_) || static_first) {

@@ -27,6 +27,9 @@ struct Bucket {
   at::Tensor comm;               // flat buffer in the communication dtype (compression)
   bool shm = false;              // reduced through shared memory (else through c10d)
   int64_t pending = 0;           // parameters not yet ready in this backward
+  // Batched copies: parameters whose gradient waits in .grad to be copied into the bucket
+  // with one multi-tensor copy when the bucket is full (instead of one copy each).
+  std::vector<int64_t> deferred;
   c10::intrusive_ptr<c10d::Work> work;
   // The shared-memory reduction also summed the squares of the result (a ShmWork): the AMP
   // statistics of this bucket come with it instead of from another pass.
@@ -42,7 +45,17 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
           c10::intrusive_ptr<c10d::ProcessGroup> process_group, bool gradient_as_bucket_view,
           bool find_unused_parameters, bool static_graph, std::optional<at::ScalarType> comm_dtype,
           std::optional<bool> shm_allreduce = std::nullopt, double shm_timeout_s = 1800.0,
-          int64_t shm_broadcast_bytes = 0);
+          int64_t shm_broadcast_bytes = 0, std::optional<bool> batch_copies = std::nullopt,
+          bool single_rank_passthrough = true);
+
+  // A world of one without comm_dtype has nothing to reduce: with single_rank_passthrough the
+  // gradients stay where autograd put them (no copy into the buckets, no copy back), exactly
+  // the bare model's; the hooks still check what torch DDP checks.
+  bool passthrough() const { return passthrough_; }
+  // Whether param.grad are views into bucket_buffers() after a reduced backward (so that the
+  // buffers can stand in for the gradients).
+  bool grads_in_buckets() const { return gradient_as_bucket_view_ && !passthrough_; }
+  bool batch_copies() const { return batch_copies_; }
 
   // "shm" when the buckets are reduced through shared memory (co-located CPU ranks), else
   // "c10d"; transport_note() says why shared memory is not used (empty when it is).
@@ -88,6 +101,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // Moves the parameter's .grad into its bucket slot divided by the world size (zero if None).
   void copy_grad_to_bucket_locked(int64_t index);
   void launch_ready_buckets_locked();
+  void flush_deferred_locked(Bucket& bucket);
   void finalize_backward();
   void queue_finalize();         // from the outputs' grad_fn pre-hook (static_graph, first iteration)
   void queue_finalize_locked();  // end-of-backward callback on the current graph task
@@ -104,6 +118,10 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   std::vector<NodePtr> grad_accumulators_;  // kept alive so our hooks stay installed
   c10::intrusive_ptr<c10d::ProcessGroup> process_group_;
   bool gradient_as_bucket_view_;
+  bool passthrough_ = false;
+  // One multi-tensor copy per bucket (at::_foreach_copy_) instead of a copy per gradient: on
+  // a GPU each copy is a kernel launch of a few microseconds of host time.
+  bool batch_copies_ = false;
   bool find_unused_;
   // static_graph: the first iteration counts how often each parameter's gradient arrives
   // (reentrant backward passes can reach one several times) and reduces at the end; later

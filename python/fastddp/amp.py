@@ -97,7 +97,7 @@ class GradScaler(torch.amp.GradScaler):
                                  "optimizers that hold a subset")
             ddp._reducer.set_grad_stats(True)
             self._ddp_checked.add(key)
-        if ddp.gradient_as_bucket_view:
+        if ddp._reducer.grads_in_buckets:  # not in a world of one, where .grad is autograd's
             return ddp.bucket_buffers()
         return self._collect(optimizer, None)
 

@@ -78,6 +78,14 @@ class DDPWrapper(nn.Module):
 
     ``gradient_as_bucket_view`` defaults to True: ``param.grad`` is a view into its bucket, so
     gradients are never copied when they accumulate in place (``zero_grad(set_to_none=False)``).
+    After ``zero_grad(set_to_none=True)`` each new gradient is copied into its bucket; on a GPU
+    the copies of a bucket are made with one multi-tensor copy once the bucket is full
+    (``FASTDDP_BATCH_GRAD_COPIES=0|1`` forces one copy per gradient / batched copies).
+
+    In a world of one (and no ``comm_dtype``) there is nothing to reduce: the gradients stay
+    where autograd put them, as without the wrapper, and the buckets are not used (the checks
+    of unused or twice-ready parameters still apply). ``FASTDDP_WORLD1_PASSTHROUGH=0`` keeps
+    the bucketed path there too (e.g. to measure it).
 
     After the first reduced backward the buckets are rebuilt once in the order gradients
     arrived (rank 0's order, broadcast), as torch DDP does.
@@ -151,7 +159,9 @@ class DDPWrapper(nn.Module):
                                   gradient_as_bucket_view, find_unused_parameters, static_graph,
                                   None if comm_dtype is None else comm_dtype,
                                   self._shm_wish(params, shm_allreduce), self._timeout_s(),
-                                  self._buffer_bytes())
+                                  self._buffer_bytes(),
+                                  batch_copies=_env_flag("FASTDDP_BATCH_GRAD_COPIES"),
+                                  single_rank_passthrough=_env_flag("FASTDDP_WORLD1_PASSTHROUGH") is not False)
         note = self._reducer.transport_note
         own_failure = note.startswith(("shm_open", "reserving", "segment", "mmap", "cannot"))
         if shm_allreduce is None and self._reducer.transport != "shm" and (
@@ -258,7 +268,8 @@ class DDPWrapper(nn.Module):
     # ------------------------------------------------------------------ forward / no_sync
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         grad_enabled = torch.is_grad_enabled()
-        if grad_enabled and not self._buckets_rebuilt and self.require_backward_grad_sync:
+        if grad_enabled and not self._buckets_rebuilt and self.require_backward_grad_sync \
+                and not self._reducer.passthrough:
             order = self._reducer.arrival_order()
             if order:  # after the first reduced backward
                 self._rebuild_buckets(order)
@@ -311,7 +322,8 @@ class DDPWrapper(nn.Module):
 
     def bucket_buffers(self) -> list[torch.Tensor]:
         """The flat gradient buffers (``param.grad`` are views into them with
-        ``gradient_as_bucket_view=True``)."""
+        ``gradient_as_bucket_view=True``, except in a world of one, where gradients are not
+        bucketed: see the class documentation)."""
         return self._reducer.bucket_buffers()
 
     def bucket_report(self) -> dict[str, Any]:
@@ -333,9 +345,22 @@ class DDPWrapper(nn.Module):
         return {"world_size": self.world_size, "bucket_cap_mb": self._bucket_cap_mb,
                 "transport": self._reducer.transport, "transport_note": self._reducer.transport_note,
                 "first_bucket_mb": FIRST_BUCKET_MB, "comm_dtype": str(self.comm_dtype),
+                "passthrough": self._reducer.passthrough, "batch_copies": self._reducer.batch_copies,
                 "buckets": buckets,
                 "param_to_bucket": {self._param_names[i]: b for b, idx in
                                     enumerate(self._reducer.bucket_indices()) for i in idx}}
+
+
+def _env_flag(name: str) -> Optional[bool]:
+    """An on/off environment setting: None when unset or ``auto``."""
+    value = os.environ.get(name, "").strip().lower()
+    if value in ("", "auto"):
+        return None
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name}={os.environ[name]!r} is not understood; set it to 1, 0 or auto (or unset it)")
 
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
