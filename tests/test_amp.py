@@ -204,7 +204,7 @@ def test_fused_step_makes_no_host_sync() -> None:
         torch.cuda.set_sync_debug_mode(0)
 
 
-def _ddp_scaler_parity(rank: int, world_size: int, fused: bool) -> int:
+def _ddp_scaler_parity(rank: int, world_size: int, fused: bool, via: str = "ddp") -> int:
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
     ours_m, ref_m = _model("cpu"), _model("cpu")
@@ -224,7 +224,8 @@ def _ddp_scaler_parity(rank: int, world_size: int, fused: bool) -> int:
         for m, o, s in ((ours, ours_o, ours_s), (ref, ref_o, ref_s)):
             o.zero_grad()
             s.scale(nn.functional.mse_loss(m(x), y) * poison).backward()
-        norm = ours_s.step(ours_o, max_grad_norm=0.5, ddp=ours)
+        kw_step = {"ddp": ours} if via == "ddp" else {"grads": ours.bucket_buffers()}
+        norm = ours_s.step(ours_o, max_grad_norm=0.5, **kw_step)
         ref_s.unscale_(ref_o)
         ref_norm = nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
         ref_s.step(ref_o)
@@ -266,3 +267,12 @@ def test_with_ddp_wrapper_uses_bucket_stats(fused, world_size) -> None:
         assert used == [0]
     else:
         assert used == [5, 5]  # every backward after the first produced overlapped stats
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_grads_from_bucket_buffers(world_size) -> None:
+    """grads=ddp.bucket_buffers() works in any world: the flat buckets, or in a world of one
+    (nothing bucketed) the gradients themselves."""
+    from .distributed import run_distributed
+
+    assert run_distributed(_ddp_scaler_parity, world_size=world_size, args=(True, "grads")) == [0] * world_size

@@ -172,10 +172,12 @@ def _parity_suite(rank: int, world_size: int, transport: str = "shm") -> list[st
             _train(ours, ref, _vec, set_to_none=set_to_none)
             assert len(ours.bucket_report()["buckets"]) >= 4
             # .grad lives in the buckets exactly when they are used and the layout asks for it
-            storages = {b.untyped_storage().data_ptr() for b in ours.bucket_buffers()}
+            storages = {b.untyped_storage().data_ptr() for b in ours._reducer.bucket_buffers()}
             for name, p in ours.module.named_parameters():
                 in_bucket = p.grad.untyped_storage().data_ptr() in storages
                 assert in_bucket == (as_view and not passthrough), (name, in_bucket)
+            if passthrough:  # bucket_buffers() then hands out the gradients themselves
+                assert [b.data_ptr() for b in ours.bucket_buffers()] == [p.grad.data_ptr() for p in ours.parameters()]
             done.append(f"mlp set_to_none={set_to_none} view={as_view}")
     # conv net with BatchNorm (buffers broadcast from rank 0 before each forward)
     ours, ref = _pair(_conv_bn, {})

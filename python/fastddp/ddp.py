@@ -321,9 +321,13 @@ class DDPWrapper(nn.Module):
         return self._reducer.transport
 
     def bucket_buffers(self) -> list[torch.Tensor]:
-        """The flat gradient buffers (``param.grad`` are views into them with
-        ``gradient_as_bucket_view=True``, except in a world of one, where gradients are not
-        bucketed: see the class documentation)."""
+        """The tensors that hold the averaged gradients after backward, e.g. for
+        :class:`fastddp.GradScaler`'s ``grads=``: the flat bucket buffers (``param.grad`` are
+        views into them with ``gradient_as_bucket_view=True``), or, in a world of one where
+        nothing is bucketed (see the class documentation), the parameters' ``.grad`` tensors
+        themselves (those that exist)."""
+        if self._reducer.passthrough:
+            return [p.grad for p in self._params if p.grad is not None]
         return self._reducer.bucket_buffers()
 
     def bucket_report(self) -> dict[str, Any]:
