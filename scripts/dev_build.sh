@@ -12,3 +12,6 @@ cmake -S . -B "$bdir" -G Ninja -DFASTDDP_INPLACE=ON \
   -DFASTDDP_CUDA_ARCHS="${FASTDDP_CUDA_ARCHS:-80;90}" \
   -DFASTDDP_SANITIZE="${FASTDDP_SANITIZE:-}" >/dev/null
 cmake --build "$bdir" -j "${FASTDDP_BUILD_JOBS:-2}"
+# The POST_BUILD copy runs only when the module is relinked; copy again so that switching
+# between build dirs (e.g. after scripts/sanitize.sh) always leaves this build's module in place.
+cp "$bdir"/_C*.so "$bdir"/_build_info.py python/fastddp/
