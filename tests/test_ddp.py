@@ -176,6 +176,9 @@ def _parity_suite(rank: int, world_size: int, transport: str = "shm") -> list[st
             for name, p in ours.module.named_parameters():
                 in_bucket = p.grad.untyped_storage().data_ptr() in storages
                 assert in_bucket == (as_view and not passthrough), (name, in_bucket)
+            # a world of one holds no bucket memory; the report still names the real device
+            assert all(b.is_meta for b in ours._reducer.bucket_buffers()) == passthrough
+            assert {b["device"] for b in ours.bucket_report()["buckets"]} == {"cpu"}
             if passthrough:  # bucket_buffers() then hands out the gradients themselves
                 assert [b.data_ptr() for b in ours.bucket_buffers()] == [p.grad.data_ptr() for p in ours.parameters()]
             done.append(f"mlp set_to_none={set_to_none} view={as_view}")

@@ -132,6 +132,10 @@ void Reducer::install_buckets_locked(const std::vector<std::vector<int64_t>>& bu
       } else {
         bucket.buffer = shared;
       }
+    } else if (passthrough_) {
+      // Nothing is ever copied into it: a shape-only (meta) tensor keeps the layout for
+      // bucket_report() without holding a second copy of every gradient.
+      bucket.buffer = at::empty({total}, first.options().device(at::kMeta).requires_grad(false));
     } else {
       bucket.buffer = at::zeros({total}, first.options().requires_grad(false));
       if (compress) bucket.comm = at::empty({total}, first.options().dtype(*comm_dtype_).requires_grad(false));

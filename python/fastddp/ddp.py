@@ -83,8 +83,8 @@ class DDPWrapper(nn.Module):
     (``FASTDDP_BATCH_GRAD_COPIES=0|1`` forces one copy per gradient / batched copies).
 
     In a world of one (and no ``comm_dtype``) there is nothing to reduce: the gradients stay
-    where autograd put them, as without the wrapper, and the buckets are not used (the checks
-    of unused or twice-ready parameters still apply). ``FASTDDP_WORLD1_PASSTHROUGH=0`` keeps
+    where autograd put them, as without the wrapper, and no bucket memory is allocated (the
+    checks of unused or twice-ready parameters still apply). ``FASTDDP_WORLD1_PASSTHROUGH=0`` keeps
     the bucketed path there too (e.g. to measure it).
 
     After the first reduced backward the buckets are rebuilt once in the order gradients
@@ -341,7 +341,7 @@ class DDPWrapper(nn.Module):
         for b, (indices, buf) in enumerate(zip(self._reducer.bucket_indices(), buffers)):
             buckets.append({
                 "index": b, "bytes": buf.numel() * buf.element_size(), "numel": buf.numel(),
-                "dtype": str(buf.dtype), "device": str(buf.device),
+                "dtype": str(buf.dtype), "device": str(self._params[indices[0]].device),
                 "params": [self._param_names[i] for i in indices],
                 "allreduce_ms": times[b] if times[b] >= 0 else None,
                 "transport": "shm" if shm[b] else "c10d",
