@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -51,3 +53,38 @@ def test_corrupt_without_previous_is_clear_error(tmp_path) -> None:
     path.write_bytes(path.read_bytes()[:10])
     with pytest.raises(checkpoint.CheckpointError, match=r"checksum mismatch.*--resume none"):
         checkpoint.load(path)
+
+
+@pytest.mark.parametrize("asynchronous", [True, False])
+def test_writer_snapshots_and_keeps_order(tmp_path, asynchronous) -> None:
+    saver = checkpoint.CheckpointWriter(asynchronous=asynchronous)
+    state = _state(1)
+    saver.save(state, tmp_path / "last.pt")
+    state["w"].fill_(7.0)  # training goes on changing the tensors: the file keeps the snapshot
+    saver.save(_state(2), tmp_path / "last.pt")
+    saver.save(_state(3), tmp_path / "best.pt")
+    saver.flush()
+    assert checkpoint.load(tmp_path / "last.pt")["epoch"] == 2
+    torch.testing.assert_close(checkpoint.load(tmp_path / "last.pt.prev")["w"], torch.full((64,), 1.0))
+    assert checkpoint.load(tmp_path / "best.pt")["epoch"] == 3
+    saver.close()
+    saver.save(_state(4), tmp_path / "last.pt")  # a closed writer starts again
+    saver.close()
+    assert checkpoint.load(tmp_path / "last.pt")["epoch"] == 4
+    assert not any(t.name == "fastddp-checkpoint-writer" for t in threading.enumerate())
+
+
+@pytest.mark.parametrize("asynchronous", [True, False])
+def test_writer_error_names_the_file_and_keeps_the_previous(tmp_path, asynchronous) -> None:
+    saver = checkpoint.CheckpointWriter(asynchronous=asynchronous)
+    path = tmp_path / "last.pt"
+    saver.save(_state(1), path)
+    saver.flush()
+    # A directory where the temp file should go: the write fails with EISDIR.
+    (tmp_path / "last.pt.tmp").mkdir()
+    with pytest.raises(OSError, match=r"checkpoint .*last\.pt could not be written .*previous one is "
+                                      r"intact.*free space and permissions"):
+        saver.save(_state(2), path)
+        saver.flush()
+    saver.close()  # the error was raised once; closing does not raise it again
+    assert checkpoint.load(path)["epoch"] == 1

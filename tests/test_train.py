@@ -72,7 +72,8 @@ def test_resume_after_kill_matches_uninterrupted(single_run: Path, tmp_path: Pat
                     env={"FASTDDP_FAULT_KILL_AFTER_EPOCH": "1"})
     assert killed.returncode != 0
     assert len(_metrics(tmp_path)) == 1
-    resumed = _train([*args, "--save-dir", str(tmp_path), "--resume", "auto"])
+    # (written synchronously this time; the uninterrupted run wrote in the background)
+    resumed = _train([*args, "--save-dir", str(tmp_path), "--resume", "auto", "--sync-checkpoints"])
     assert "resumed from" in resumed.stdout
     got, want = _metrics(tmp_path), _metrics(single_run)
     assert len(got) == 3

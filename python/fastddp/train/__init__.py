@@ -6,6 +6,7 @@ import re
 import sys
 
 from .cli import UsageError, build_parser, parse_args, validate
+from .signals import Terminated
 
 # What a collective raises on a surviving rank when a peer process dies or the link fails
 # (gloo: the socket is reset/closed, or "Application timeout caused pair closure" when the
@@ -61,6 +62,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"fastddp.train: rank {rank}: interrupted", file=sys.stderr, flush=True)
         return 130
+    except Terminated:
+        print(f"fastddp.train: rank {rank}: stopped by SIGTERM (torchrun stops the other ranks "
+              "when one fails; a scheduler may have preempted the job) after finishing the "
+              "checkpoints in progress. Resume with --resume auto", file=sys.stderr, flush=True)
+        return 128 + 15
     except Exception as exc:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         line = lost_peer_message(exc, rank, world) if world > 1 else None

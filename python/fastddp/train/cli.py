@@ -126,6 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: continue from SAVE_DIR/last.pt if present; a path; or none")
     g.add_argument("--save-interval", type=int, default=0,
                    help="also write last.pt every N optimizer steps (mid-epoch resume); 0: per epoch")
+    g.add_argument("--sync-checkpoints", action="store_true",
+                   help="write each checkpoint before training goes on (default: rank 0 writes "
+                        "it in the background; it is on disk by the next checkpoint or the end)")
     g.add_argument("--log-interval", type=int, default=50, help="steps between log lines")
     g.add_argument("--tensorboard", action="store_true", help="write TensorBoard events")
     g.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")

@@ -9,6 +9,7 @@ import json
 import math
 import os
 import random
+import signal
 import sys
 import time
 import warnings
@@ -25,7 +26,7 @@ from torch.utils.data import TensorDataset
 import fastddp
 
 from .._net import free_port
-from . import checkpoint
+from . import checkpoint, signals
 from .cli import UsageError
 from .graph import GraphedStep, hold_lr
 from .metrics import accuracy, confusion, macro_f1
@@ -215,14 +216,31 @@ def evaluate(model: nn.Module, loader: Any, ctx: Context, amp_ctx, loss_fn) -> d
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     ctx = setup_distributed(args)
-    try:
-        return _train(args, ctx)
-    finally:
-        if ctx.distributed and dist.is_initialized():
-            dist.destroy_process_group()
+    # Rank 0 writes checkpoints in the background (the other ranks would wait for it).
+    saver = checkpoint.CheckpointWriter(asynchronous=not getattr(args, "sync_checkpoints", False))
+    # SIGTERM (torchrun stopping the survivors of a failed rank, a preemption) raises
+    # signals.Terminated instead of ending the process on the spot, so the checkpoint still
+    # being written reaches the disk.
+    with signals.SigtermGuard() as sigterm:
+        try:
+            try:
+                result = _train(args, ctx, saver)
+            except BaseException:
+                try:
+                    with sigterm.shielded():
+                        saver.close()  # what was saved reaches the disk; the error comes first
+                except OSError as exc:
+                    log(ctx, f"warning: {exc}")
+                raise
+            with sigterm.shielded():
+                saver.close()  # what was saved is on disk before the process ends
+            return result
+        finally:
+            if ctx.distributed and dist.is_initialized():
+                dist.destroy_process_group()
 
 
-def _train(args: argparse.Namespace, ctx: Context) -> dict[str, Any]:
+def _train(args: argparse.Namespace, ctx: Context, saver: checkpoint.CheckpointWriter) -> dict[str, Any]:
     save_dir = Path(args.save_dir)
     if ctx.is_main:
         check_save_dir(save_dir)
@@ -347,11 +365,10 @@ def _train(args: argparse.Namespace, ctx: Context) -> dict[str, Any]:
             if writer is not None:
                 writer.add_scalar("train/loss", loss_value, step)
         if args.save_interval and step % args.save_interval == 0:
-            save_state(save_dir / "last.pt", ctx, args, model, optimizer, scheduler, scaler,
-                       loader, epoch, step, best_f1, history, epoch_done=False,
+            save_state(saver, save_dir / "last.pt", ctx, args, model, optimizer, scheduler,
+                       scaler, loader, epoch, step, best_f1, history, epoch_done=False,
                        partial=(float(loss_sum), int(correct), seen))
-            if _fault_here("FASTDDP_FAULT_KILL_AFTER_STEP", step, ctx.rank):
-                os.kill(os.getpid(), 9)  # fault injection: die mid-epoch after a save
+            _inject_fault("STEP", step, ctx, saver)  # reliability tests: die mid-epoch
 
     step_fn = GraphedStep(model, loss_fn, optimizer, scaler, amp_ctx, args.clip_grad or None,
                           ctx.device) if graph else None
@@ -437,17 +454,15 @@ def _train(args: argparse.Namespace, ctx: Context) -> dict[str, Any]:
         if writer is not None:
             for k in ("train_loss", "train_acc", "val_loss", "val_acc", "val_f1", "lr"):
                 writer.add_scalar(k.replace("_", "/", 1), row[k], epoch + 1)
-        save_state(save_dir / "last.pt", ctx, args, model, optimizer, scheduler, scaler, loader,
-                   epoch, global_step, best_f1, history, epoch_done=True)
+        save_state(saver, save_dir / "last.pt", ctx, args, model, optimizer, scheduler, scaler,
+                   loader, epoch, global_step, best_f1, history, epoch_done=True)
         if ctx.is_main:
             write_metrics(save_dir, history)
             if is_best:
-                checkpoint.save({"model": unwrap(model).state_dict(), "mode": args.model or args.mode,
-                                 "signature": model_signature(model), "epoch": epoch,
-                                 "metrics": row}, save_dir / "best.pt")
-        if _fault_here("FASTDDP_FAULT_KILL_AFTER_EPOCH", epoch + 1, ctx.rank):
-            # Fault injection for the reliability tests: die like a SIGKILLed job would.
-            os.kill(os.getpid(), 9)
+                saver.save({"model": unwrap(model).state_dict(), "mode": args.model or args.mode,
+                            "signature": model_signature(model), "epoch": epoch,
+                            "metrics": row}, save_dir / "best.pt")
+        _inject_fault("EPOCH", epoch + 1, ctx, saver)  # reliability tests: die after an epoch
 
     total = time.perf_counter() - t_start
     summary = {
@@ -472,19 +487,32 @@ def _train(args: argparse.Namespace, ctx: Context) -> dict[str, Any]:
     return summary
 
 
-def _fault_here(var: str, count: int, rank: int) -> bool:
-    """Fault injection for the reliability tests: ``var`` names the step/epoch after which
-    to die like a SIGKILLed process, ``FASTDDP_FAULT_RANK`` (optional) the only rank that dies."""
-    if os.environ.get(var) != str(count):
-        return False
+def _inject_fault(unit: str, count: int, ctx: Context, saver: checkpoint.CheckpointWriter) -> None:
+    """Fault injection for the reliability tests, right after the checkpoint of step/epoch
+    ``count`` (``unit`` is ``"STEP"`` or ``"EPOCH"``).
+
+    ``FASTDDP_FAULT_KILL_AFTER_<unit>=count``: die like a SIGKILLed process once that checkpoint
+    is on disk (every rank waits for rank 0's write, so a kill on another rank cannot overtake
+    it); ``FASTDDP_FAULT_RANK`` (optional) names the only rank that dies.
+    ``FASTDDP_FAULT_TERM_AFTER_<unit>=count``: send this process SIGTERM at once, with the
+    checkpoint still being written (what torchrun or a scheduler does at an arbitrary time).
+    """
     only = os.environ.get("FASTDDP_FAULT_RANK")
-    return only is None or only == str(rank)
+    this_rank = only is None or only == str(ctx.rank)
+    if os.environ.get(f"FASTDDP_FAULT_TERM_AFTER_{unit}") == str(count) and this_rank:
+        os.kill(os.getpid(), signal.SIGTERM)
+    if os.environ.get(f"FASTDDP_FAULT_KILL_AFTER_{unit}") == str(count):
+        saver.flush()
+        if ctx.distributed:
+            dist.barrier()
+        if this_rank:
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 # ----------------------------------------------------------------------------- outputs
-def save_state(path: Path, ctx: Context, args, model, optimizer, scheduler, scaler, loader,
-               epoch: int, step: int, best_f1: float, history: list, epoch_done: bool,
-               partial: tuple[float, int, int] = (0.0, 0, 0)) -> None:
+def save_state(saver: checkpoint.CheckpointWriter, path: Path, ctx: Context, args, model,
+               optimizer, scheduler, scaler, loader, epoch: int, step: int, best_f1: float,
+               history: list, epoch_done: bool, partial: tuple[float, int, int] = (0.0, 0, 0)) -> None:
     # Per-rank state (RNG streams, the running sums of an unfinished epoch) comes to rank 0.
     rng = {"cpu": torch.get_rng_state(),
            "cuda": torch.cuda.get_rng_state(ctx.device) if ctx.device.type == "cuda" else None,
@@ -495,7 +523,7 @@ def save_state(path: Path, ctx: Context, args, model, optimizer, scheduler, scal
         dist.all_gather_object(rngs, rng)
     if not ctx.is_main:
         return
-    checkpoint.save({
+    saver.save({
         "model": unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
         "loader": loader.state_dict(), "epoch": epoch, "step": step, "epoch_done": epoch_done,
