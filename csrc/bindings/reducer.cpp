@@ -46,6 +46,9 @@ void bind_reducer(py::module_& m) {
            py::arg("sync"), "Arm the reducer for the next backward (sync=False: accumulate locally).",
            py::call_guard<py::gil_scoped_release>())
       .def("bucket_buffers", &fastddp::reducer::Reducer::bucket_buffers, "The flat gradient buffers.")
+      .def("shadow_reduction", &fastddp::reducer::Reducer::shadow_reduction,
+           "join(): issue one reduced backward's collectives with zero gradients.",
+           py::call_guard<py::gil_scoped_release>())
       .def("set_grad_stats", &fastddp::reducer::Reducer::set_grad_stats, py::arg("enabled"),
            "Accumulate the buckets' sum of squares as each all-reduce completes (for GradScaler).")
       .def("take_grad_stats",

@@ -538,6 +538,38 @@ void Reducer::finalize_backward() {
   }
 }
 
+void Reducer::shadow_reduction() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(!expect_sync_, "DDPWrapper.join(): this rank's last forward (gradients on, outside no_sync()) "
+              "was not followed by a backward before its loop ended, so its reduction is still pending "
+              "and it cannot stand in for the other ranks' reductions; run backward after every such "
+              "forward inside the join() block");
+  if (passthrough_ || process_group_->getSize() == 1) return;
+  // Same wire tensors, scales and ops as launch_ready_buckets_locked, in the same order.
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  works.reserve(buckets_.size());
+  for (auto& bucket : buckets_) {
+    at::Tensor wire = bucket.comm.defined() ? bucket.comm : bucket.buffer;
+    wire.zero_();
+    if (bucket.shm) {
+      works.push_back(shm_->allreduce_sum(wire, bucket.comm.defined() ? 1.0 : inv_world_, false));
+      continue;
+    }
+    c10d::AllreduceOptions opts;
+    opts.reduceOp = reduce_avg_locked() ? c10d::ReduceOp::AVG : c10d::ReduceOp::SUM;
+    std::vector<at::Tensor> tensors{wire};
+    works.push_back(process_group_->allreduce(tensors, opts));
+  }
+  if (find_unused_ && !static_graph_) {
+    auto device = buckets_.empty() ? at::Device(at::kCPU) : buckets_[0].buffer.device();
+    std::vector<at::Tensor> used{at::zeros({static_cast<int64_t>(params_.size())},
+                                           at::TensorOptions().dtype(at::kInt).device(device))};
+    process_group_->allreduce(used)->wait();
+  }
+  for (auto& work : works) work->wait();
+  std::fill(locally_used_.begin(), locally_used_.end(), 0);
+}
+
 std::vector<at::Tensor> Reducer::bucket_buffers() const {
   std::vector<at::Tensor> out;
   for (const auto& b : buckets_) out.push_back(b.buffer);

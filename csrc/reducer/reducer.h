@@ -76,6 +76,12 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
 
   std::vector<at::Tensor> bucket_buffers() const;
 
+  // Uneven inputs (DDPWrapper.join()): on a rank that ran out of data, issues the collectives
+  // of one reduced backward (every bucket's all-reduce in index order, then the used-parameter
+  // map with find_unused_parameters) with zero contributions, so the ranks still training are
+  // not left waiting. Bucket buffers receive the others' result; .grad is not reassigned.
+  void shadow_reduction();
+
   // Order in which gradients became ready in the first reduced backward (parameters that
   // were ready before backward, i.e. unused ones, are not in it).
   std::vector<int64_t> arrival_order() const;

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook, _JoinConfig
 
 from ._ext import C
 
@@ -55,7 +56,7 @@ def assign_buckets(params: list[torch.Tensor], bucket_cap_mb: float,
     return buckets
 
 
-class DDPWrapper(nn.Module):
+class DDPWrapper(nn.Module, Joinable):
     """Distributed data parallelism with the constructor and behaviour of
     :class:`torch.nn.parallel.DistributedDataParallel`.
 
@@ -90,6 +91,14 @@ class DDPWrapper(nn.Module):
     After the first reduced backward the buckets are rebuilt once in the order gradients
     arrived (rank 0's order, broadcast), as torch DDP does.
 
+    Uneven inputs: ``with model.join():`` (or ``torch.distributed.algorithms.Join([model,
+    ...])``) as with torch DDP. A rank that runs out of data stands in for the others'
+    collectives (buffer broadcasts, bucket all-reduces with zero gradients, the unused-parameter
+    map) until every rank is done; the gradients are divided by the initial world size, and
+    at the end every rank gets the parameters and buffers of the last rank to finish. Inside
+    the block each forward issues two small extra collectives (torch DDP's protocol does the
+    same) and buffers are broadcast from the highest rank still training.
+
     ``output_device``, ``dim`` and ``check_reduction`` are accepted for compatibility and have
     no effect (one device per process, as torch DDP recommends).
 
@@ -119,6 +128,7 @@ class DDPWrapper(nn.Module):
         shm_allreduce: Optional[bool] = None,
     ) -> None:
         super().__init__()
+        Joinable.__init__(self)
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("DDPWrapper: the default process group is not initialised. Call "
                                "torch.distributed.init_process_group(...) first (torchrun sets "
@@ -253,14 +263,15 @@ class DDPWrapper(nn.Module):
         tensors = [p.data for p in self.module.parameters()] + [b for b in self.module.buffers()]
         self._broadcast_coalesced(tensors)
 
-    def _broadcast_coalesced(self, tensors: list[torch.Tensor]) -> None:
+    def _broadcast_coalesced(self, tensors: list[torch.Tensor], src: int = 0) -> None:
+        """Broadcast ``tensors`` from group rank ``src``, one collective per (device, dtype)."""
         groups: dict[tuple, list[torch.Tensor]] = {}
         for t in tensors:
             groups.setdefault((t.device, t.dtype), []).append(t)
         for group in groups.values():
             flat = _flatten_dense_tensors(group)
-            dist.broadcast(flat, src=dist.get_global_rank(self.process_group, 0)
-                           if self.process_group is not dist.group.WORLD else 0,
+            dist.broadcast(flat, src=dist.get_global_rank(self.process_group, src)
+                           if self.process_group is not dist.group.WORLD else src,
                            group=self.process_group)
             for t, synced in zip(group, _unflatten_dense_tensors(flat, group)):
                 t.copy_(synced)
@@ -268,15 +279,26 @@ class DDPWrapper(nn.Module):
     # ------------------------------------------------------------------ forward / no_sync
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         grad_enabled = torch.is_grad_enabled()
+        order: list[int] = []
         if grad_enabled and not self._buckets_rebuilt and self.require_backward_grad_sync \
                 and not self._reducer.passthrough:
-            order = self._reducer.arrival_order()
-            if order:  # after the first reduced backward
-                self._rebuild_buckets(order)
-        if self.broadcast_buffers and self.world_size > 1 and self._module_buffers:
+            order = self._reducer.arrival_order()  # non-empty after the first backward
+        rebuild, buffers_from = bool(order), 0
+        if self._join_config.enable:
+            # Inside join(): tell the joined ranks what to stand in for this iteration.
+            work = Join.notify_join_context(self)
+            _, rebuild, buffers_from = self._join_agree(
+                grad_enabled and self.require_backward_grad_sync, rebuild, active=True)
+            if work is not None:
+                work.wait()
+        if rebuild:
+            self._rebuild_buckets(order or self._reducer.arrival_order())
+        if self._syncs_buffers():
             with torch.no_grad():
+                if self._join_config.enable:  # rank 0 may have joined with stale buffers
+                    self._broadcast_coalesced(self._module_buffers, src=buffers_from)
                 # co-located CPU ranks copy rank 0's buffers through shared memory; else c10d
-                if not (self._shm_buffers and self._reducer.broadcast_buffers(self._module_buffers)):
+                elif not (self._shm_buffers and self._reducer.broadcast_buffers(self._module_buffers)):
                     self._broadcast_coalesced(self._module_buffers)
         output = self.module(*inputs, **kwargs)
         if grad_enabled:
@@ -303,6 +325,67 @@ class DDPWrapper(nn.Module):
         buckets = assign_buckets(self._params, self._bucket_cap_mb, order=agreed.tolist())
         if buckets != [list(b) for b in self._reducer.bucket_indices()]:
             self._reducer.rebuild_buckets(buckets)
+
+    def _syncs_buffers(self) -> bool:
+        return self.broadcast_buffers and self.world_size > 1 and bool(self._module_buffers)
+
+    # ------------------------------------------------------------------ uneven inputs
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False) -> Join:
+        """Context manager for ranks with different numbers of batches, as
+        :meth:`torch.nn.parallel.DistributedDataParallel.join`: wrap the training loop in it
+        and a rank that finishes early keeps answering the others' collectives until all are
+        done. ``throw_on_early_termination=True`` instead raises on every rank as soon as one
+        runs out. Only ``divide_by_initial_world_size=True`` (torch's default) is supported."""
+        return Join([self], enable, throw_on_early_termination,
+                    divide_by_initial_world_size=divide_by_initial_world_size)
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """The :class:`~torch.distributed.algorithms.JoinHook` that shadows this wrapper's
+        collectives on a joined rank (used by :class:`~torch.distributed.algorithms.Join`)."""
+        if not kwargs.get("divide_by_initial_world_size", True):
+            raise ValueError("DDPWrapper.join(divide_by_initial_world_size=False) is not supported: the "
+                             "reducer divides the gradients by the initial world size. Use the default "
+                             "(True), or torch's DistributedDataParallel for that mode.")
+        if self.static_graph:
+            raise ValueError("DDPWrapper.join() cannot be used with static_graph=True (a joined rank "
+                             "would break the fixed per-iteration pattern); construct the wrapper with "
+                             "static_graph=False, with find_unused_parameters=True if needed.")
+        return _DDPJoinHook(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        """Device of the join protocol's small collectives (the parameters')."""
+        return self._params[0].device
+
+    @property
+    def join_process_group(self) -> dist.ProcessGroup:
+        """Process group of the join protocol (this wrapper's)."""
+        return self.process_group
+
+    def _join_agree(self, sync: bool, rebuild: bool, active: bool) -> tuple[bool, bool, int]:
+        """One all-reduce (MAX) per iteration inside join(): whether the active ranks reduce
+        gradients and rebuild the buckets in this iteration, and the highest active rank
+        (the source of the buffers)."""
+        flags = torch.tensor([int(sync), int(rebuild), self.rank if active else -1],
+                             dtype=torch.int64, device=self.join_device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.process_group)
+        agreed_sync, agreed_rebuild, src = flags.tolist()
+        return bool(agreed_sync), bool(agreed_rebuild), int(src)
+
+    def _sync_final_model(self, is_last_joiner: bool) -> None:
+        """After join(): every rank takes the parameters and buffers of the highest-ranked
+        last joiner (the ranks that joined early skipped optimizer steps)."""
+        flags = torch.tensor([self.rank if is_last_joiner else -1], dtype=torch.int64,
+                             device=self.join_device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.process_group)
+        with torch.no_grad():
+            tensors = [p.data for p in self.module.parameters()]
+            if self.broadcast_buffers:
+                tensors += list(self.module.buffers())
+            self._broadcast_coalesced(tensors, src=int(flags.item()))
+        # The protocol's extra collectives stop with the block, on every rank alike.
+        self._join_config = _JoinConfig.construct_disabled_join_config()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -353,6 +436,28 @@ class DDPWrapper(nn.Module):
                 "buckets": buckets,
                 "param_to_bucket": {self._param_names[i]: b for b, idx in
                                     enumerate(self._reducer.bucket_indices()) for i in idx}}
+
+
+class _DDPJoinHook(JoinHook):
+    """On a rank that ran out of inputs, answers each iteration of the ranks still training:
+    the bucket rebuild, the buffer broadcast and one reduced backward's collectives."""
+
+    def __init__(self, ddp: DDPWrapper) -> None:
+        self.ddp = ddp
+
+    def main_hook(self) -> None:
+        ddp = self.ddp
+        sync, rebuild, buffers_from = ddp._join_agree(False, False, active=False)
+        if rebuild:
+            ddp._rebuild_buckets(ddp._reducer.arrival_order())
+        if ddp._syncs_buffers():
+            with torch.no_grad():
+                ddp._broadcast_coalesced(ddp._module_buffers, src=buffers_from)
+        if sync:
+            ddp._reducer.shadow_reduction()
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        self.ddp._sync_final_model(is_last_joiner)
 
 
 def _env_flag(name: str) -> Optional[bool]:

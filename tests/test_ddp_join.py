@@ -1,0 +1,165 @@
+"""DDPWrapper.join() against torch DDP's join(): ranks with different numbers of batches train
+to the same parameters and buffers, over shared memory and over gloo, world sizes 2 and 3."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.join import Join
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+import fastddp
+
+from .distributed import run_distributed
+from .test_ddp import BranchNet, _conv_bn, _mlp
+
+
+def _state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _train_uneven(wrap, factory, steps: int, make_input, forward, accumulate: bool,
+                  use_join_class: bool, eval_forward: bool = False) -> dict[str, torch.Tensor]:
+    torch.manual_seed(1234)
+    model = factory()
+    with torch.no_grad():  # ranks start apart: the wrappers broadcast rank 0's weights
+        for p in model.parameters():
+            p.add_(dist.get_rank() * 0.01)
+    ddp = wrap(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    g = torch.Generator().manual_seed(100 + dist.get_rank())
+    with (Join([ddp]) if use_join_class else ddp.join()):
+        for step in range(steps):
+            x = make_input(g)
+            if accumulate and step % 2 == 0:
+                with ddp.no_sync():  # the next step reduces the sum of both
+                    forward(ddp, x, step).float().pow(2).mean().backward()
+                continue
+            forward(ddp, x, step).float().pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if eval_forward:  # answered by the joined ranks too (torch DDP's join cannot)
+                with torch.no_grad():
+                    ddp(x)
+    return _state(ddp.module)
+
+
+def _plain(model, x, step):
+    return model(x)
+
+
+CASES = {
+    # name: (factory, make_input, forward, ddp kwargs, accumulate)
+    "mlp": (_mlp, lambda g: torch.randn(6, 8, generator=g), _plain, {"bucket_cap_mb": 0.001}, False),
+    "mlp+no_sync": (_mlp, lambda g: torch.randn(6, 8, generator=g), _plain, {}, True),
+    "conv+bn": (_conv_bn, lambda g: torch.randn(4, 3, 6, 6, generator=g), _plain, {}, False),
+    # `extra` is unused on ranks 0 and 2 every other step, `never` everywhere. Rank 1, the last
+    # to finish, always uses `extra`: in an iteration where no active rank uses a parameter,
+    # torch's joined ranks report the previous iteration's map (so torch steps it with a zero
+    # gradient) while ours report it unused (its .grad stays as it is, as without join).
+    "unused": (BranchNet, lambda g: torch.randn(6, 8, generator=g),
+               lambda m, x, step: m(x, use_extra=step % 2 == 0 or dist.get_rank() == 1),
+               {"find_unused_parameters": True}, False),
+}
+
+
+def _join_parity(rank: int, world_size: int, transport: str, case: str, steps: list[int]) -> str:
+    os.environ["FASTDDP_SHM_ALLREDUCE"] = "1" if transport == "shm" else "0"
+    factory, make_input, forward, kwargs, accumulate = CASES[case]
+    n = steps[rank]
+    ref = _train_uneven(lambda m: TorchDDP(m, **kwargs), factory, n, make_input, forward, accumulate,
+                        use_join_class=False)
+    ours_wrapper: list[fastddp.DDPWrapper] = []
+
+    def wrap(m):
+        ours_wrapper.append(fastddp.DDPWrapper(m, **kwargs))
+        return ours_wrapper[0]
+
+    # An evaluation forward after each step changes nothing in a model without buffers.
+    ours = _train_uneven(wrap, factory, n, make_input, forward, accumulate, use_join_class=True,
+                         eval_forward=case == "mlp")
+    assert ours_wrapper[0].transport == (transport if world_size > 1 else "c10d")
+    for name, value in ref.items():
+        torch.testing.assert_close(ours[name], value, msg=lambda m, name=name: f"{case} {name}: {m}")
+    # every rank ends with the same model (the last joiner's)
+    flat = torch.cat([v.float().flatten() for v in ours.values()])
+    gathered = [torch.empty_like(flat) for _ in range(world_size)]
+    dist.all_gather(gathered, flat)
+    assert all(torch.equal(gathered[0], t) for t in gathered)
+    # the block leaves the join protocol off: a forward issues no extra collective
+    assert not ours_wrapper[0]._join_config.enable
+    return f"{case} rank {rank}: {n} steps"
+
+
+@pytest.mark.parametrize("transport", ["shm", "c10d"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_join_with_uneven_inputs_matches_torch_ddp(case: str, transport: str) -> None:
+    # rank 1 has the most batches (it is the last joiner, and not rank 0)
+    out = run_distributed(_join_parity, world_size=3, args=(transport, case, [2, 5, 3]))
+    assert len(out) == 3
+
+
+def test_join_world_two_and_a_rank_without_data() -> None:
+    out = run_distributed(_join_parity, world_size=2, args=("shm", "conv+bn", [0, 3]))
+    assert out == ["conv+bn rank 0: 0 steps", "conv+bn rank 1: 3 steps"]
+
+
+def test_join_world_one() -> None:
+    assert run_distributed(_join_parity, world_size=1, args=("c10d", "mlp", [3])) == ["mlp rank 0: 3 steps"]
+
+
+def _early_termination(rank: int, world_size: int) -> str:
+    model = fastddp.DDPWrapper(_mlp())
+    try:
+        with model.join(throw_on_early_termination=True):
+            for _ in range(1 + 2 * rank):
+                model(torch.randn(4, 8)).sum().backward()
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_join_throw_on_early_termination() -> None:
+    out = run_distributed(_early_termination, world_size=2)
+    assert out[0] == "Rank 0 exhausted all inputs."
+    assert "Detected at least one rank that exhausted inputs" in out[1]
+
+
+def _unsupported(rank: int, world_size: int) -> list[str]:
+    msgs = []
+    for kwargs, join_kwargs in (({}, {"divide_by_initial_world_size": False}),
+                                ({"static_graph": True}, {})):
+        model = fastddp.DDPWrapper(_mlp(), **kwargs)
+        try:
+            model.join(**join_kwargs)
+        except ValueError as exc:
+            msgs.append(str(exc))
+    return msgs
+
+
+def test_join_unsupported_modes_are_clear_errors() -> None:
+    msgs = run_distributed(_unsupported, world_size=1)[0]
+    assert len(msgs) == 2
+    assert "join(divide_by_initial_world_size=False) is not supported" in msgs[0]
+    assert "static_graph=True" in msgs[1] and "find_unused_parameters=True" in msgs[1]
+
+
+def _unused_after_join(rank: int, world_size: int) -> list[bool]:
+    model = fastddp.DDPWrapper(BranchNet(), find_unused_parameters=True)
+    extra_has_grad = []
+    with model.join():
+        for step in range(1 if rank == 0 else 3):
+            model.zero_grad(set_to_none=True)
+            model(torch.randn(4, 8), use_extra=step == 0).sum().backward()
+            extra_has_grad.append(model.module.extra.weight.grad is not None)
+    return extra_has_grad
+
+
+def test_parameter_unused_by_every_active_rank_keeps_its_grad() -> None:
+    # Steps 1 and 2 run on rank 1 alone and do not use `extra`: its .grad stays None, as
+    # without join (rank 0, joined, reports nothing as used).
+    assert run_distributed(_unused_after_join, world_size=2) == [[True], [True, False, False]]
