@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Optional
 
 import torch
@@ -165,10 +165,18 @@ class DDPWrapper(nn.Module, Joinable):
         self._buckets_rebuilt = False
         self._buckets = assign_buckets(params, bucket_cap_mb)
         self._bucket_cap_mb = bucket_cap_mb
-        self._reducer = C.Reducer(params, self._param_names, self._buckets, self.process_group,
-                                  gradient_as_bucket_view, find_unused_parameters, static_graph,
-                                  None if comm_dtype is None else comm_dtype,
-                                  self._shm_wish(params, shm_allreduce), self._timeout_s(),
+        self._shm_requested = shm_allreduce
+        self._comm_hook: Optional[Callable] = None
+        self._build_reducer()
+
+    def _build_reducer(self) -> None:
+        """(Re)creates the C++ reducer from this wrapper's settings (a collective when the
+        ranks negotiate shared memory)."""
+        shm_allreduce = self._shm_requested
+        self._reducer = C.Reducer(self._params, self._param_names, self._buckets, self.process_group,
+                                  self.gradient_as_bucket_view, self.find_unused_parameters,
+                                  self.static_graph, self.comm_dtype,
+                                  self._shm_wish(self._params, shm_allreduce), self._timeout_s(),
                                   self._buffer_bytes(),
                                   batch_copies=_env_flag("FASTDDP_BATCH_GRAD_COPIES"),
                                   single_rank_passthrough=_env_flag("FASTDDP_WORLD1_PASSTHROUGH") is not False)
@@ -179,7 +187,7 @@ class DDPWrapper(nn.Module, Joinable):
             # Wanted and possible in principle, but the mapping failed: the failing rank (and
             # rank 0) say so.
             warnings.warn(f"DDPWrapper: all-reducing through the process group, not shared memory: {note}",
-                          RuntimeWarning, stacklevel=2)
+                          RuntimeWarning, stacklevel=3)
         self._shm_buffers = self._reducer.transport == "shm" and self._buffer_bytes() > 0
         if shm_allreduce and self._reducer.transport != "shm":
             raise RuntimeError(f"DDPWrapper: shm_allreduce=True but the ranks cannot all-reduce through shared "
@@ -328,6 +336,48 @@ class DDPWrapper(nn.Module, Joinable):
 
     def _syncs_buffers(self) -> bool:
         return self.broadcast_buffers and self.world_size > 1 and bool(self._module_buffers)
+
+    # ------------------------------------------------------------------ communication hooks
+    def register_comm_hook(self, state: object, hook: Callable) -> None:
+        """torch DDP's hook registration, for the hooks the C++ reducer implements itself:
+        ``default_hooks.allreduce_hook`` (what it does anyway), ``fp16_compress_hook`` and
+        ``bf16_compress_hook`` (the same as ``comm_dtype=torch.float16`` / ``torch.bfloat16``).
+        Like torch, only once and before the first backward. Other hooks (PowerSGD, custom
+        Python hooks) are refused with a message: this reducer runs no Python per bucket."""
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        known: dict[Callable, Optional[torch.dtype]] = {
+            default_hooks.allreduce_hook: None,
+            default_hooks.fp16_compress_hook: torch.float16,
+            default_hooks.bf16_compress_hook: torch.bfloat16,
+        }
+        name = getattr(hook, "__qualname__", repr(hook))
+        if hook not in known:
+            raise NotImplementedError(
+                f"DDPWrapper.register_comm_hook: {name} is not supported; the C++ reducer implements "
+                "allreduce_hook, fp16_compress_hook and bf16_compress_hook (from "
+                "torch.distributed.algorithms.ddp_comm_hooks.default_hooks). For compression pass "
+                "comm_dtype=torch.bfloat16 or torch.float16 to DDPWrapper; for other hooks use torch's "
+                "DistributedDataParallel.")
+        if self._comm_hook is not None:
+            raise RuntimeError("DDPWrapper.register_comm_hook can only be called once (as in torch DDP); "
+                               f"{self._comm_hook.__qualname__} is registered already.")
+        if self._reducer.arrival_order():
+            raise RuntimeError("DDPWrapper.register_comm_hook must be called before the first backward "
+                               "pass (as in torch DDP); register it right after wrapping the model.")
+        if state is not None and state is not self.process_group:
+            raise ValueError("DDPWrapper.register_comm_hook: state must be None or this wrapper's process "
+                             "group (the default hooks reduce over the wrapper's group), got "
+                             f"{type(state).__name__}.")
+        dtype = known[hook]
+        if dtype is not None and self.comm_dtype not in (None, dtype):
+            raise ValueError(f"DDPWrapper.register_comm_hook: {name} conflicts with comm_dtype={self.comm_dtype} "
+                             "given to the constructor; use one of the two.")
+        self._comm_hook = hook
+        if dtype is not None and dtype != self.comm_dtype:
+            self.comm_dtype = dtype
+            self._buckets = [list(b) for b in self._reducer.bucket_indices()]
+            self._build_reducer()  # every rank registers the hook, so this collective matches
 
     # ------------------------------------------------------------------ uneven inputs
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
