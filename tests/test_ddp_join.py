@@ -177,3 +177,31 @@ def test_parameter_unused_by_every_active_rank_keeps_its_grad() -> None:
     # Steps 1 and 2 run on rank 1 alone and do not use `extra`: its .grad stays None, as
     # without join (rank 0, joined, reports nothing as used).
     assert run_distributed(_unused_after_join, world_size=2) == [[True], [True, False, False]]
+
+
+@pytest.mark.cuda
+def test_nccl_world_one_join_and_compression_hook() -> None:
+    """On NCCL the join protocol's collectives run on the GPU (join_device) and the bf16 hook
+    rebuilds the reducer there; one rank, so the result equals torch DDP's under the same
+    hook and join block."""
+    from .test_ddp import _nccl_world_one
+
+    with _nccl_world_one():
+        torch.manual_seed(0)
+        a, b = _mlp().cuda(), _mlp().cuda()
+        b.load_state_dict(a.state_dict())
+        ours = fastddp.DDPWrapper(a, device_ids=[0])
+        ref = TorchDDP(b, device_ids=[0])
+        for ddp in (ours, ref):
+            ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+        assert ours.join_device == torch.device("cuda", 0) and ours.comm_dtype == torch.bfloat16
+        for ddp in (ours, ref):
+            opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+            g = torch.Generator(device="cuda").manual_seed(1)
+            with ddp.join():
+                for _ in range(3):
+                    ddp(torch.randn(8, 8, device="cuda", generator=g)).pow(2).mean().backward()
+                    opt.step()
+                    opt.zero_grad()
+        for p, q in zip(ours.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, rtol=2e-2, atol=2e-3)

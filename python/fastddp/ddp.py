@@ -76,6 +76,8 @@ class DDPWrapper(nn.Module, Joinable):
     (they are divided by the world size before the cast, so the sum cannot overflow, and are
     copied back into the parameters' dtype); :meth:`bucket_report`; :meth:`bucket_buffers`
     (the flat gradient buffers, for :class:`fastddp.GradScaler`'s ``grads=``).
+    :meth:`register_comm_hook` takes torch's ``allreduce_hook``, ``fp16_compress_hook`` and
+    ``bf16_compress_hook`` (mapped onto ``comm_dtype``) and refuses others with a message.
 
     ``gradient_as_bucket_view`` defaults to True: ``param.grad`` is a view into its bucket, so
     gradients are never copied when they accumulate in place (``zero_grad(set_to_none=False)``).
