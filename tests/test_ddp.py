@@ -558,3 +558,36 @@ def test_env_settings_are_checked(monkeypatch) -> None:
     monkeypatch.setenv("FASTDDP_WORLD1_PASSTHROUGH", "maybe")
     with pytest.raises(ValueError, match=r"FASTDDP_WORLD1_PASSTHROUGH='maybe' is not understood; set it to 1, 0"):
         _env_flag("FASTDDP_WORLD1_PASSTHROUGH")
+
+
+def _compiled(rank: int, world_size: int) -> list[str]:
+    done = []
+    for where in ("inside", "outside"):  # DDP(torch.compile(m)) and torch.compile(DDP(m))
+        torch.manual_seed(0)
+        a, b = _mlp(), _mlp()
+        b.load_state_dict(a.state_dict())
+        if where == "inside":
+            ours, ref = fastddp.DDPWrapper(torch.compile(a)), TorchDDP(torch.compile(b))
+            run_ours, run_ref = ours, ref
+        else:
+            ours, ref = fastddp.DDPWrapper(a), TorchDDP(b)
+            run_ours, run_ref = torch.compile(ours), torch.compile(ref)
+        opt_a = torch.optim.SGD(ours.parameters(), lr=0.1, momentum=0.9)
+        opt_b = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(3):
+            x = torch.randn(6, 8, generator=g)
+            for run, opt in ((run_ours, opt_a), (run_ref, opt_b)):
+                opt.zero_grad()
+                run(x).pow(2).mean().backward()
+            _compare(ours, ref)
+            opt_a.step()
+            opt_b.step()
+        done.append(where)
+    return done
+
+
+def test_parity_under_torch_compile() -> None:
+    """The C++ hooks sit on the parameters' AccumulateGrad nodes, which compiled graphs keep:
+    torch.compile inside or outside the wrapper trains exactly like torch DDP."""
+    assert run_distributed(_compiled, world_size=2, timeout=600) == [["inside", "outside"]] * 2
