@@ -591,3 +591,31 @@ def test_parity_under_torch_compile() -> None:
     """The C++ hooks sit on the parameters' AccumulateGrad nodes, which compiled graphs keep:
     torch.compile inside or outside the wrapper trains exactly like torch DDP."""
     assert run_distributed(_compiled, world_size=2, timeout=600) == [["inside", "outside"]] * 2
+
+
+class _CheckpointedNet(nn.Module):
+    """Two layers recomputed in backward by non-reentrant activation checkpointing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        h = checkpoint(lambda t: torch.relu(self.b(torch.relu(self.a(t)))), x, use_reentrant=False)
+        return self.c(h)
+
+
+def _non_reentrant(rank: int, world_size: int) -> list[str]:
+    done = []
+    for kwargs in ({}, {"find_unused_parameters": True}, {"static_graph": True}):
+        ours, ref = _pair(_CheckpointedNet, kwargs)
+        _train(ours, ref, _vec)
+        done.append(",".join(kwargs) or "default")
+    return done
+
+
+def test_non_reentrant_checkpointing_matches_torch_ddp() -> None:
+    assert run_distributed(_non_reentrant, world_size=2) == [
+        ["default", "find_unused_parameters", "static_graph"]] * 2
