@@ -4,6 +4,7 @@ every step, on gloo ranks (world sizes 1, 2, 3)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from collections.abc import Iterator
 
@@ -619,3 +620,26 @@ def _non_reentrant(rank: int, world_size: int) -> list[str]:
 def test_non_reentrant_checkpointing_matches_torch_ddp() -> None:
     assert run_distributed(_non_reentrant, world_size=2) == [
         ["default", "find_unused_parameters", "static_graph"]] * 2
+
+
+@dataclasses.dataclass
+class _Output:
+    logits: torch.Tensor
+    extra: dict
+
+
+class _DataclassNet(BranchNet):
+    """BranchNet returning a dataclass: find_unused_parameters must search inside it."""
+
+    def forward(self, x, use_extra: bool):
+        return _Output(logits=super().forward(x, use_extra), extra={"aux": None})
+
+
+def _dataclass_output(rank: int, world_size: int) -> str:
+    ours, ref = _pair(_DataclassNet, {"find_unused_parameters": True})
+    _train(ours, ref, _vec, forward=lambda m, x, step: m(x, use_extra=(step + rank) % 2 == 0).logits)
+    return "ok"
+
+
+def test_dataclass_outputs_with_find_unused_parameters() -> None:
+    assert run_distributed(_dataclass_output, world_size=2) == ["ok", "ok"]

@@ -4,6 +4,7 @@ reducer (bucketed all-reduce through c10d, overlapped with backward)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import warnings
 from collections.abc import Callable, Iterator
@@ -21,12 +22,16 @@ FIRST_BUCKET_MB = 1.0  # a small first bucket so communication starts early in b
 
 
 def _find_tensors(obj: Any) -> list[torch.Tensor]:
+    """The tensors in a forward's output (nested lists, tuples, dicts and dataclasses, as torch
+    DDP searches them), where find_unused_parameters starts its graph walk."""
     if isinstance(obj, torch.Tensor):
         return [obj]
     if isinstance(obj, (list, tuple)):
         return [t for o in obj for t in _find_tensors(o)]
     if isinstance(obj, dict):
         return [t for o in obj.values() for t in _find_tensors(o)]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return [t for f in dataclasses.fields(obj) for t in _find_tensors(getattr(obj, f.name))]
     return []
 
 
