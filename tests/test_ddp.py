@@ -325,11 +325,34 @@ def _errors(rank: int, world_size: int) -> list[str]:
     except ValueError as exc:
         assert "device_ids=[0]" in str(exc) and "module.to('cuda:0')" in str(exc), exc
         seen.append("device")
+    # sparse gradients: refused at construction for nn.Embedding(sparse=True) ...
+    try:
+        fastddp.DDPWrapper(nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Flatten(), nn.Linear(8, 2)))
+    except ValueError as exc:
+        assert "0 is Embedding(sparse=True)" in str(exc) and "Use sparse=False" in str(exc), exc
+        seen.append("sparse module")
+    # ... and named in backward when one arrives from elsewhere
+    model = fastddp.DDPWrapper(_SparseLookup())
+    try:
+        model(torch.tensor([[1, 2]])).sum().backward()
+    except RuntimeError as exc:
+        assert "parameter 'table' got a gradient of layout Sparse" in str(exc), exc
+        seen.append("sparse grad")
     return seen
 
 
+class _SparseLookup(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(10, 4))
+
+    def forward(self, idx):
+        return nn.functional.embedding(idx, self.table, sparse=True)
+
+
 def test_errors_are_clear() -> None:
-    assert run_distributed(_errors, world_size=2) == [["unused", "mismatch", "count", "device"]] * 2
+    assert run_distributed(_errors, world_size=2) == [
+        ["unused", "mismatch", "count", "device", "sparse module", "sparse grad"]] * 2
 
 
 def test_needs_process_group() -> None:

@@ -344,7 +344,12 @@ void Reducer::mark_ready(int64_t index) {
   // Used means a .grad exists (torch DDP's rule): a hook can fire without a gradient (a custom
   // Function returned None for this input). Under no_sync() the use counts for the next
   // reduction too, so what accumulated here is averaged even if that iteration skips it.
-  if (params_[index].grad().defined()) locally_used_[index] = 1;
+  const auto& grad = params_[index].grad();
+  TORCH_CHECK(passthrough_ || !grad.defined() || grad.layout() == at::kStrided, "DDPWrapper: parameter '",
+              names_[index], "' got a gradient of layout ", grad.layout(), " (e.g. from nn.Embedding(sparse=True)); "
+              "the reducer all-reduces dense flat buckets only. Use sparse=False for that layer, or torch's "
+              "DistributedDataParallel for sparse gradients.");
+  if (grad.defined()) locally_used_[index] = 1;
   if (!expect_sync_) return;  // no_sync(), or a backward not preceded by a forward
   hooks_seen_ = true;
   if (static_graph_) {

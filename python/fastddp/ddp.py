@@ -163,6 +163,7 @@ class DDPWrapper(nn.Module, Joinable):
         if not named:
             raise RuntimeError("DDPWrapper: the module has no parameter that requires a gradient")
         self._check_devices(named, device_ids)
+        self._check_dense(module)
         self._verify_across_ranks(named)
         self._sync_module_states()
         self._param_names = [n for n, _ in named]
@@ -243,6 +244,18 @@ class DDPWrapper(nn.Module, Joinable):
         elif len(devices) > 1 and any(d.type == "cuda" for d in devices):
             raise ValueError(f"DDPWrapper: module spans devices {sorted(map(str, devices))}; "
                              "multi-device modules need device_ids=None and are not supported")
+
+    def _check_dense(self, module: nn.Module) -> None:
+        """Sparse gradients cannot go into the flat buckets: say so before training starts
+        (a world of one reduces nothing, so it does not mind)."""
+        if self.world_size == 1:
+            return
+        for name, sub in module.named_modules():
+            if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse and sub.weight.requires_grad:
+                raise ValueError(f"DDPWrapper: {name or 'the module'} is {type(sub).__name__}(sparse=True), whose "
+                                 "sparse gradients the reducer cannot all-reduce (it reduces dense flat "
+                                 "buckets). Use sparse=False for that layer, or torch's "
+                                 "DistributedDataParallel for sparse gradients.")
 
     def _verify_across_ranks(self, named: list[tuple[str, nn.Parameter]]) -> None:
         if self.world_size == 1:
