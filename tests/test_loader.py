@@ -256,3 +256,44 @@ def test_pin_dataset_needs_cuda_device() -> None:
     with pytest.raises(ValueError, match=r"pin_dataset needs tensors or \.npy arrays and a CUDA "
                        r"device \(got a tensors dataset, device cpu\)"):
         fastddp.PrefetchLoader((torch.zeros(4, 2),), batch_size=2, pin_dataset=True)
+
+
+def test_dataloader_arguments_keep_working() -> None:
+    """A DataLoader call with its usual keywords works after swapping the class name."""
+    ds = TensorDataset(torch.arange(40, dtype=torch.float32).view(20, 2), torch.arange(20))
+    sampler = fastddp.DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=3)
+
+    def collate(samples):  # a user's collation: x doubled, labels as a list
+        return torch.stack([x for x, _ in samples]) * 2, [int(y) for _, y in samples]
+
+    kwargs = dict(batch_size=6, sampler=sampler, num_workers=2, pin_memory=False,
+                  persistent_workers=True, prefetch_factor=3, collate_fn=collate, drop_last=False)
+    ours = fastddp.PrefetchLoader(ds, **kwargs)
+    ref = torch.utils.data.DataLoader(ds, **kwargs)
+    assert ours.prefetch == 6 and ours.transfer == "generic"
+    got, want = list(ours), list(ref)
+    assert len(got) == len(want) == 4
+    for (gx, gy), (wx, wy) in zip(got, want):
+        assert torch.equal(gx, wx) and gy == wy
+    # without collate_fn the same call takes the fast path
+    del kwargs["collate_fn"]
+    assert fastddp.PrefetchLoader(ds, **kwargs).transfer == "host"
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"worker_init_fn": print}, "worker_init_fn=.* is not supported \\(the workers are threads"),
+    ({"generator": torch.Generator()}, "generator=.* pass seed=... instead"),
+    ({"timeout": 5}, "timeout=5 is not supported"),
+    ({"batch_sampler": [[0, 1]]}, "batch_sampler=.* pass sampler= and batch_size="),
+    ({"prefetch_factor": 2, "prefetch": 4}, "not both"),
+    ({"prefetch_factor": 0}, "prefetch_factor must be >= 1"),
+])
+def test_dataloader_arguments_without_meaning_here_are_clear_errors(kwargs, message) -> None:
+    ds = TensorDataset(torch.zeros(4, 2))
+    with pytest.raises(ValueError, match=message):
+        fastddp.PrefetchLoader(ds, batch_size=2, **kwargs)
+
+
+def test_collate_fn_needs_a_dataset() -> None:
+    with pytest.raises(ValueError, match="collate_fn needs a map-style Dataset"):
+        fastddp.PrefetchLoader((torch.zeros(4, 2),), batch_size=2, collate_fn=list)

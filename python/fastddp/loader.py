@@ -6,7 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Optional, Union
 
 import numpy as np
@@ -16,6 +16,21 @@ from torch.utils.data import Dataset, TensorDataset, default_collate
 from ._ext import C
 
 _FAST_KINDS = ("tensors", "npy")
+
+
+def _check_dataloader_only(**given: Any) -> None:
+    """DataLoader arguments that have no meaning for C++ gather threads in this process: only
+    their DataLoader defaults are accepted, anything else is one clear error."""
+    defaults = {"worker_init_fn": None, "multiprocessing_context": None, "generator": None,
+                "timeout": 0, "batch_sampler": None}
+    why = {"worker_init_fn": "the workers are threads of this process, not worker processes to set up",
+           "multiprocessing_context": "no worker processes are started",
+           "generator": "shuffle=True permutes with seed + epoch; pass seed=... instead",
+           "timeout": "batches are waited for without a timeout",
+           "batch_sampler": "batches are cut from the sampler's order; pass sampler= and batch_size="}
+    for name, value in given.items():
+        if value is not defaults[name] and value != defaults[name]:
+            raise ValueError(f"PrefetchLoader: DataLoader's {name}={value!r} is not supported ({why[name]})")
 
 
 def _as_sources(dataset: Any) -> tuple[str, list[torch.Tensor], Optional[list[str]]]:
@@ -85,7 +100,7 @@ class PrefetchLoader:
         num_workers: gather threads (at least 1).
         device: where batches are delivered (``"cuda:0"``; None or "cpu" keeps them on the host).
         drop_last: drop the last incomplete batch.
-        prefetch: ring slots (batches in flight).
+        prefetch: ring slots (batches in flight; default 4).
         pin_memory: page-locked staging; default: when CUDA is available.
         device_resident: keep the whole data set on ``device`` and gather each batch there
             (no host work per batch); ``"auto"`` does so when it fits in
@@ -96,6 +111,14 @@ class PrefetchLoader:
             stream (the *direct* path: no CPU copy, no staging buffer), which moves data at
             close to the link's copy bandwidth. Costs host memory the size of the data set.
         seed: base seed for ``shuffle``.
+        collate_fn: as DataLoader's, for a map-style ``Dataset`` (a ``TensorDataset`` with a
+            ``collate_fn`` goes through the generic path so that the function sees its samples).
+        persistent_workers, prefetch_factor: DataLoader's, accepted so a DataLoader call keeps
+            working: the gather threads need no persisting, and ``prefetch_factor`` sets
+            ``prefetch`` to ``prefetch_factor * num_workers`` batches in flight, as DataLoader.
+            DataLoader's ``worker_init_fn``, ``multiprocessing_context``, ``generator``,
+            ``timeout`` and ``batch_sampler`` are accepted at their defaults only (a message
+            says why otherwise).
 
     Batches yielded on the fast path live in ring slots that are refilled ``prefetch`` batches
     later, unless you still hold them then (they are then left to you and the slot gets new
@@ -111,13 +134,31 @@ class PrefetchLoader:
         num_workers: int = 2,
         device: Union[str, torch.device, None] = None,
         drop_last: bool = False,
-        prefetch: int = 4,
+        prefetch: Optional[int] = None,
         pin_memory: Optional[bool] = None,
         device_resident: Union[bool, str] = False,
         resident_max_bytes: int = 2 << 30,
         pin_dataset: bool = False,
         seed: int = 0,
+        collate_fn: Optional[Callable[[list[Any]], Any]] = None,
+        persistent_workers: bool = False,
+        prefetch_factor: Optional[int] = None,
+        worker_init_fn: Optional[Callable[[int], None]] = None,
+        multiprocessing_context: Any = None,
+        generator: Optional[torch.Generator] = None,
+        timeout: float = 0,
+        batch_sampler: Any = None,
     ) -> None:
+        _check_dataloader_only(worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context,
+                               generator=generator, timeout=timeout, batch_sampler=batch_sampler)
+        if prefetch_factor is not None:
+            if not isinstance(prefetch_factor, int) or prefetch_factor < 1:
+                raise ValueError(f"PrefetchLoader: prefetch_factor must be >= 1, got {prefetch_factor!r}")
+            if prefetch is not None:
+                raise ValueError("PrefetchLoader: pass prefetch (batches in flight) or DataLoader's "
+                                 "prefetch_factor (batches per worker), not both")
+            prefetch = prefetch_factor * max(1, num_workers)  # DataLoader's batches in flight
+        prefetch = 4 if prefetch is None else prefetch
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
             raise ValueError(f"PrefetchLoader: batch_size must be a positive integer, got {batch_size!r}")
         if not isinstance(num_workers, int) or num_workers < 0:
@@ -128,6 +169,15 @@ class PrefetchLoader:
             raise ValueError("PrefetchLoader: sampler option is mutually exclusive with shuffle "
                              "(shuffle through the sampler, e.g. DistributedSampler(shuffle=True))")
         self.kind, self._sources, self._keys = _as_sources(dataset)
+        self.collate_fn = collate_fn
+        self.persistent_workers = bool(persistent_workers)  # threads: nothing to keep alive
+        if collate_fn is not None and self.kind in _FAST_KINDS:
+            if not isinstance(dataset, Dataset):
+                raise ValueError("PrefetchLoader: collate_fn needs a map-style Dataset whose samples it "
+                                 "collates; tensors and .npy paths are batched by gathering rows. Wrap "
+                                 "them in a TensorDataset to use collate_fn, or drop it")
+            # The user's collation runs on each batch's samples (the generic path).
+            self.kind, self._sources, self._keys = "generic", [], None
         self.dataset = dataset
         self.batch_size = batch_size
         self.shuffle = bool(shuffle)
@@ -276,7 +326,7 @@ class PrefetchLoader:
             samples = self.dataset.__getitems__(ids)
         else:
             samples = [self.dataset[i] for i in ids]
-        batch = default_collate(samples)
+        batch = (self.collate_fn or default_collate)(samples)
         if self.pin_memory:
             batch = _pin(batch)
         return batch
