@@ -205,3 +205,29 @@ def test_nccl_world_one_join_and_compression_hook() -> None:
                     opt.zero_grad()
         for p, q in zip(ours.parameters(), ref.parameters()):
             torch.testing.assert_close(p, q, rtol=2e-2, atol=2e-3)
+
+
+def _with_zero(rank: int, world_size: int) -> list[float]:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    def train(wrap) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        ddp = wrap(_mlp())
+        opt = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.Adam, lr=0.01)
+        g = torch.Generator().manual_seed(rank)
+        with Join([ddp, opt]):  # torch's documented pattern: two Joinables, DDP first
+            for _ in range(2 + 3 * rank):
+                ddp(torch.randn(4, 8, generator=g)).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+        return [p.detach().clone() for p in ddp.parameters()]
+
+    ref, ours = train(TorchDDP), train(fastddp.DDPWrapper)
+    for p, q in zip(ours, ref):
+        torch.testing.assert_close(p, q)
+    return torch.cat([p.flatten() for p in ours]).tolist()
+
+
+def test_join_together_with_zero_redundancy_optimizer() -> None:
+    out = run_distributed(_with_zero, world_size=2)
+    assert out[0] == out[1]  # and the ranks agree
