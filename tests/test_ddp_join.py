@@ -24,7 +24,8 @@ def _state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _train_uneven(wrap, factory, steps: int, make_input, forward, accumulate: bool,
-                  use_join_class: bool, eval_forward: bool = False) -> dict[str, torch.Tensor]:
+                  use_join_class: bool, eval_forward: bool = False,
+                  divide: bool = True) -> dict[str, torch.Tensor]:
     torch.manual_seed(1234)
     model = factory()
     with torch.no_grad():  # ranks start apart: the wrappers broadcast rank 0's weights
@@ -33,7 +34,8 @@ def _train_uneven(wrap, factory, steps: int, make_input, forward, accumulate: bo
     ddp = wrap(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     g = torch.Generator().manual_seed(100 + dist.get_rank())
-    with (Join([ddp]) if use_join_class else ddp.join()):
+    with (Join([ddp], divide_by_initial_world_size=divide) if use_join_class
+          else ddp.join(divide_by_initial_world_size=divide)):
         for step in range(steps):
             x = make_input(g)
             if accumulate and step % 2 == 0:
@@ -72,7 +74,8 @@ CASES = {
 }
 
 
-def _join_parity(rank: int, world_size: int, transport: str, case: str, steps: list[int]) -> str:
+def _join_parity(rank: int, world_size: int, transport: str, case: str, steps: list[int],
+                 divide: bool = True) -> str:
     os.environ["FASTDDP_SHM_ALLREDUCE"] = "1" if transport == "shm" else "0"
     factory, make_input, forward, kwargs, accumulate = CASES[case]
     kwargs = dict(kwargs)
@@ -86,7 +89,7 @@ def _join_parity(rank: int, world_size: int, transport: str, case: str, steps: l
         return ddp
 
     ref = _train_uneven(lambda m: hooked(TorchDDP(m, **kwargs)), factory, n, make_input, forward,
-                        accumulate, use_join_class=False)
+                        accumulate, use_join_class=False, divide=divide)
     ours_wrapper: list[fastddp.DDPWrapper] = []
 
     def wrap(m):
@@ -95,7 +98,7 @@ def _join_parity(rank: int, world_size: int, transport: str, case: str, steps: l
 
     # An evaluation forward after each step changes nothing in a model without buffers.
     ours = _train_uneven(wrap, factory, n, make_input, forward, accumulate, use_join_class=True,
-                         eval_forward=case == "mlp")
+                         eval_forward=case == "mlp", divide=divide)
     assert ours_wrapper[0].transport == (transport if world_size > 1 else "c10d")
     for name, value in ref.items():
         torch.testing.assert_close(ours[name], value, msg=lambda m, name=name: f"{case} {name}: {m}", **tol)
@@ -114,6 +117,14 @@ def _join_parity(rank: int, world_size: int, transport: str, case: str, steps: l
 def test_join_with_uneven_inputs_matches_torch_ddp(case: str, transport: str) -> None:
     # rank 1 has the most batches (it is the last joiner, and not rank 0)
     out = run_distributed(_join_parity, world_size=3, args=(transport, case, [2, 5, 3]))
+    assert len(out) == 3
+
+
+@pytest.mark.parametrize("transport", ["shm", "c10d"])
+@pytest.mark.parametrize("case", ["mlp", "mlp+no_sync", "unused"])
+def test_join_dividing_by_the_ranks_still_training(case: str, transport: str) -> None:
+    """divide_by_initial_world_size=False: each step averages over the ranks that took part."""
+    out = run_distributed(_join_parity, world_size=3, args=(transport, case, [2, 5, 3], False))
     assert len(out) == 3
 
 
@@ -143,23 +154,19 @@ def test_join_throw_on_early_termination() -> None:
     assert "Detected at least one rank that exhausted inputs" in out[1]
 
 
-def _unsupported(rank: int, world_size: int) -> list[str]:
-    msgs = []
-    for kwargs, join_kwargs in (({}, {"divide_by_initial_world_size": False}),
-                                ({"static_graph": True}, {})):
-        model = fastddp.DDPWrapper(_mlp(), **kwargs)
-        try:
-            model.join(**join_kwargs)
-        except ValueError as exc:
-            msgs.append(str(exc))
-    return msgs
+def _unsupported(rank: int, world_size: int) -> str:
+    model = fastddp.DDPWrapper(_mlp(), static_graph=True)
+    try:
+        model.join()
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
 
 
-def test_join_unsupported_modes_are_clear_errors() -> None:
-    msgs = run_distributed(_unsupported, world_size=1)[0]
-    assert len(msgs) == 2
-    assert "join(divide_by_initial_world_size=False) is not supported" in msgs[0]
-    assert "static_graph=True" in msgs[1] and "find_unused_parameters=True" in msgs[1]
+def test_join_with_static_graph_is_a_clear_error() -> None:
+    msg = run_distributed(_unsupported, world_size=1)[0]
+    assert "DDPWrapper.join() cannot be used with static_graph=True" in msg
+    assert "find_unused_parameters=True" in msg
 
 
 def _unused_after_join(rank: int, world_size: int) -> list[bool]:

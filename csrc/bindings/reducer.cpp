@@ -46,6 +46,8 @@ void bind_reducer(py::module_& m) {
            py::arg("sync"), "Arm the reducer for the next backward (sync=False: accumulate locally).",
            py::call_guard<py::gil_scoped_release>())
       .def("bucket_buffers", &fastddp::reducer::Reducer::bucket_buffers, "The flat gradient buffers.")
+      .def("set_reduction_scale", &fastddp::reducer::Reducer::set_reduction_scale, py::arg("scale"),
+           "Multiply the next reduction's result by scale (join with divide_by_initial_world_size=False).")
       .def("shadow_reduction", &fastddp::reducer::Reducer::shadow_reduction,
            "join(): issue one reduced backward's collectives with zero gradients.",
            py::call_guard<py::gil_scoped_release>())

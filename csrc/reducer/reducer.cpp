@@ -9,6 +9,7 @@
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 
+#include <cmath>
 #include <cstring>
 #include <functional>
 #include <unordered_map>
@@ -519,6 +520,10 @@ void Reducer::finalize_backward() {
     // A compressed bucket's squares were taken of the reduced bf16/fp16 values, which the copy
     // below widens exactly: the same numbers the buffer then holds.
     if (bucket.comm.defined()) bucket.buffer.copy_(bucket.comm);
+    if (reduction_scale_ != 1.0) {  // join(divide_by_initial_world_size=False)
+      bucket.buffer.mul_(reduction_scale_);
+      if (fused_squares) *fused_squares *= reduction_scale_ * reduction_scale_;
+    }
     if (!stats.defined()) continue;
     if (fused_squares) {
       stats.data_ptr<double>()[0] += *fused_squares;
@@ -528,6 +533,7 @@ void Reducer::finalize_backward() {
     }
   }
   grad_stats_ = stats;
+  reduction_scale_ = 1.0;
   const int32_t* gu = global_used.defined() ? global_used.data_ptr<int32_t>() : nullptr;
   for (int64_t i = 0; i < static_cast<int64_t>(params_.size()); ++i) {
     auto& grad = params_[i].mutable_grad();
@@ -541,6 +547,13 @@ void Reducer::finalize_backward() {
       grad.copy_(view);
     }
   }
+}
+
+void Reducer::set_reduction_scale(double scale) {
+  TORCH_CHECK(scale > 0.0 && std::isfinite(scale), "DDPWrapper: the reduction scale must be positive and finite, "
+              "got ", scale);
+  std::lock_guard<std::mutex> lock(mutex_);
+  reduction_scale_ = scale;
 }
 
 void Reducer::shadow_reduction() {

@@ -82,6 +82,10 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // not left waiting. Bucket buffers receive the others' result; .grad is not reassigned.
   void shadow_reduction();
 
+  // join(divide_by_initial_world_size=False): the coming reduction's result is multiplied by
+  // `scale` (world size / ranks still training) before it reaches .grad; once, then 1 again.
+  void set_reduction_scale(double scale);
+
   // Order in which gradients became ready in the first reduced backward (parameters that
   // were ready before backward, i.e. unused ones, are not in it).
   std::vector<int64_t> arrival_order() const;
@@ -158,6 +162,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   std::vector<char> locally_used_;  // since the last reduction, no_sync() backwards included
   std::vector<int64_t> arrival_;
   bool record_arrival_ = true;
+  double reduction_scale_ = 1.0;  // set_reduction_scale(), for the next reduction only
   bool grad_stats_enabled_ = false;
   at::Tensor grad_stats_;  // defined while a fresh result waits to be taken
 };

@@ -101,10 +101,11 @@ class DDPWrapper(nn.Module, Joinable):
     Uneven inputs: ``with model.join():`` (or ``torch.distributed.algorithms.Join([model,
     ...])``) as with torch DDP. A rank that runs out of data stands in for the others'
     collectives (buffer broadcasts, bucket all-reduces with zero gradients, the unused-parameter
-    map) until every rank is done; the gradients are divided by the initial world size, and
-    at the end every rank gets the parameters and buffers of the last rank to finish. Inside
-    the block each forward issues two small extra collectives (torch DDP's protocol does the
-    same) and buffers are broadcast from the highest rank still training.
+    map) until every rank is done; the gradients are divided by the initial world size (or
+    by the ranks still training, ``divide_by_initial_world_size=False``), and at the end every
+    rank gets the parameters and buffers of the last rank to finish. Inside the block each
+    forward issues two small extra collectives (torch DDP's protocol does the same) and
+    buffers are broadcast from the highest rank still training.
 
     ``output_device``, ``dim`` and ``check_reduction`` are accepted for compatibility and have
     no effect (one device per process, as torch DDP recommends).
@@ -175,6 +176,7 @@ class DDPWrapper(nn.Module, Joinable):
         self._bucket_cap_mb = bucket_cap_mb
         self._shm_requested = shm_allreduce
         self._comm_hook: Optional[Callable] = None
+        self._divide_by_initial_world_size = True  # join()'s setting
         self._build_reducer()
 
     def _build_reducer(self) -> None:
@@ -315,10 +317,13 @@ class DDPWrapper(nn.Module, Joinable):
         if self._join_config.enable:
             # Inside join(): tell the joined ranks what to stand in for this iteration.
             work = Join.notify_join_context(self)
-            _, rebuild, buffers_from = self._join_agree(
-                grad_enabled and self.require_backward_grad_sync, rebuild, active=True)
+            sync = grad_enabled and self.require_backward_grad_sync
+            _, rebuild, n_active, buffers_from = self._join_agree(sync, rebuild, active=True)
             if work is not None:
                 work.wait()
+            if sync and not self._divide_by_initial_world_size and n_active < self.world_size:
+                # average over the ranks still training instead of the initial world size
+                self._reducer.set_reduction_scale(self.world_size / n_active)
         if rebuild:
             self._rebuild_buckets(order or self._reducer.arrival_order())
         if self._syncs_buffers():
@@ -406,21 +411,19 @@ class DDPWrapper(nn.Module, Joinable):
         :meth:`torch.nn.parallel.DistributedDataParallel.join`: wrap the training loop in it
         and a rank that finishes early keeps answering the others' collectives until all are
         done. ``throw_on_early_termination=True`` instead raises on every rank as soon as one
-        runs out. Only ``divide_by_initial_world_size=True`` (torch's default) is supported."""
+        runs out. ``divide_by_initial_world_size=False`` averages each step's gradients over
+        the ranks still training instead of the initial world size."""
         return Join([self], enable, throw_on_early_termination,
                     divide_by_initial_world_size=divide_by_initial_world_size)
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
         """The :class:`~torch.distributed.algorithms.JoinHook` that shadows this wrapper's
         collectives on a joined rank (used by :class:`~torch.distributed.algorithms.Join`)."""
-        if not kwargs.get("divide_by_initial_world_size", True):
-            raise ValueError("DDPWrapper.join(divide_by_initial_world_size=False) is not supported: the "
-                             "reducer divides the gradients by the initial world size. Use the default "
-                             "(True), or torch's DistributedDataParallel for that mode.")
         if self.static_graph:
             raise ValueError("DDPWrapper.join() cannot be used with static_graph=True (a joined rank "
                              "would break the fixed per-iteration pattern); construct the wrapper with "
                              "static_graph=False, with find_unused_parameters=True if needed.")
+        self._divide_by_initial_world_size = bool(kwargs.get("divide_by_initial_world_size", True))
         return _DDPJoinHook(self)
 
     @property
@@ -433,15 +436,18 @@ class DDPWrapper(nn.Module, Joinable):
         """Process group of the join protocol (this wrapper's)."""
         return self.process_group
 
-    def _join_agree(self, sync: bool, rebuild: bool, active: bool) -> tuple[bool, bool, int]:
-        """One all-reduce (MAX) per iteration inside join(): whether the active ranks reduce
-        gradients and rebuild the buckets in this iteration, and the highest active rank
-        (the source of the buffers)."""
-        flags = torch.tensor([int(sync), int(rebuild), self.rank if active else -1],
-                             dtype=torch.int64, device=self.join_device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.process_group)
-        agreed_sync, agreed_rebuild, src = flags.tolist()
-        return bool(agreed_sync), bool(agreed_rebuild), int(src)
+    def _join_agree(self, sync: bool, rebuild: bool, active: bool) -> tuple[bool, bool, int, int]:
+        """One all-reduce (SUM) per iteration inside join(): whether the active ranks reduce
+        gradients and rebuild the buckets in this iteration, how many ranks are active, and
+        the highest active rank (the source of the buffers). A joined rank adds zeros."""
+        flags = torch.zeros(2 + self.world_size, dtype=torch.int64)
+        if active:
+            flags[0], flags[1], flags[2 + self.rank] = int(sync), int(rebuild), 1
+        flags = flags.to(self.join_device)
+        dist.all_reduce(flags, group=self.process_group)
+        values = flags.tolist()
+        ranks = [r for r, v in enumerate(values[2:]) if v]
+        return values[0] > 0, values[1] > 0, len(ranks), max(ranks, default=-1)
 
     def _sync_final_model(self, is_last_joiner: bool) -> None:
         """After join(): every rank takes the parameters and buffers of the highest-ranked
@@ -517,7 +523,7 @@ class _DDPJoinHook(JoinHook):
 
     def main_hook(self) -> None:
         ddp = self.ddp
-        sync, rebuild, buffers_from = ddp._join_agree(False, False, active=False)
+        sync, rebuild, _, buffers_from = ddp._join_agree(False, False, active=False)
         if rebuild:
             ddp._rebuild_buckets(ddp._reducer.arrival_order())
         if ddp._syncs_buffers():
