@@ -92,6 +92,49 @@ def test_ddp_step_time_cpu_world2(name: str) -> None:
     record("ddp", f"cpu-gloo-w2-{name}", result)
 
 
+def _bench_join(rank: int, world_size: int, name: str) -> dict:
+    """Uneven inputs: rank 1 has half as many batches again as rank 0; the whole ``join()``
+    loop (rank 0 standing in for its missing batches) is timed, fastddp and torch alternately."""
+    torch.set_num_threads(1)
+    factory, make_x = MODELS[name]
+    torch.manual_seed(0)
+    models = {"fastddp": fastddp.DDPWrapper(factory()), "torch": TorchDDP(factory())}
+    opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in models.items()}
+    x = make_x()
+    steps = STEPS + (STEPS // 2 if rank == 1 else 0)
+
+    def loop(kind: str, n: int) -> float:
+        m, o = models[kind], opts[kind]
+        dist.barrier()
+        t0 = time.perf_counter()
+        with m.join():
+            for _ in range(n):
+                o.zero_grad()
+                m(x).pow(2).mean().backward()
+                o.step()
+        return time.perf_counter() - t0
+
+    for kind in models:  # warm-up, bucket rebuild included
+        loop(kind, 3 + rank)
+    times: dict[str, list[float]] = {k: [] for k in models}
+    for _ in range(1 if SMOKE else 3):
+        for kind in models:
+            times[kind].append(loop(kind, steps))
+    return {k: statistics.median(v) for k, v in times.items()} | {"steps": steps}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_ddp_uneven_inputs_join_cpu_world2(name: str) -> None:
+    res = run_distributed(_bench_join, world_size=2, args=(name,), timeout=900)
+    fast, ref = max(r["fastddp"] for r in res), max(r["torch"] for r in res)
+    result = {"model": name, "world_size": 2, "backend": "gloo",
+              "join_steps_per_rank": "/".join(str(r["steps"]) for r in res),
+              "fastddp_join_s": fast, "torch_join_s": ref, "time_ratio": fast / ref,
+              "command": "pytest benchmarks/bench_ddp.py -s -k join"}
+    print(json.dumps(result, indent=1))
+    record("ddp", f"cpu-gloo-w2-join-{name}", result)
+
+
 def _world1_step_times(name: str, device: str) -> dict:
     """One process, world size 1: the bare model, DDPWrapper (gradients passed through, its
     default in a world of one), DDPWrapper through its buckets (``FASTDDP_WORLD1_PASSTHROUGH=0``:
