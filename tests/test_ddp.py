@@ -666,3 +666,30 @@ def _dataclass_output(rank: int, world_size: int) -> str:
 
 def test_dataclass_outputs_with_find_unused_parameters() -> None:
     assert run_distributed(_dataclass_output, world_size=2) == ["ok", "ok"]
+
+
+class _ReassignedBuffer(nn.Module):
+    """Replaces its buffer in forward (rebinding the name, not writing in place)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("avg", torch.zeros(8))
+
+    def forward(self, x):
+        self.avg = self.avg * 0.5 + x.detach().mean(0)
+        return self.lin(x) + self.avg
+
+
+def _reassigned(rank: int, world_size: int, transport: str) -> str:
+    os.environ["FASTDDP_SHM_ALLREDUCE"] = "1" if transport == "shm" else "0"
+    ours, ref = _pair(_ReassignedBuffer, {})
+    _train(ours, ref, _vec)  # _compare checks the buffers on every rank
+    return transport
+
+
+@pytest.mark.parametrize("transport", ["shm", "c10d"])
+def test_buffers_replaced_in_forward_are_broadcast(transport: str) -> None:
+    """Rank 0's current buffers reach the tensors the module uses now, as with torch DDP
+    (the wrapper used to broadcast into the tensors it saw at construction)."""
+    assert run_distributed(_reassigned, world_size=2, args=(transport,)) == [transport] * 2

@@ -198,7 +198,8 @@ class DDPWrapper(nn.Module, Joinable):
             # rank 0) say so.
             warnings.warn(f"DDPWrapper: all-reducing through the process group, not shared memory: {note}",
                           RuntimeWarning, stacklevel=3)
-        self._shm_buffers = self._reducer.transport == "shm" and self._buffer_bytes() > 0
+        self._shm_buffer_room = self._buffer_bytes()
+        self._shm_buffers = self._reducer.transport == "shm" and self._shm_buffer_room > 0
         if shm_allreduce and self._reducer.transport != "shm":
             raise RuntimeError(f"DDPWrapper: shm_allreduce=True but the ranks cannot all-reduce through shared "
                                f"memory: {self._reducer.transport_note}. Pass shm_allreduce=None to fall "
@@ -223,6 +224,13 @@ class DDPWrapper(nn.Module, Joinable):
         if not self.broadcast_buffers or any(b.device.type != "cpu" for b in self._module_buffers):
             return 0
         return sum((b.numel() * b.element_size() + 63) // 64 * 64 for b in self._module_buffers)
+
+    def _current_buffers(self) -> list[torch.Tensor]:
+        """The module's buffers now: a forward may have replaced one (``self.avg = self.avg *
+        0.9 + ...`` rebinds the name to a new tensor), and the broadcast must reach the tensor
+        the module uses, as torch DDP re-reads them before each broadcast."""
+        self._module_buffers = list(self.module.buffers())
+        return self._module_buffers
 
     def _timeout_s(self) -> float:
         """The process group's timeout (a shared-memory wait for a live peer gives up after it)."""
@@ -327,12 +335,15 @@ class DDPWrapper(nn.Module, Joinable):
         if rebuild:
             self._rebuild_buckets(order or self._reducer.arrival_order())
         if self._syncs_buffers():
+            buffers = self._current_buffers()
             with torch.no_grad():
                 if self._join_config.enable:  # rank 0 may have joined with stale buffers
-                    self._broadcast_coalesced(self._module_buffers, src=buffers_from)
-                # co-located CPU ranks copy rank 0's buffers through shared memory; else c10d
-                elif not (self._shm_buffers and self._reducer.broadcast_buffers(self._module_buffers)):
-                    self._broadcast_coalesced(self._module_buffers)
+                    self._broadcast_coalesced(buffers, src=buffers_from)
+                # co-located CPU ranks copy rank 0's buffers through shared memory (while they
+                # fit the room reserved at construction); else c10d
+                elif not (self._shm_buffers and self._buffer_bytes() <= self._shm_buffer_room
+                          and self._reducer.broadcast_buffers(buffers)):
+                    self._broadcast_coalesced(buffers)
         output = self.module(*inputs, **kwargs)
         if grad_enabled:
             sync = self.require_backward_grad_sync
@@ -528,7 +539,7 @@ class _DDPJoinHook(JoinHook):
             ddp._rebuild_buckets(ddp._reducer.arrival_order())
         if ddp._syncs_buffers():
             with torch.no_grad():
-                ddp._broadcast_coalesced(ddp._module_buffers, src=buffers_from)
+                ddp._broadcast_coalesced(ddp._current_buffers(), src=buffers_from)
         if sync:
             ddp._reducer.shadow_reduction()
 
