@@ -401,13 +401,7 @@ void Reducer::launch_ready_buckets_locked() {
   while (next_launch_ < static_cast<int64_t>(buckets_.size()) && buckets_[next_launch_].pending == 0) {
     auto& bucket = buckets_[next_launch_++];
     flush_deferred_locked(bucket);
-    std::vector<at::Tensor> tensors;
-    if (bucket.comm.defined()) {
-      bucket.comm.copy_(bucket.buffer);
-      tensors.push_back(bucket.comm);
-    } else {
-      tensors.push_back(bucket.buffer);
-    }
+    if (bucket.comm.defined()) bucket.comm.copy_(bucket.buffer);
     bucket.launched = std::chrono::steady_clock::now();
     if (process_group_->getSize() == 1) {
       // The sum over one rank is the bucket itself: no collective (its host-side launch costs
@@ -415,16 +409,29 @@ void Reducer::launch_ready_buckets_locked() {
       bucket.work.reset();
       continue;
     }
-    if (bucket.shm) {
-      bucket.squares_in_work = grad_stats_enabled_;
-      bucket.work = shm_->allreduce_sum(tensors.front(), bucket.comm.defined() ? 1.0 : inv_world_,
-                                        bucket.squares_in_work);
-      continue;
-    }
-    c10d::AllreduceOptions opts;
-    opts.reduceOp = reduce_avg_locked() ? c10d::ReduceOp::AVG : c10d::ReduceOp::SUM;
-    bucket.work = process_group_->allreduce(tensors, opts);
+    bucket.squares_in_work = bucket.shm && grad_stats_enabled_;
+    bucket.work = allreduce_wire_locked(bucket, bucket.squares_in_work);
   }
+}
+
+c10::intrusive_ptr<c10d::Work> Reducer::allreduce_wire_locked(Bucket& bucket, bool squares) {
+  at::Tensor wire = bucket.comm.defined() ? bucket.comm : bucket.buffer;
+  if (bucket.shm) return shm_->allreduce_sum(wire, bucket.comm.defined() ? 1.0 : inv_world_, squares);
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = reduce_avg_locked() ? c10d::ReduceOp::AVG : c10d::ReduceOp::SUM;
+  std::vector<at::Tensor> tensors{wire};
+  return process_group_->allreduce(tensors, opts);
+}
+
+at::Tensor Reducer::allreduce_used_locked(const std::vector<char>& used_here) {
+  auto used = at::empty({static_cast<int64_t>(used_here.size())}, at::TensorOptions().dtype(at::kInt));
+  auto* u = used.data_ptr<int32_t>();
+  for (size_t i = 0; i < used_here.size(); ++i) u[i] = used_here[i];
+  if (process_group_->getSize() == 1) return used;
+  auto used_dev = used.to(buckets_.empty() ? at::Device(at::kCPU) : buckets_[0].buffer.device());
+  std::vector<at::Tensor> t{used_dev};
+  process_group_->allreduce(t)->wait();
+  return used_dev.cpu();
 }
 
 void Reducer::flush_deferred_locked(Bucket& bucket) {
@@ -485,17 +492,7 @@ void Reducer::finalize_backward() {
   at::Tensor global_used = static_global_used_;
   if ((find_unused_ && !static_graph_) || static_first) {
     // Which parameters were used on any rank: those unused everywhere keep their .grad.
-    auto used = at::empty({static_cast<int64_t>(params_.size())}, at::TensorOptions().dtype(at::kInt));
-    auto* u = used.data_ptr<int32_t>();
-    for (size_t i = 0; i < locally_used_.size(); ++i) u[i] = locally_used_[i];
-    if (process_group_->getSize() > 1) {
-      auto used_dev = used.to(buckets_.empty() ? at::Device(at::kCPU) : buckets_[0].buffer.device());
-      std::vector<at::Tensor> t{used_dev};
-      process_group_->allreduce(t)->wait();
-      global_used = used_dev.cpu();
-    } else {
-      global_used = used;
-    }
+    global_used = allreduce_used_locked(locally_used_);
     // static_graph: the parameters unused on every rank in the first iteration stay unused.
     if (static_first) static_global_used_ = global_used;
   }
@@ -563,29 +560,17 @@ void Reducer::shadow_reduction() {
               "and it cannot stand in for the other ranks' reductions; run backward after every such "
               "forward inside the join() block");
   if (passthrough_ || process_group_->getSize() == 1) return;
-  // Same wire tensors, scales and ops as launch_ready_buckets_locked, in the same order.
+  // The same collectives as a reduced backward (launch_ready_buckets_locked, then
+  // finalize_backward's used map), in the same order, with zero contributions.
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   works.reserve(buckets_.size());
   for (auto& bucket : buckets_) {
-    at::Tensor wire = bucket.comm.defined() ? bucket.comm : bucket.buffer;
-    wire.zero_();
-    if (bucket.shm) {
-      works.push_back(shm_->allreduce_sum(wire, bucket.comm.defined() ? 1.0 : inv_world_, false));
-      continue;
-    }
-    c10d::AllreduceOptions opts;
-    opts.reduceOp = reduce_avg_locked() ? c10d::ReduceOp::AVG : c10d::ReduceOp::SUM;
-    std::vector<at::Tensor> tensors{wire};
-    works.push_back(process_group_->allreduce(tensors, opts));
+    (bucket.comm.defined() ? bucket.comm : bucket.buffer).zero_();
+    works.push_back(allreduce_wire_locked(bucket, false));
   }
-  if (find_unused_ && !static_graph_) {
-    auto device = buckets_.empty() ? at::Device(at::kCPU) : buckets_[0].buffer.device();
-    std::vector<at::Tensor> used{at::zeros({static_cast<int64_t>(params_.size())},
-                                           at::TensorOptions().dtype(at::kInt).device(device))};
-    process_group_->allreduce(used)->wait();
-  }
-  for (auto& work : works) work->wait();
   std::fill(locally_used_.begin(), locally_used_.end(), 0);
+  if (find_unused_ && !static_graph_) allreduce_used_locked(locally_used_);
+  for (auto& work : works) work->wait();
 }
 
 std::vector<at::Tensor> Reducer::bucket_buffers() const {

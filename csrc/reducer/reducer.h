@@ -112,6 +112,11 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void copy_grad_to_bucket_locked(int64_t index);
   void launch_ready_buckets_locked();
   void flush_deferred_locked(Bucket& bucket);
+  // Issues the bucket's all-reduce on its wire tensor (bucket.comm if compressed, else
+  // bucket.buffer): shared memory or c10d, with the division the transport folds in.
+  c10::intrusive_ptr<c10d::Work> allreduce_wire_locked(Bucket& bucket, bool squares);
+  // Sums the per-parameter "has a gradient" flags over the ranks; int32 on the CPU.
+  at::Tensor allreduce_used_locked(const std::vector<char>& used_here);
   void finalize_backward();
   void queue_finalize();         // from the outputs' grad_fn pre-hook (static_graph, first iteration)
   void queue_finalize_locked();  // end-of-backward callback on the current graph task
