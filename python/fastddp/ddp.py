@@ -37,28 +37,73 @@ def _find_tensors(obj: Any) -> list[torch.Tensor]:
 
 def assign_buckets(params: list[torch.Tensor], bucket_cap_mb: float,
                    first_bucket_mb: float = FIRST_BUCKET_MB,
-                   order: Optional[list[int]] = None) -> list[list[int]]:
+                   order: Optional[list[int]] = None,
+                   caps_mb: Optional[list[float]] = None) -> list[list[int]]:
     """Bucket indices, filled in ``order`` (default: reverse registration order, as gradients
     of the last layers arrive first), grouped by (device, dtype), at most ``bucket_cap_mb``
-    each, the first one smaller."""
+    each, the first one smaller. With ``caps_mb`` (torch DDP's ``bucket_cap_mb_list``) the
+    k-th bucket of each (device, dtype) holds at most ``caps_mb[k]`` MiB (the last entry
+    for the rest) and there is no smaller first bucket."""
     buckets: list[list[int]] = []
     open_buckets: dict[tuple, tuple[list[int], int]] = {}
+    opened: dict[tuple, int] = {}  # buckets opened so far per (device, dtype)
     cap_first = int(min(first_bucket_mb, bucket_cap_mb) * 2**20)
     cap = int(bucket_cap_mb * 2**20)
+
+    def limit_of(key: tuple, current: list[int]) -> int:
+        if caps_mb:
+            return int(caps_mb[min(opened[key] - 1, len(caps_mb) - 1)] * 2**20)
+        return cap_first if current is buckets[0] else cap
+
     for i in (reversed(range(len(params))) if order is None else order):
         p = params[i]
         key = (p.device, p.dtype)
         size = p.numel() * p.element_size()
         current, used = open_buckets.get(key, (None, 0))
-        limit = cap_first if (current is not None and current is buckets[0]) else cap
-        if current is not None and used + size > limit:
+        if current is not None and used + size > limit_of(key, current):
             current = None
         if current is None:
             current, used = [], 0
             buckets.append(current)
+            opened[key] = opened.get(key, 0) + 1
         current.append(i)
         open_buckets[key] = (current, used + size)
     return buckets
+
+
+def _refuse_unsupported(delay_all_reduce_named_params: Any, param_to_hook_all_reduce: Any,
+                        mixed_precision: Any, skip_all_reduce_unused_params: bool) -> None:
+    """torch DDP constructor options the C++ reducer does not implement: one clear error each,
+    before anything is communicated, instead of a silently different training."""
+    if delay_all_reduce_named_params is not None or param_to_hook_all_reduce is not None:
+        raise NotImplementedError(
+            "DDPWrapper: delay_all_reduce_named_params / param_to_hook_all_reduce are not supported "
+            "(every parameter that requires a gradient is bucketed and reduced during backward). "
+            "Leave them unset, or use torch's DistributedDataParallel for delayed all-reduces.")
+    if mixed_precision is not None:
+        raise NotImplementedError(
+            "DDPWrapper: mixed_precision (torch DDP's private _MixedPrecision) is not supported. Train "
+            "under torch.autocast with fastddp.GradScaler, and pass comm_dtype=torch.bfloat16 (or "
+            "torch.float16) to all-reduce the gradients in low precision.")
+    if skip_all_reduce_unused_params:
+        raise NotImplementedError(
+            "DDPWrapper: skip_all_reduce_unused_params=True is not supported; unused parameters are "
+            "reduced as zero contributions (find_unused_parameters=True), or, with a fixed set of used "
+            "parameters, static_graph=True skips the per-iteration search for them.")
+
+
+def _resolve_group(process_group: Optional[dist.ProcessGroup], device_mesh: Any) -> dist.ProcessGroup:
+    """torch DDP's rule: the given process group, or the group of a 1-D ``device_mesh``, or
+    the default group; not both."""
+    if device_mesh is None:
+        return process_group if process_group is not None else dist.group.WORLD
+    if process_group is not None:
+        raise ValueError("DDPWrapper: cannot specify both process_group and device_mesh; pass one of them.")
+    if device_mesh.ndim != 1:
+        raise ValueError(f"DDPWrapper: only a 1-D device_mesh is supported, got {device_mesh} "
+                         f"({device_mesh.ndim} dimensions); slice the data-parallel dimension, e.g. "
+                         "mesh['dp'].")
+    return device_mesh.get_group(mesh_dim=0)
 
 
 class DDPWrapper(nn.Module, Joinable):
@@ -108,7 +153,15 @@ class DDPWrapper(nn.Module, Joinable):
     buffers are broadcast from the highest rank still training.
 
     ``output_device``, ``dim`` and ``check_reduction`` are accepted for compatibility and have
-    no effect (one device per process, as torch DDP recommends).
+    no effect (one device per process, as torch DDP recommends). torch DDP's newer options work
+    as there: ``init_sync=False`` (no verification or broadcast at construction),
+    ``forward_sync_buffers`` (2.13+'s name for ``broadcast_buffers``; given, buffers are still
+    synced at construction; ``broadcast_buffers=False`` skips that too), ``device_mesh`` (1-D,
+    instead of ``process_group``), ``bucket_cap_mb_list`` (the k-th bucket of each dtype holds at
+    most the k-th size, in the order the buckets are reduced) and ``batched_grad_copy`` (forces
+    the batched copies described below). ``delay_all_reduce_named_params``,
+    ``param_to_hook_all_reduce``, ``mixed_precision`` and ``skip_all_reduce_unused_params`` are
+    refused with a message. ``comm_dtype`` and ``shm_allreduce`` are keyword-only.
 
     ``static_graph=True`` behaves as in torch DDP: the first iteration reduces everything at the
     end of backward and records which parameters are used and how many times each one's
@@ -125,13 +178,23 @@ class DDPWrapper(nn.Module, Joinable):
         device_ids: Optional[list[int | torch.device]] = None,
         output_device: Optional[int | torch.device] = None,
         dim: int = 0,
-        broadcast_buffers: bool = True,
+        broadcast_buffers: Optional[bool] = None,
+        init_sync: bool = True,
         process_group: Optional[dist.ProcessGroup] = None,
         bucket_cap_mb: Optional[float] = None,
         find_unused_parameters: bool = False,
         check_reduction: bool = False,
         gradient_as_bucket_view: bool = True,
         static_graph: bool = False,
+        delay_all_reduce_named_params: Optional[list[tuple[str, nn.Parameter]]] = None,
+        param_to_hook_all_reduce: Optional[nn.Parameter] = None,
+        mixed_precision: Optional[Any] = None,
+        device_mesh: Optional[Any] = None,
+        skip_all_reduce_unused_params: bool = False,
+        bucket_cap_mb_list: Optional[list[float]] = None,
+        batched_grad_copy: bool = False,
+        forward_sync_buffers: Optional[bool] = None,
+        *,
         comm_dtype: Optional[torch.dtype] = None,
         shm_allreduce: Optional[bool] = None,
     ) -> None:
@@ -141,21 +204,38 @@ class DDPWrapper(nn.Module, Joinable):
             raise RuntimeError("DDPWrapper: the default process group is not initialised. Call "
                                "torch.distributed.init_process_group(...) first (torchrun sets "
                                "up the environment for it).")
+        _refuse_unsupported(delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision,
+                            skip_all_reduce_unused_params)
         if comm_dtype not in (None, torch.float16, torch.bfloat16, torch.float32):
             raise ValueError(f"DDPWrapper: comm_dtype must be torch.bfloat16, torch.float16 or None, got {comm_dtype}")
         bucket_cap_mb = 25.0 if bucket_cap_mb is None else float(bucket_cap_mb)
         if bucket_cap_mb <= 0:
             raise ValueError(f"DDPWrapper: bucket_cap_mb must be > 0, got {bucket_cap_mb}")
+        caps = [float(c) for c in bucket_cap_mb_list] if bucket_cap_mb_list else None
+        if caps is not None:
+            if min(caps) <= 0:
+                raise ValueError(f"DDPWrapper: every bucket_cap_mb_list entry must be > 0, got {bucket_cap_mb_list}")
+            bucket_cap_mb = max(caps)  # as torch DDP: the list replaces bucket_cap_mb
         self.module = module
         self.device_ids = device_ids
         self.output_device = output_device
         self.dim = dim
-        self.broadcast_buffers = broadcast_buffers
+        # torch DDP (2.13+): forward_sync_buffers replaces broadcast_buffers; given, it decides
+        # only the per-forward sync and the buffers are synced at construction anyway; else
+        # broadcast_buffers (default True) decides both.
+        if forward_sync_buffers is not None:
+            self.broadcast_buffers = bool(forward_sync_buffers)
+            init_sync_buffers = True
+        else:
+            self.broadcast_buffers = True if broadcast_buffers is None else bool(broadcast_buffers)
+            init_sync_buffers = self.broadcast_buffers
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = static_graph
         self.comm_dtype = comm_dtype
-        self.process_group = process_group if process_group is not None else dist.group.WORLD
+        self.process_group = _resolve_group(process_group, device_mesh)
+        self.device_mesh = device_mesh
+        self.batched_grad_copy = batched_grad_copy
         self.require_backward_grad_sync = True
         self.world_size = dist.get_world_size(self.process_group)
         self.rank = dist.get_rank(self.process_group)
@@ -165,14 +245,16 @@ class DDPWrapper(nn.Module, Joinable):
             raise RuntimeError("DDPWrapper: the module has no parameter that requires a gradient")
         self._check_devices(named, device_ids)
         self._check_dense(module)
-        self._verify_across_ranks(named)
-        self._sync_module_states()
+        if init_sync:
+            self._verify_across_ranks(named)
+            self._sync_module_states(init_sync_buffers)
         self._param_names = [n for n, _ in named]
         params = [p for _, p in named]
         self._params = params
         self._module_buffers = list(module.buffers())  # broadcast from rank 0 before each forward
         self._buckets_rebuilt = False
-        self._buckets = assign_buckets(params, bucket_cap_mb)
+        self._bucket_caps_mb = caps
+        self._buckets = assign_buckets(params, bucket_cap_mb, caps_mb=caps)
         self._bucket_cap_mb = bucket_cap_mb
         self._shm_requested = shm_allreduce
         self._comm_hook: Optional[Callable] = None
@@ -188,7 +270,8 @@ class DDPWrapper(nn.Module, Joinable):
                                   self.static_graph, self.comm_dtype,
                                   self._shm_wish(self._params, shm_allreduce), self._timeout_s(),
                                   self._buffer_bytes(),
-                                  batch_copies=_env_flag("FASTDDP_BATCH_GRAD_COPIES"),
+                                  batch_copies=True if self.batched_grad_copy
+                                  else _env_flag("FASTDDP_BATCH_GRAD_COPIES"),
                                   single_rank_passthrough=_env_flag("FASTDDP_WORLD1_PASSTHROUGH") is not False)
         note = self._reducer.transport_note
         own_failure = note.startswith(("shm_open", "reserving", "segment", "mmap", "cannot"))
@@ -294,11 +377,11 @@ class DDPWrapper(nn.Module, Joinable):
                         "must build the same model.")
 
     @torch.no_grad()
-    def _sync_module_states(self) -> None:
-        """Broadcast parameters and buffers from rank 0 (one collective per dtype/device)."""
+    def _sync_module_states(self, buffers: bool = True) -> None:
+        """Broadcast parameters (and buffers) from rank 0 (one collective per dtype/device)."""
         if self.world_size == 1:
             return
-        tensors = [p.data for p in self.module.parameters()] + [b for b in self.module.buffers()]
+        tensors = [p.data for p in self.module.parameters()] + (list(self.module.buffers()) if buffers else [])
         self._broadcast_coalesced(tensors)
 
     def _broadcast_coalesced(self, tensors: list[torch.Tensor], src: int = 0) -> None:
@@ -366,7 +449,8 @@ class DDPWrapper(nn.Module, Joinable):
             src = (dist.get_global_rank(self.process_group, 0)
                    if self.process_group is not dist.group.WORLD else 0)
             dist.broadcast(agreed, src=src, group=self.process_group)
-        buckets = assign_buckets(self._params, self._bucket_cap_mb, order=agreed.tolist())
+        buckets = assign_buckets(self._params, self._bucket_cap_mb, order=agreed.tolist(),
+                                 caps_mb=self._bucket_caps_mb)
         if buckets != [list(b) for b in self._reducer.bucket_indices()]:
             self._reducer.rebuild_buckets(buckets)
 
@@ -485,6 +569,16 @@ class DDPWrapper(nn.Module, Joinable):
             self.require_backward_grad_sync = previous
 
     # ------------------------------------------------------------------ extras
+    @property
+    def forward_sync_buffers(self) -> bool:
+        """Whether buffers are broadcast from rank 0 before each forward (torch DDP 2.13+'s
+        name for ``broadcast_buffers``)."""
+        return self.broadcast_buffers
+
+    @forward_sync_buffers.setter
+    def forward_sync_buffers(self, value: bool) -> None:
+        self.broadcast_buffers = bool(value)
+
     @property
     def transport(self) -> str:
         """``"shm"`` when the buckets are reduced through shared memory, else ``"c10d"``."""

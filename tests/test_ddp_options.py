@@ -1,0 +1,154 @@
+"""torch DDP's newer constructor options (init_sync, forward_sync_buffers, device_mesh,
+bucket_cap_mb_list, batched_grad_copy, ...) on DDPWrapper: the same training as torch DDP
+given the same arguments, or one clear error for those the reducer does not implement."""
+
+from __future__ import annotations
+
+import inspect
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+import fastddp
+from fastddp.ddp import assign_buckets
+
+from .distributed import run_distributed
+from .test_ddp import _conv_bn, _mlp, _pair, _train, _vec
+
+_TORCH_KWARGS = set(inspect.signature(TorchDDP.__init__).parameters)
+
+
+def _gathered(t: torch.Tensor) -> list[torch.Tensor]:
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t.detach().contiguous())
+    return out
+
+
+def _offset_buffers(*models: nn.Module) -> None:
+    """Ranks start with different BatchNorm statistics (rank-dependent)."""
+    with torch.no_grad():
+        for m in models:
+            for b in m.buffers():
+                if b.is_floating_point():
+                    b.add_(dist.get_rank() + 1.0)
+
+
+def _options(rank: int, world_size: int) -> list[str]:
+    os.environ["FASTDDP_SHM_ALLREDUCE"] = "1"
+    done = []
+    image = lambda g: torch.randn(4, 3, 6, 6, generator=g)  # noqa: E731
+
+    # init_sync=False: nothing is verified or broadcast; ranks keep their own start weights
+    ours, ref = _pair(_mlp, {"init_sync": False})
+    first = _gathered(ours.module[0].weight)
+    assert not torch.equal(first[0], first[1])  # _pair offsets each rank's weights
+    _train(ours, ref, _vec)
+    done.append("init_sync=False")
+
+    # broadcast_buffers=False: buffers are neither synced at construction nor per forward
+    torch.manual_seed(7)
+    a, b = _conv_bn(), _conv_bn()
+    b.load_state_dict(a.state_dict())
+    _offset_buffers(a, b)
+    ours = fastddp.DDPWrapper(a, broadcast_buffers=False)
+    ref = TorchDDP(b, broadcast_buffers=False)
+    assert not torch.equal(*_gathered(ours.module[1].running_mean)[:2])
+    _train(ours, ref, image)
+    done.append("broadcast_buffers=False")
+
+    # forward_sync_buffers=False (torch 2.13+): synced once at construction, then rank-local
+    torch.manual_seed(7)
+    a, b = _conv_bn(), _conv_bn()
+    b.load_state_dict(a.state_dict())
+    _offset_buffers(a, b)
+    ours = fastddp.DDPWrapper(a, forward_sync_buffers=False)
+    assert ours.broadcast_buffers is False and ours.forward_sync_buffers is False
+    means = _gathered(ours.module[1].running_mean)
+    assert torch.equal(means[0], means[1])  # rank 0's statistics everywhere
+    if "forward_sync_buffers" in _TORCH_KWARGS:
+        ref = TorchDDP(b, forward_sync_buffers=False)
+    else:  # an older torch: the same is rank 0's buffers at start and no per-forward sync
+        for buf in b.buffers():
+            dist.broadcast(buf, src=0)
+        ref = TorchDDP(b, broadcast_buffers=False)
+    _train(ours, ref, image)
+    done.append("forward_sync_buffers=False")
+
+    # a 1-D device mesh instead of a process group
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    ours, ref = _pair(_mlp, {"device_mesh": mesh})
+    assert ours.process_group is mesh.get_group(0) and ours.device_mesh is mesh
+    _train(ours, ref, _vec)
+    with pytest.raises(ValueError, match="cannot specify both process_group and device_mesh"):
+        fastddp.DDPWrapper(_mlp(), process_group=dist.group.WORLD, device_mesh=mesh)
+    done.append("device_mesh")
+
+    # per-bucket caps (torch 2.14's bucket_cap_mb_list): the buckets follow the list
+    caps = [0.0005, 0.001]
+    kwargs = {"bucket_cap_mb_list": caps} if "bucket_cap_mb_list" in _TORCH_KWARGS else {}
+    ours, ref = _pair(_mlp, kwargs, {"bucket_cap_mb_list": caps})
+    expected = assign_buckets(list(ours.module.parameters()), max(caps), caps_mb=caps)
+    assert [list(b) for b in ours._reducer.bucket_indices()] == expected
+    _train(ours, ref, _vec)
+    done.append("bucket_cap_mb_list")
+
+    # batched_grad_copy=True: one multi-tensor copy per bucket (also on the CPU)
+    kwargs = {"batched_grad_copy": True} if "batched_grad_copy" in _TORCH_KWARGS else {}
+    ours, ref = _pair(_mlp, {**kwargs, "bucket_cap_mb": 0.001}, {"batched_grad_copy": True})
+    assert ours.bucket_report()["batch_copies"] is True
+    _train(ours, ref, _vec)
+    done.append("batched_grad_copy")
+    return done
+
+
+def test_newer_constructor_options_match_torch_ddp() -> None:
+    assert run_distributed(_options, world_size=2, timeout=300) == [
+        ["init_sync=False", "broadcast_buffers=False", "forward_sync_buffers=False", "device_mesh",
+         "bucket_cap_mb_list", "batched_grad_copy"]] * 2
+
+
+def _refused(rank: int, world_size: int) -> list[str]:
+    seen = []
+    lin = nn.Linear(4, 4)
+    cases = {
+        "delay_all_reduce_named_params": {"delay_all_reduce_named_params": list(lin.named_parameters())},
+        "param_to_hook_all_reduce": {"param_to_hook_all_reduce": lin.weight},
+        "mixed_precision": {"mixed_precision": object()},
+        "skip_all_reduce_unused_params": {"skip_all_reduce_unused_params": True},
+    }
+    for name, kwargs in cases.items():
+        with pytest.raises(NotImplementedError, match=name.split("_params")[0]) as info:
+            fastddp.DDPWrapper(lin, **kwargs)
+        assert "DDPWrapper" in str(info.value)
+        seen.append(name)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with pytest.raises(ValueError, match="only a 1-D device_mesh"):
+        fastddp.DDPWrapper(lin, device_mesh=init_device_mesh("cpu", (1, 1), mesh_dim_names=("a", "b")))
+    seen.append("2-D mesh")
+    with pytest.raises(ValueError, match="bucket_cap_mb_list entry must be > 0"):
+        fastddp.DDPWrapper(lin, bucket_cap_mb_list=[1, 0])
+    seen.append("bad caps")
+    return seen
+
+
+def test_unsupported_options_are_refused_clearly() -> None:
+    assert run_distributed(_refused, world_size=1) == [
+        ["delay_all_reduce_named_params", "param_to_hook_all_reduce", "mixed_precision",
+         "skip_all_reduce_unused_params", "2-D mesh", "bad caps"]]
+
+
+def test_per_bucket_caps() -> None:
+    params = [torch.zeros(2**18) for _ in range(6)]  # 1 MiB each (fp32)
+    # reverse registration order; bucket k holds at most caps[k] MiB, the last cap repeats
+    assert assign_buckets(params, 3, caps_mb=[1, 3]) == [[5], [4, 3, 2], [1, 0]]
+    assert assign_buckets(params, 2, caps_mb=[2]) == [[5, 4], [3, 2], [1, 0]]
+    # per (device, dtype): each dtype's first bucket takes the first cap
+    mixed = [torch.zeros(2**18), torch.zeros(2**19, dtype=torch.bfloat16), torch.zeros(2**18)]
+    assert assign_buckets(mixed, 2, caps_mb=[1, 2]) == [[2], [1], [0]]
