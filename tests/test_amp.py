@@ -206,12 +206,18 @@ def test_fused_step_makes_no_host_sync() -> None:
         torch.cuda.set_sync_debug_mode(0)
 
 
-def _ddp_scaler_parity(rank: int, world_size: int, fused: bool, via: str = "ddp") -> tuple[int, bool]:
+def _ddp_scaler_parity(rank: int, world_size: int, fused: bool, via: str = "ddp",
+                       python_hook: bool = False) -> tuple[int, bool]:
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
     ours_m, ref_m = _model("cpu"), _model("cpu")
     ours = fastddp.DDPWrapper(ours_m, bucket_cap_mb=0.002)
     ref = TorchDDP(ref_m)
+    if python_hook:  # the statistics are then taken after the hook's result is in the bucket
+        from .test_ddp_hooks import _mean_hook
+
+        ours.register_comm_hook(None, _mean_hook)
+        ref.register_comm_hook(None, _mean_hook)
     kw = {"lr": 1e-2, "weight_decay": 0.1}
     ours_o = torch.optim.AdamW(ours.parameters(), fused=fused, **kw)
     ref_o = torch.optim.AdamW(ref.parameters(), fused=fused, **kw)
@@ -255,6 +261,15 @@ class _StatsSpy:
 
     def __getattr__(self, name):
         return getattr(self.reducer, name)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_with_ddp_wrapper_and_a_python_comm_hook(world_size) -> None:
+    from .distributed import run_distributed
+
+    # a hook turns the passthrough of a world of one off: the buckets and their stats are used
+    used = run_distributed(_ddp_scaler_parity, world_size=world_size, args=(False, "ddp", True))
+    assert used == [(5, False)] * world_size
 
 
 @pytest.mark.parametrize("world_size", [1, 2])

@@ -1,6 +1,7 @@
 #include "bindings/registry.h"
 #include "reducer/reducer.h"
 
+#include <torch/csrc/distributed/c10d/python_comm_hook.h>
 #include <torch/csrc/utils/pybind.h>
 
 namespace py = pybind11;
@@ -15,20 +16,30 @@ void bind_reducer(py::module_& m) {
                        const c10::intrusive_ptr<c10d::ProcessGroup>& pg, bool grad_as_view, bool find_unused,
                        bool static_graph, std::optional<at::ScalarType> comm_dtype, std::optional<bool> shm,
                        double shm_timeout_s, int64_t shm_broadcast_bytes, std::optional<bool> batch_copies,
-                       bool single_rank_passthrough) {
+                       bool single_rank_passthrough, const py::object& comm_hook_state, const py::object& comm_hook) {
+             // torch's own adapter for Python hooks: it builds the dist.GradBucket, calls
+             // hook(state, bucket) under the GIL and unpacks the Future's value.
+             std::unique_ptr<c10d::CommHookInterface> hook;
+             if (!comm_hook.is_none()) {
+               TORCH_CHECK(PyCallable_Check(comm_hook.ptr()), "DDPWrapper: the communication hook must be callable, "
+                           "got ", py::str(py::type::of(comm_hook)).cast<std::string>());
+               hook = std::make_unique<c10d::PythonCommHook>(comm_hook_state, comm_hook);
+             }
              // Construction may run collectives (the shared-memory handshake): no GIL meanwhile.
              py::gil_scoped_release release;
              auto r = std::make_shared<fastddp::reducer::Reducer>(std::move(params), std::move(names), buckets, pg,
                                                                   grad_as_view, find_unused, static_graph,
                                                                   comm_dtype, shm, shm_timeout_s, shm_broadcast_bytes,
-                                                                  batch_copies, single_rank_passthrough);
+                                                                  batch_copies, single_rank_passthrough,
+                                                                  std::move(hook));
              r->register_hooks();
              return r;
            }),
            py::arg("params"), py::arg("names"), py::arg("buckets"), py::arg("process_group"),
            py::arg("gradient_as_bucket_view"), py::arg("find_unused_parameters"), py::arg("static_graph"),
            py::arg("comm_dtype"), py::arg("shm_allreduce") = py::none(), py::arg("shm_timeout_s") = 1800.0, py::arg("shm_broadcast_bytes") = 0,
-           py::arg("batch_copies") = py::none(), py::arg("single_rank_passthrough") = true)
+           py::arg("batch_copies") = py::none(), py::arg("single_rank_passthrough") = true,
+           py::arg("comm_hook_state") = py::none(), py::arg("comm_hook") = py::none())
       .def("broadcast_buffers", &fastddp::reducer::Reducer::broadcast_buffers, py::arg("tensors"),
            "Shared-memory transport: copy group rank 0's tensors into every rank's (True); else False.",
            py::call_guard<py::gil_scoped_release>())
@@ -38,6 +49,8 @@ void bind_reducer(py::module_& m) {
                              "A world of one without comm_dtype: gradients are left where autograd put them.")
       .def_property_readonly("grads_in_buckets", &fastddp::reducer::Reducer::grads_in_buckets,
                              "Whether param.grad are views into bucket_buffers() after a reduced backward.")
+      .def_property_readonly("has_comm_hook", &fastddp::reducer::Reducer::has_comm_hook,
+                             "A Python communication hook reduces the buckets.")
       .def_property_readonly("batch_copies", &fastddp::reducer::Reducer::batch_copies,
                              "Gradients are copied into a full bucket with one multi-tensor copy.")
       .def_property_readonly("transport_note", &fastddp::reducer::Reducer::transport_note,

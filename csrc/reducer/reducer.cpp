@@ -40,19 +40,24 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
                  bool find_unused_parameters, bool static_graph, std::optional<at::ScalarType> comm_dtype,
                  std::optional<bool> shm_allreduce, double shm_timeout_s,
                  int64_t shm_broadcast_bytes, std::optional<bool> batch_copies,
-                 bool single_rank_passthrough)
+                 bool single_rank_passthrough, std::unique_ptr<c10d::CommHookInterface> comm_hook)
     : params_(std::move(params)),
       names_(std::move(names)),
       process_group_(std::move(process_group)),
       gradient_as_bucket_view_(gradient_as_bucket_view),
       find_unused_(find_unused_parameters),
       static_graph_(static_graph),
-      comm_dtype_(comm_dtype) {
+      comm_dtype_(comm_dtype),
+      comm_hook_(std::move(comm_hook)) {
   TORCH_CHECK(process_group_, "DDPWrapper: process group is null");
   TORCH_CHECK(names_.size() == params_.size(), "DDPWrapper: ", params_.size(), " parameters but ",
               names_.size(), " names");
+  TORCH_CHECK(!comm_hook_ || (!comm_dtype_ && !shm_allreduce), "DDPWrapper: a communication hook does its "
+              "own reduction; it cannot be combined with comm_dtype (got ", comm_dtype_ ? c10::toString(*comm_dtype_) : "None",
+              ") or the shared-memory transport (shm_allreduce=", shm_allreduce ? (*shm_allreduce ? "True" : "False") : "None",
+              ")");
   inv_world_ = 1.0 / static_cast<double>(process_group_->getSize());
-  passthrough_ = single_rank_passthrough && process_group_->getSize() == 1 && !comm_dtype_;
+  passthrough_ = single_rank_passthrough && process_group_->getSize() == 1 && !comm_dtype_ && !comm_hook_;
   bool any_cuda = false;
   for (const auto& p : params_) any_cuda = any_cuda || p.is_cuda();
   batch_copies_ = batch_copies.value_or(any_cuda);
@@ -184,7 +189,7 @@ std::vector<int64_t> Reducer::arrival_order() const {
 bool Reducer::reduce_avg_locked() {
   if (!reduce_avg_) {
     bool avg = false;
-    if (!comm_dtype_ && process_group_->getSize() > 1 && !buckets_.empty() &&
+    if (!comm_dtype_ && !comm_hook_ && process_group_->getSize() > 1 && !buckets_.empty() &&
         buckets_.front().buffer.is_cuda()) {
       try {
         avg = process_group_->getBackend(c10::DeviceType::CUDA)->getBackendName() == "nccl";
@@ -239,6 +244,7 @@ void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs, bool 
   for (auto& b : buckets_) {
     b.pending = static_cast<int64_t>(b.params.size());
     b.work.reset();
+    b.hook_future.reset();
     b.squares_in_work = false;
     b.deferred.clear();
   }
@@ -312,7 +318,7 @@ void Reducer::copy_grad_to_bucket_locked(int64_t index) {
   // Divide by the world size before the reduction (SUM), unless the collective averages
   // (NCCL AVG; the shared-memory sum scales in its reduction pass, except for a compressed
   // bucket, whose cast must not overflow) or there is nothing to divide (a world of one).
-  const bool divide = inv_world_ != 1.0 && !reduce_avg_locked() &&
+  const bool divide = inv_world_ != 1.0 && !comm_hook_ && !reduce_avg_locked() &&
                       !(buckets_[param_bucket_[index]].shm && !buckets_[param_bucket_[index]].comm.defined());
   if (grad.defined()) {
     if (grad.is_alias_of(view)) {
@@ -399,10 +405,16 @@ void Reducer::launch_ready_buckets_locked() {
   // Buckets launch strictly in index order, so every rank issues the same collectives in the
   // same sequence whatever order its gradients arrive in.
   while (next_launch_ < static_cast<int64_t>(buckets_.size()) && buckets_[next_launch_].pending == 0) {
-    auto& bucket = buckets_[next_launch_++];
+    const int64_t index = next_launch_++;
+    auto& bucket = buckets_[index];
     flush_deferred_locked(bucket);
     if (bucket.comm.defined()) bucket.comm.copy_(bucket.buffer);
     bucket.launched = std::chrono::steady_clock::now();
+    if (comm_hook_) {
+      // torch DDP runs a registered hook in a world of one too (it may do more than a sum).
+      bucket.hook_future = run_comm_hook_locked(index);
+      continue;
+    }
     if (process_group_->getSize() == 1) {
       // The sum over one rank is the bucket itself: no collective (its host-side launch costs
       // tens of microseconds per bucket on a GPU, more than the rest of the reducer's work).
@@ -421,6 +433,43 @@ c10::intrusive_ptr<c10d::Work> Reducer::allreduce_wire_locked(Bucket& bucket, bo
   opts.reduceOp = reduce_avg_locked() ? c10d::ReduceOp::AVG : c10d::ReduceOp::SUM;
   std::vector<at::Tensor> tensors{wire};
   return process_group_->allreduce(tensors, opts);
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> Reducer::run_comm_hook_locked(int64_t index) {
+  const auto& bucket = buckets_[index];
+  const size_t count = bucket.params.size();
+  std::vector<size_t> offsets;
+  std::vector<size_t> lengths;
+  std::vector<c10::IntArrayRef> sizes;  // point into the parameters, which outlive the bucket
+  std::vector<at::Tensor> params;
+  offsets.reserve(count);
+  lengths.reserve(count);
+  sizes.reserve(count);
+  params.reserve(count);
+  for (size_t k = 0; k < count; ++k) {
+    const auto& p = params_[bucket.params[k]];
+    offsets.push_back(static_cast<size_t>(bucket.offsets[k]));
+    lengths.push_back(static_cast<size_t>(p.numel()));
+    sizes.push_back(p.sizes());
+    params.push_back(p);
+  }
+  c10d::GradBucket grad_bucket(static_cast<size_t>(index), buckets_.size(), bucket.buffer, std::move(offsets),
+                               std::move(lengths), std::move(sizes), std::move(params), std::nullopt);
+  auto future = comm_hook_->runHook(grad_bucket);
+  TORCH_CHECK(future, "DDPWrapper: the communication hook returned no Future for bucket ", index);
+  return future;
+}
+
+void Reducer::take_comm_hook_result_locked(int64_t index) {
+  auto& bucket = buckets_[index];
+  bucket.hook_future->wait();  // rethrows the hook's error, if its Future holds one
+  const at::Tensor result = comm_hook_->parseHookResult(bucket.hook_future->value());
+  bucket.hook_future.reset();
+  TORCH_CHECK(result.defined() && result.numel() == bucket.buffer.numel(), "DDPWrapper: the communication hook's "
+              "Future for bucket ", index, " holds ", result.defined() ? std::to_string(result.numel()) : "no",
+              " elements, but the bucket has ", bucket.buffer.numel(), "; its value must be the reduced "
+              "bucket.buffer() (a flat tensor of the same size)");
+  if (!result.is_same(bucket.buffer)) bucket.buffer.copy_(result.reshape({-1}));
 }
 
 at::Tensor Reducer::allreduce_used_locked(const std::vector<char>& used_here) {
@@ -502,9 +551,14 @@ void Reducer::finalize_backward() {
   if (grad_stats_enabled_ && !buckets_.empty()) {
     stats = at::zeros({1}, buckets_[0].buffer.options().dtype(at::kDouble));
   }
-  for (auto& bucket : buckets_) {
+  for (int64_t index = 0; index < static_cast<int64_t>(buckets_.size()); ++index) {
+    auto& bucket = buckets_[index];
     std::optional<double> fused_squares;  // the reduction already summed this bucket's squares
-    if (bucket.work) {
+    if (bucket.hook_future) {
+      take_comm_hook_result_locked(index);
+      bucket.last_allreduce_ms =
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - bucket.launched).count();
+    } else if (bucket.work) {
       bucket.work->wait();
       bucket.last_allreduce_ms =
           std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - bucket.launched).count();
@@ -561,16 +615,24 @@ void Reducer::shadow_reduction() {
               "forward inside the join() block");
   if (passthrough_ || process_group_->getSize() == 1) return;
   // The same collectives as a reduced backward (launch_ready_buckets_locked, then
-  // finalize_backward's used map), in the same order, with zero contributions.
+  // finalize_backward's used map), in the same order, with zero contributions; with a
+  // communication hook, the hook's (as torch DDP's joined ranks run it on zero buckets).
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   works.reserve(buckets_.size());
-  for (auto& bucket : buckets_) {
+  for (int64_t index = 0; index < static_cast<int64_t>(buckets_.size()); ++index) {
+    auto& bucket = buckets_[index];
     (bucket.comm.defined() ? bucket.comm : bucket.buffer).zero_();
-    works.push_back(allreduce_wire_locked(bucket, false));
+    if (comm_hook_) {
+      bucket.hook_future = run_comm_hook_locked(index);
+    } else {
+      works.push_back(allreduce_wire_locked(bucket, false));
+    }
   }
   std::fill(locally_used_.begin(), locally_used_.end(), 0);
   if (find_unused_ && !static_graph_) allreduce_used_locked(locally_used_);
   for (auto& work : works) work->wait();
+  for (int64_t index = 0; index < static_cast<int64_t>(buckets_.size()); ++index)
+    if (buckets_[index].hook_future) take_comm_hook_result_locked(index);
 }
 
 std::vector<at::Tensor> Reducer::bucket_buffers() const {

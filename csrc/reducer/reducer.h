@@ -8,8 +8,10 @@
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/intrusive_ptr.h>
+#include <ATen/core/ivalue.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/comm.hpp>
 
 #include <chrono>
 #include <memory>
@@ -31,6 +33,8 @@ struct Bucket {
   // with one multi-tensor copy when the bucket is full (instead of one copy each).
   std::vector<int64_t> deferred;
   c10::intrusive_ptr<c10d::Work> work;
+  // With a communication hook: the hook's Future for this bucket (instead of `work`).
+  c10::intrusive_ptr<c10::ivalue::Future> hook_future;
   // The shared-memory reduction also summed the squares of the result (a ShmWork): the AMP
   // statistics of this bucket come with it instead of from another pass.
   bool squares_in_work = false;
@@ -46,7 +50,13 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
           bool find_unused_parameters, bool static_graph, std::optional<at::ScalarType> comm_dtype,
           std::optional<bool> shm_allreduce = std::nullopt, double shm_timeout_s = 1800.0,
           int64_t shm_broadcast_bytes = 0, std::optional<bool> batch_copies = std::nullopt,
-          bool single_rank_passthrough = true);
+          bool single_rank_passthrough = true, std::unique_ptr<c10d::CommHookInterface> comm_hook = nullptr);
+
+  // torch DDP's register_comm_hook contract: each full bucket, in index order, is handed to the
+  // hook as a c10d::GradBucket holding the undivided local sum of gradients; the hook returns
+  // a Future of the reduced flat tensor, which the end of backward waits for and copies into
+  // the bucket. The hook runs in every reduced backward, also in a world of one.
+  bool has_comm_hook() const { return comm_hook_ != nullptr; }
 
   // A world of one without comm_dtype has nothing to reduce: with single_rank_passthrough the
   // gradients stay where autograd put them (no copy into the buckets, no copy back), exactly
@@ -115,6 +125,10 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // Issues the bucket's all-reduce on its wire tensor (bucket.comm if compressed, else
   // bucket.buffer): shared memory or c10d, with the division the transport folds in.
   c10::intrusive_ptr<c10d::Work> allreduce_wire_locked(Bucket& bucket, bool squares);
+  // Hands bucket `index` to the communication hook; returns the hook's Future.
+  c10::intrusive_ptr<c10::ivalue::Future> run_comm_hook_locked(int64_t index);
+  // Waits for the hook's Future of bucket `index` and copies its value into the bucket buffer.
+  void take_comm_hook_result_locked(int64_t index);
   // Sums the per-parameter "has a gradient" flags over the ranks; int32 on the CPU.
   at::Tensor allreduce_used_locked(const std::vector<char>& used_here);
   void finalize_backward();
@@ -157,6 +171,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // this shared arena and are summed through it instead of c10d.
   std::shared_ptr<ShmAllreduce> shm_;
   std::string transport_note_;
+  std::unique_ptr<c10d::CommHookInterface> comm_hook_;
 
   mutable std::mutex mutex_;
   bool expect_sync_ = false;      // a forward asked for a reduction in the coming backward

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import os
 import warnings
 from collections.abc import Callable, Iterator
@@ -126,8 +127,9 @@ class DDPWrapper(nn.Module, Joinable):
     (they are divided by the world size before the cast, so the sum cannot overflow, and are
     copied back into the parameters' dtype); :meth:`bucket_report`; :meth:`bucket_buffers`
     (the flat gradient buffers, for :class:`fastddp.GradScaler`'s ``grads=``).
-    :meth:`register_comm_hook` takes torch's ``allreduce_hook``, ``fp16_compress_hook`` and
-    ``bf16_compress_hook`` (mapped onto ``comm_dtype``) and refuses others with a message.
+    :meth:`register_comm_hook` takes any torch DDP communication hook (PowerSGD, custom Python
+    hooks: called per bucket through torch's own hook adapter); torch's ``allreduce_hook``,
+    ``fp16_compress_hook`` and ``bf16_compress_hook`` run in C++ (mapped onto ``comm_dtype``).
 
     ``gradient_as_bucket_view`` defaults to True: ``param.grad`` is a view into its bucket, so
     gradients are never copied when they accumulate in place (``zero_grad(set_to_none=False)``).
@@ -258,6 +260,7 @@ class DDPWrapper(nn.Module, Joinable):
         self._bucket_cap_mb = bucket_cap_mb
         self._shm_requested = shm_allreduce
         self._comm_hook: Optional[Callable] = None
+        self._python_hook: Optional[tuple[object, Callable]] = None  # (state, hook) run per bucket
         self._divide_by_initial_world_size = True  # join()'s setting
         self._build_reducer()
 
@@ -265,14 +268,18 @@ class DDPWrapper(nn.Module, Joinable):
         """(Re)creates the C++ reducer from this wrapper's settings (a collective when the
         ranks negotiate shared memory)."""
         shm_allreduce = self._shm_requested
+        python_hook = self._python_hook is not None
         self._reducer = C.Reducer(self._params, self._param_names, self._buckets, self.process_group,
                                   self.gradient_as_bucket_view, self.find_unused_parameters,
                                   self.static_graph, self.comm_dtype,
-                                  self._shm_wish(self._params, shm_allreduce), self._timeout_s(),
-                                  self._buffer_bytes(),
+                                  # a Python hook reduces through its own collectives
+                                  None if python_hook else self._shm_wish(self._params, shm_allreduce),
+                                  self._timeout_s(), self._buffer_bytes(),
                                   batch_copies=True if self.batched_grad_copy
                                   else _env_flag("FASTDDP_BATCH_GRAD_COPIES"),
-                                  single_rank_passthrough=_env_flag("FASTDDP_WORLD1_PASSTHROUGH") is not False)
+                                  single_rank_passthrough=_env_flag("FASTDDP_WORLD1_PASSTHROUGH") is not False,
+                                  comm_hook_state=self._python_hook[0] if python_hook else None,
+                                  comm_hook=self._python_hook[1] if python_hook else None)
         note = self._reducer.transport_note
         own_failure = note.startswith(("shm_open", "reserving", "segment", "mmap", "cannot"))
         if shm_allreduce is None and self._reducer.transport != "shm" and (
@@ -412,8 +419,10 @@ class DDPWrapper(nn.Module, Joinable):
             _, rebuild, n_active, buffers_from = self._join_agree(sync, rebuild, active=True)
             if work is not None:
                 work.wait()
-            if sync and not self._divide_by_initial_world_size and n_active < self.world_size:
-                # average over the ranks still training instead of the initial world size
+            if sync and not self._divide_by_initial_world_size and n_active < self.world_size \
+                    and self._python_hook is None:
+                # average over the ranks still training instead of the initial world size (a
+                # Python hook does its own division, as under torch DDP)
                 self._reducer.set_reduction_scale(self.world_size / n_active)
         if rebuild:
             self._rebuild_buckets(order or self._reducer.arrival_order())
@@ -459,11 +468,17 @@ class DDPWrapper(nn.Module, Joinable):
 
     # ------------------------------------------------------------------ communication hooks
     def register_comm_hook(self, state: object, hook: Callable) -> None:
-        """torch DDP's hook registration, for the hooks the C++ reducer implements itself:
-        ``default_hooks.allreduce_hook`` (what it does anyway), ``fp16_compress_hook`` and
-        ``bf16_compress_hook`` (the same as ``comm_dtype=torch.float16`` / ``torch.bfloat16``).
-        Like torch, only once and before the first backward. Other hooks (PowerSGD, custom
-        Python hooks) are refused with a message: this reducer runs no Python per bucket."""
+        """torch DDP's communication hook: ``hook(state, bucket) -> torch.futures.Future`` is
+        called for each full gradient bucket (a :class:`torch.distributed.GradBucket` holding
+        the local, undivided sum of the gradients) and the Future's value, the reduced flat
+        tensor, replaces the bucket: PowerSGD, custom compression, or any other hook written
+        for torch DDP. Like torch, only once and before the first backward; the hook runs in
+        every reduced backward, in a world of one too, and replaces the shared-memory transport.
+
+        torch's ``default_hooks.allreduce_hook`` (what the reducer does anyway),
+        ``fp16_compress_hook`` and ``bf16_compress_hook`` (the same as ``comm_dtype=
+        torch.float16`` / ``torch.bfloat16``) run in C++ instead of Python, with the
+        shared-memory transport kept."""
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
         known: dict[Callable, Optional[torch.dtype]] = {
@@ -472,22 +487,19 @@ class DDPWrapper(nn.Module, Joinable):
             default_hooks.bf16_compress_hook: torch.bfloat16,
         }
         name = getattr(hook, "__qualname__", repr(hook))
-        if hook not in known:
-            raise NotImplementedError(
-                f"DDPWrapper.register_comm_hook: {name} is not supported; the C++ reducer implements "
-                "allreduce_hook, fp16_compress_hook and bf16_compress_hook (from "
-                "torch.distributed.algorithms.ddp_comm_hooks.default_hooks). For compression pass "
-                "comm_dtype=torch.bfloat16 or torch.float16 to DDPWrapper; for other hooks use torch's "
-                "DistributedDataParallel.")
         if self._comm_hook is not None:
             raise RuntimeError("DDPWrapper.register_comm_hook can only be called once (as in torch DDP); "
-                               f"{self._comm_hook.__qualname__} is registered already.")
+                               f"{getattr(self._comm_hook, '__qualname__', self._comm_hook)} is registered "
+                               "already.")
         if self._reducer.arrival_order():
             raise RuntimeError("DDPWrapper.register_comm_hook must be called before the first backward "
                                "pass (as in torch DDP); register it right after wrapping the model.")
+        if not any(hook is k for k in known):
+            self._register_python_hook(state, hook, name)
+            return
         if state is not None and state is not self.process_group:
             raise ValueError("DDPWrapper.register_comm_hook: state must be None or this wrapper's process "
-                             "group (the default hooks reduce over the wrapper's group), got "
+                             f"group for {name} (the built-in hooks reduce over the wrapper's group), got "
                              f"{type(state).__name__}.")
         dtype = known[hook]
         if dtype is not None and self.comm_dtype not in (None, dtype):
@@ -498,6 +510,31 @@ class DDPWrapper(nn.Module, Joinable):
             self.comm_dtype = dtype
             self._buckets = [list(b) for b in self._reducer.bucket_indices()]
             self._build_reducer()  # every rank registers the hook, so this collective matches
+
+    def _register_python_hook(self, state: object, hook: Callable, name: str) -> None:
+        """A hook the reducer calls per bucket through torch's Python hook adapter."""
+        if not callable(hook):
+            raise TypeError(f"DDPWrapper.register_comm_hook: the hook must be callable as hook(state, bucket), "
+                            f"got {type(hook).__name__}.")
+        try:
+            inspect.signature(hook).bind(state, None)
+        except TypeError as exc:
+            raise TypeError(f"DDPWrapper.register_comm_hook: {name} must take two arguments, (state, bucket), "
+                            f"as torch DDP calls it: {exc}") from None
+        except ValueError:  # no signature to inspect (a builtin): let the call decide
+            pass
+        if self.comm_dtype is not None:
+            raise ValueError(f"DDPWrapper.register_comm_hook: {name} does its own reduction and cannot be "
+                             f"combined with comm_dtype={self.comm_dtype} given to the constructor; compress "
+                             "inside the hook (e.g. fp16_compress_wrapper) or drop comm_dtype.")
+        if self._shm_requested:
+            raise ValueError(f"DDPWrapper.register_comm_hook: {name} does its own reduction and cannot run on "
+                             "the shared-memory transport requested with shm_allreduce=True; pass "
+                             "shm_allreduce=None (the default).")
+        self._comm_hook = hook
+        self._python_hook = (state, hook)
+        self._buckets = [list(b) for b in self._reducer.bucket_indices()]
+        self._build_reducer()
 
     # ------------------------------------------------------------------ uneven inputs
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
@@ -614,6 +651,8 @@ class DDPWrapper(nn.Module, Joinable):
                 "transport": self._reducer.transport, "transport_note": self._reducer.transport_note,
                 "first_bucket_mb": FIRST_BUCKET_MB, "comm_dtype": str(self.comm_dtype),
                 "passthrough": self._reducer.passthrough, "batch_copies": self._reducer.batch_copies,
+                "comm_hook": None if self._comm_hook is None else getattr(self._comm_hook, "__qualname__",
+                                                                          repr(self._comm_hook)),
                 "buckets": buckets,
                 "param_to_bucket": {self._param_names[i]: b for b, idx in
                                     enumerate(self._reducer.bucket_indices()) for i in idx}}
