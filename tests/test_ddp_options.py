@@ -28,13 +28,17 @@ def _gathered(t: torch.Tensor) -> list[torch.Tensor]:
     return out
 
 
-def _offset_buffers(*models: nn.Module) -> None:
-    """Ranks start with different BatchNorm statistics (rank-dependent)."""
+def _conv_bn_apart() -> tuple[nn.Module, nn.Module]:
+    """Two equal conv+BatchNorm models whose BatchNorm statistics differ between ranks."""
+    torch.manual_seed(7)
+    a, b = _conv_bn(), _conv_bn()
+    b.load_state_dict(a.state_dict())
     with torch.no_grad():
-        for m in models:
-            for b in m.buffers():
-                if b.is_floating_point():
-                    b.add_(dist.get_rank() + 1.0)
+        for m in (a, b):
+            for buf in m.buffers():
+                if buf.is_floating_point():
+                    buf.add_(dist.get_rank() + 1.0)
+    return a, b
 
 
 def _options(rank: int, world_size: int) -> list[str]:
@@ -50,10 +54,7 @@ def _options(rank: int, world_size: int) -> list[str]:
     done.append("init_sync=False")
 
     # broadcast_buffers=False: buffers are neither synced at construction nor per forward
-    torch.manual_seed(7)
-    a, b = _conv_bn(), _conv_bn()
-    b.load_state_dict(a.state_dict())
-    _offset_buffers(a, b)
+    a, b = _conv_bn_apart()
     ours = fastddp.DDPWrapper(a, broadcast_buffers=False)
     ref = TorchDDP(b, broadcast_buffers=False)
     assert not torch.equal(*_gathered(ours.module[1].running_mean)[:2])
@@ -61,10 +62,7 @@ def _options(rank: int, world_size: int) -> list[str]:
     done.append("broadcast_buffers=False")
 
     # forward_sync_buffers=False (torch 2.13+): synced once at construction, then rank-local
-    torch.manual_seed(7)
-    a, b = _conv_bn(), _conv_bn()
-    b.load_state_dict(a.state_dict())
-    _offset_buffers(a, b)
+    a, b = _conv_bn_apart()
     ours = fastddp.DDPWrapper(a, forward_sync_buffers=False)
     assert ours.broadcast_buffers is False and ours.forward_sync_buffers is False
     means = _gathered(ours.module[1].running_mean)
