@@ -150,3 +150,47 @@ def test_per_bucket_caps() -> None:
     # per (device, dtype): each dtype's first bucket takes the first cap
     mixed = [torch.zeros(2**18), torch.zeros(2**19, dtype=torch.bfloat16), torch.zeros(2**18)]
     assert assign_buckets(mixed, 2, caps_mb=[1, 2]) == [[2], [1], [0]]
+
+
+def _copies(rank: int, world_size: int) -> list[str]:
+    import copy
+    import io
+
+    os.environ["FASTDDP_SHM_ALLREDUCE"] = "1"
+    image = lambda g: torch.randn(4, 3, 6, 6, generator=g)  # noqa: E731
+    done = []
+    ours, ref = _pair(_conv_bn, {})
+    _train(ours, ref, image, steps=2)
+    # deepcopy (e.g. an EMA model of the wrapped model): the copy is a working wrapper, trained
+    # step for step like torch DDP's own deepcopy
+    ours_c, ref_c = copy.deepcopy(ours), copy.deepcopy(ref)
+    assert isinstance(ours_c, fastddp.DDPWrapper) and ours_c.module is not ours.module
+    assert ours.transport == "shm" and ours_c.transport == "c10d"  # no set-up collective for a copy
+    _train(ours_c, ref_c, image, steps=2)
+    _train(ours, ref, image, steps=1)  # the original keeps working
+    done.append("deepcopy")
+    # torch.save(model) / torch.load(weights_only=False): the same
+    blobs = []
+    for m in (ours, ref):
+        buf = io.BytesIO()
+        torch.save(m, buf)
+        buf.seek(0)
+        blobs.append(torch.load(buf, weights_only=False))
+    _train(*blobs, image, steps=2)
+    done.append("pickle")
+    # a copy made on one rank only issues no collective (the other rank goes on to a barrier)
+    if rank == 0:
+        copy.deepcopy(ours).eval()
+    dist.barrier()
+    done.append("one-rank copy")
+    # a wrapper on another process group cannot be pickled (as with torch DDP): one clear error
+    sub = fastddp.DDPWrapper(_mlp(), process_group=dist.new_group(list(range(world_size))))
+    with pytest.raises(RuntimeError, match="supported only for a wrapper on the default process group"):
+        copy.deepcopy(sub)
+    done.append("subgroup refused")
+    return done
+
+
+def test_deepcopy_and_pickle_like_torch_ddp() -> None:
+    assert run_distributed(_copies, world_size=2, timeout=300) == [
+        ["deepcopy", "pickle", "one-rank copy", "subgroup refused"]] * 2

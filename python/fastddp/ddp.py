@@ -164,6 +164,9 @@ class DDPWrapper(nn.Module, Joinable):
     the batched copies described below). ``delay_all_reduce_named_params``,
     ``param_to_hook_all_reduce``, ``mixed_precision`` and ``skip_all_reduce_unused_params`` are
     refused with a message. ``comm_dtype`` and ``shm_allreduce`` are keyword-only.
+    ``copy.deepcopy(model)`` and ``torch.save(model)`` work as with torch DDP (default process
+    group only); the copy rebuilds its reducer without any collective, on the process group's
+    transport, so a copy made on one rank (an EMA model) cannot hang the others.
 
     ``static_graph=True`` behaves as in torch DDP: the first iteration reduces everything at the
     end of backward and records which parameters are used and how many times each one's
@@ -261,6 +264,7 @@ class DDPWrapper(nn.Module, Joinable):
         self._shm_requested = shm_allreduce
         self._comm_hook: Optional[Callable] = None
         self._python_hook: Optional[tuple[object, Callable]] = None  # (state, hook) run per bucket
+        self._is_copy = False  # made by deepcopy / unpickling (see __setstate__)
         self._divide_by_initial_world_size = True  # join()'s setting
         self._build_reducer()
 
@@ -272,8 +276,10 @@ class DDPWrapper(nn.Module, Joinable):
         self._reducer = C.Reducer(self._params, self._param_names, self._buckets, self.process_group,
                                   self.gradient_as_bucket_view, self.find_unused_parameters,
                                   self.static_graph, self.comm_dtype,
-                                  # a Python hook reduces through its own collectives
-                                  None if python_hook else self._shm_wish(self._params, shm_allreduce),
+                                  # a Python hook reduces through its own collectives; a copy
+                                  # (deepcopy / unpickled) does no set-up collective
+                                  None if python_hook or self._is_copy
+                                  else self._shm_wish(self._params, shm_allreduce),
                                   self._timeout_s(), self._buffer_bytes(),
                                   batch_copies=True if self.batched_grad_copy
                                   else _env_flag("FASTDDP_BATCH_GRAD_COPIES"),
@@ -403,6 +409,37 @@ class DDPWrapper(nn.Module, Joinable):
                            group=self.process_group)
             for t, synced in zip(group, _unflatten_dense_tensors(flat, group)):
                 t.copy_(synced)
+
+    # ------------------------------------------------------------------ pickling / deepcopy
+    def __getstate__(self) -> dict[str, Any]:
+        """``copy.deepcopy(model)`` and ``torch.save(model)`` as with torch DDP: everything but
+        the process group and the C++ reducer, which the copy rebuilds. Like torch, only for a
+        wrapper on the default process group."""
+        if self.process_group is not dist.group.WORLD and not (
+                dist.is_initialized() and self.process_group == dist.distributed_c10d._get_default_group()):
+            raise RuntimeError("DDPWrapper: pickling or deep-copying is supported only for a wrapper on the "
+                               "default process group (as with torch DDP); this one was built with "
+                               "process_group= or device_mesh=. Copy or save ddp.module (or its state_dict()) "
+                               "instead.")
+        state = dict(self.__dict__)
+        for name in ("process_group", "_reducer", "device_mesh"):
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("DDPWrapper: unpickling a wrapper needs the default process group; call "
+                               "torch.distributed.init_process_group(...) before torch.load / deepcopy.")
+        super().__setstate__(state)
+        self.process_group = dist.group.WORLD
+        self.device_mesh = None
+        self.world_size = dist.get_world_size()
+        self.rank = dist.get_rank()
+        # A copy is often made on one rank only (an EMA or evaluation model): its reducer must
+        # not negotiate shared memory, a collective the other ranks would never join.
+        self._shm_requested = None
+        self._is_copy = True
+        self._build_reducer()
 
     # ------------------------------------------------------------------ forward / no_sync
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
