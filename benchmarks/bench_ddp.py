@@ -46,15 +46,26 @@ MODELS = {"mlp_10M": (_big, lambda: torch.randn(32, (64 if SMOKE else 2048) // 2
           "small_200": (_small, lambda: torch.randn(64, 32))}
 
 
-def _bench(rank: int, world_size: int, name: str) -> dict:
+def _mean_hook(state, bucket):
+    """A user's Python communication hook: average the bucket with an async all-reduce."""
+    tensor = bucket.buffer().div_(dist.get_world_size())
+    return dist.all_reduce(tensor, async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+
+def _bench(rank: int, world_size: int, name: str, python_hook: bool = False) -> dict:
     torch.set_num_threads(1)
     factory, make_x = MODELS[name]
     torch.manual_seed(0)
-    # fastddp's default on co-located CPU ranks reduces through shared memory; "fastddp_c10d"
-    # is the same reducer on the gloo process group, as torch DDP uses it.
-    models = {"fastddp": fastddp.DDPWrapper(factory()), "torch": TorchDDP(factory()),
-              "fastddp_c10d": fastddp.DDPWrapper(factory(), shm_allreduce=False)}
-    assert models["fastddp"].transport == "shm" and models["fastddp_c10d"].transport == "c10d"
+    if python_hook:  # both wrappers call the same Python hook per bucket
+        models = {"fastddp": fastddp.DDPWrapper(factory()), "torch": TorchDDP(factory())}
+        for m in models.values():
+            m.register_comm_hook(None, _mean_hook)
+    else:
+        # fastddp's default on co-located CPU ranks reduces through shared memory;
+        # "fastddp_c10d" is the same reducer on the gloo process group, as torch DDP uses it.
+        models = {"fastddp": fastddp.DDPWrapper(factory()), "torch": TorchDDP(factory()),
+                  "fastddp_c10d": fastddp.DDPWrapper(factory(), shm_allreduce=False)}
+        assert models["fastddp"].transport == "shm" and models["fastddp_c10d"].transport == "c10d"
     opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in models.items()}
     x = make_x()
 
@@ -90,6 +101,18 @@ def test_ddp_step_time_cpu_world2(name: str) -> None:
               "command": "pytest benchmarks/bench_ddp.py -s"}
     print(json.dumps(result, indent=1))
     record("ddp", f"cpu-gloo-w2-{name}", result)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_ddp_python_comm_hook_cpu_world2(name: str) -> None:
+    res = run_distributed(_bench, world_size=2, args=(name, True), timeout=900)[0]
+    result = {"model": name, "params": res["params"], "tensors": res["tensors"], "world_size": 2,
+              "backend": "gloo", "hook": "python all-reduce mean (same on both)",
+              "fastddp_step_ms": res["fastddp"] * 1e3, "torch_step_ms": res["torch"] * 1e3,
+              "time_ratio": res["fastddp"] / res["torch"],
+              "command": "pytest benchmarks/bench_ddp.py -s -k python_comm_hook"}
+    print(json.dumps(result, indent=1))
+    record("ddp", f"cpu-gloo-w2-pyhook-{name}", result)
 
 
 def _bench_join(rank: int, world_size: int, name: str) -> dict:

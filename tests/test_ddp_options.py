@@ -194,3 +194,79 @@ def _copies(rank: int, world_size: int) -> list[str]:
 def test_deepcopy_and_pickle_like_torch_ddp() -> None:
     assert run_distributed(_copies, world_size=2, timeout=300) == [
         ["deepcopy", "pickle", "one-rank copy", "subgroup refused"]] * 2
+
+
+class _LocalHead(nn.Module):
+    """A shared body and a rank-local head (its parameters and BatchNorm statistics ignored)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU())
+        self.head = nn.Sequential(nn.Linear(16, 4), nn.BatchNorm1d(4))
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+def _ignored(rank: int, world_size: int) -> list[str]:
+    os.environ["FASTDDP_SHM_ALLREDUCE"] = "1"
+    ignore = ["head.0.weight", "head.0.bias", "head.1.running_mean", "head.1.running_var", "body.1.running_var"]
+    torch.manual_seed(3)
+    a, b = _LocalHead(), _LocalHead()
+    b.load_state_dict(a.state_dict())
+    with torch.no_grad():  # every rank starts apart, parameters and buffers
+        for m in (a, b):
+            for t in list(m.parameters()) + [t for t in m.buffers() if t.is_floating_point()]:
+                t.add_(0.1 * (rank + 1))
+    fastddp.DDPWrapper._set_params_and_buffers_to_ignore_for_model(a, ignore)
+    TorchDDP._set_params_and_buffers_to_ignore_for_model(b, ignore)
+    ours, ref = fastddp.DDPWrapper(a), TorchDDP(b)
+    assert ours.will_sync_module_buffers() == ref.will_sync_module_buffers() is True
+    reduced = {n for indices in ours._reducer.bucket_indices() for n in (ours._param_names[i] for i in indices)}
+    assert reduced == {n for n, _ in a.named_parameters()} - set(ignore)
+    _train(ours, ref, _vec, steps=3)  # every parameter, gradient and buffer equals torch's
+    ours.eval()
+    with torch.no_grad():  # broadcasts the synced buffers; eval mode leaves them as they are
+        ours(torch.randn(2, 8))
+    state = ours.module.state_dict()
+    for name in state:  # the ignored entries stayed rank-local, the others are equal
+        gathered = _gathered(state[name].float())
+        assert torch.equal(gathered[0], gathered[1]) == (name not in ignore), name
+    return ["ignored"]
+
+
+def test_params_and_buffers_to_ignore_like_torch_ddp() -> None:
+    assert run_distributed(_ignored, world_size=2) == [["ignored"]] * 2
+
+
+def _private_api(rank: int, world_size: int) -> list[str]:
+    from .test_ddp import _SharedCheckpointed
+
+    os.environ["FASTDDP_SHM_ALLREDUCE"] = "1"
+    done = []
+    # _set_static_graph() after construction: reentrant checkpointing reaches `shared` twice,
+    # which only static_graph accepts
+    ours, ref = _pair(_SharedCheckpointed, {"bucket_cap_mb": 0.0005})
+    for m in (ours, ref):
+        m._set_static_graph()
+    assert ours.static_graph and ours.transport == "shm"
+    _train(ours, ref, _vec, steps=3)
+    with pytest.warns(UserWarning, match="static_graph is True already"):
+        ours._set_static_graph()
+    late = fastddp.DDPWrapper(_mlp())
+    late(torch.randn(2, 8)).sum().backward()
+    with pytest.raises(RuntimeError, match="before the first backward"):
+        late._set_static_graph()
+    done.append("_set_static_graph")
+    # _register_builtin_comm_hook(FP16_COMPRESS) is comm_dtype=torch.float16, as torch's C++ hook
+    ours, ref = _pair(_mlp, {})
+    for m in (ours, ref):
+        m._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)
+    assert ours.comm_dtype == torch.float16
+    _train(ours, ref, _vec, steps=2, tol={"rtol": 5e-3, "atol": 5e-4})  # fp16: 2**-11 per value
+    done.append("_register_builtin_comm_hook")
+    return done
+
+
+def test_private_torch_ddp_api_used_by_libraries() -> None:
+    assert run_distributed(_private_api, world_size=2) == [["_set_static_graph", "_register_builtin_comm_hook"]] * 2

@@ -90,7 +90,7 @@ class GradScaler(torch.amp.GradScaler):
         key = (id(optimizer), id(ddp))
         if key not in self._ddp_checked:
             ours = {id(p) for g in optimizer.param_groups for p in g["params"] if p.requires_grad}
-            theirs = {id(p) for p in ddp.module.parameters() if p.requires_grad}
+            theirs = {id(p) for p in ddp._params}  # the reduced ones (not the ignored)
             if ours != theirs:
                 raise ValueError("GradScaler.step(ddp=...): the optimizer must hold exactly the "
                                  "DDPWrapper's trainable parameters; pass grads=... or no ddp for "

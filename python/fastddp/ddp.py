@@ -164,6 +164,9 @@ class DDPWrapper(nn.Module, Joinable):
     the batched copies described below). ``delay_all_reduce_named_params``,
     ``param_to_hook_all_reduce``, ``mixed_precision`` and ``skip_all_reduce_unused_params`` are
     refused with a message. ``comm_dtype`` and ``shm_allreduce`` are keyword-only.
+    Parameters and buffers named by torch DDP's ``_set_params_and_buffers_to_ignore_for_model``
+    stay rank-local (neither reduced nor broadcast); ``_set_static_graph()``,
+    ``_register_builtin_comm_hook`` and ``will_sync_module_buffers()`` behave as torch DDP's.
     ``copy.deepcopy(model)`` and ``torch.save(model)`` work as with torch DDP (default process
     group only); the copy rebuilds its reducer without any collective, on the process group's
     transport, so a copy made on one rank (an EMA model) cannot hang the others.
@@ -245,7 +248,11 @@ class DDPWrapper(nn.Module, Joinable):
         self.world_size = dist.get_world_size(self.process_group)
         self.rank = dist.get_rank(self.process_group)
 
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        # torch DDP's hook for parameters and buffers that stay rank-local (set with
+        # DistributedDataParallel._set_params_and_buffers_to_ignore_for_model or by hand)
+        self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        named = [(n, p) for n, p in module.named_parameters()
+                 if p.requires_grad and n not in self.parameters_to_ignore]
         if not named:
             raise RuntimeError("DDPWrapper: the module has no parameter that requires a gradient")
         self._check_devices(named, device_ids)
@@ -256,7 +263,7 @@ class DDPWrapper(nn.Module, Joinable):
         self._param_names = [n for n, _ in named]
         params = [p for _, p in named]
         self._params = params
-        self._module_buffers = list(module.buffers())  # broadcast from rank 0 before each forward
+        self._module_buffers = self._synced_buffers()  # broadcast from rank 0 before each forward
         self._buckets_rebuilt = False
         self._bucket_caps_mb = caps
         self._buckets = assign_buckets(params, bucket_cap_mb, caps_mb=caps)
@@ -325,8 +332,28 @@ class DDPWrapper(nn.Module, Joinable):
         """The module's buffers now: a forward may have replaced one (``self.avg = self.avg *
         0.9 + ...`` rebinds the name to a new tensor), and the broadcast must reach the tensor
         the module uses, as torch DDP re-reads them before each broadcast."""
-        self._module_buffers = list(self.module.buffers())
+        self._module_buffers = self._synced_buffers()
         return self._module_buffers
+
+    def _synced_params(self) -> list[torch.Tensor]:
+        """The module's parameters that are kept equal across ranks (all but the ignored)."""
+        return [p.data for n, p in self.module.named_parameters() if n not in self.parameters_to_ignore]
+
+    def _synced_buffers(self) -> list[torch.Tensor]:
+        """The module's buffers that are broadcast from rank 0 (all but the ignored)."""
+        return [b for n, b in self.module.named_buffers() if n not in self.parameters_to_ignore]
+
+    @staticmethod
+    def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, params_and_buffers_to_ignore: Any) -> None:
+        """torch DDP's (private, widely used) switch: the named parameters and buffers of
+        ``module`` (fully qualified names) are neither reduced nor broadcast; call it before
+        wrapping. Works for both wrappers, as both read the same attribute."""
+        module._ddp_params_and_buffers_to_ignore = params_and_buffers_to_ignore
+
+    def will_sync_module_buffers(self) -> bool:
+        """Whether forwards sync the module's buffers (torch DDP's rule: buffer sync on and
+        buffers to sync; a world of one then has nothing to send)."""
+        return self.broadcast_buffers and bool(self._module_buffers)
 
     def _timeout_s(self) -> float:
         """The process group's timeout (a shared-memory wait for a live peer gives up after it)."""
@@ -394,7 +421,7 @@ class DDPWrapper(nn.Module, Joinable):
         """Broadcast parameters (and buffers) from rank 0 (one collective per dtype/device)."""
         if self.world_size == 1:
             return
-        tensors = [p.data for p in self.module.parameters()] + (list(self.module.buffers()) if buffers else [])
+        tensors = self._synced_params() + (self._synced_buffers() if buffers else [])
         self._broadcast_coalesced(tensors)
 
     def _broadcast_coalesced(self, tensors: list[torch.Tensor], src: int = 0) -> None:
@@ -548,6 +575,32 @@ class DDPWrapper(nn.Module, Joinable):
             self._buckets = [list(b) for b in self._reducer.bucket_indices()]
             self._build_reducer()  # every rank registers the hook, so this collective matches
 
+    def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
+        """torch DDP's C++ built-in hooks (``dist.BuiltinCommHookType``): ``ALLREDUCE`` is what
+        the reducer does anyway, ``FP16_COMPRESS`` is ``comm_dtype=torch.float16``."""
+        kind = getattr(comm_hook_type, "name", str(comm_hook_type))
+        hooks = {"ALLREDUCE": "allreduce_hook", "FP16_COMPRESS": "fp16_compress_hook"}
+        if kind not in hooks:
+            raise ValueError(f"DDPWrapper._register_builtin_comm_hook: unknown hook type {comm_hook_type!r}; "
+                             "expected dist.BuiltinCommHookType.ALLREDUCE or FP16_COMPRESS.")
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        self.register_comm_hook(None, getattr(default_hooks, hooks[kind]))
+
+    def _set_static_graph(self) -> None:
+        """torch DDP's late switch to ``static_graph=True`` (prefer the constructor argument):
+        after construction, before the first backward, on every rank."""
+        if self.static_graph:
+            warnings.warn("DDPWrapper._set_static_graph: static_graph is True already; nothing to do.",
+                          stacklevel=2)
+            return
+        if self._reducer.arrival_order():
+            raise RuntimeError("DDPWrapper._set_static_graph() must be called before the first backward pass "
+                               "(as in torch DDP); better, pass static_graph=True to the constructor.")
+        self.static_graph = True
+        self._buckets = [list(b) for b in self._reducer.bucket_indices()]
+        self._build_reducer()
+
     def _register_python_hook(self, state: object, hook: Callable, name: str) -> None:
         """A hook the reducer calls per bucket through torch's Python hook adapter."""
         if not callable(hook):
@@ -625,9 +678,9 @@ class DDPWrapper(nn.Module, Joinable):
                              device=self.join_device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.process_group)
         with torch.no_grad():
-            tensors = [p.data for p in self.module.parameters()]
+            tensors = self._synced_params()
             if self.broadcast_buffers:
-                tensors += list(self.module.buffers())
+                tensors += self._synced_buffers()
             self._broadcast_coalesced(tensors, src=int(flags.item()))
         # The protocol's extra collectives stop with the block, on every rank alike.
         self._join_config = _JoinConfig.construct_disabled_join_config()
