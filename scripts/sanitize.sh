@@ -31,7 +31,8 @@ else
 fi
 status=0
 PYTHONPATH=python "$PY" -m pytest tests/test_sampler.py tests/test_loader.py tests/test_amp.py \
-  tests/test_ddp.py tests/test_ddp_join.py tests/test_ddp_hooks.py tests/test_shm_allreduce.py \
+  tests/test_ddp.py tests/test_ddp_join.py tests/test_ddp_hooks.py tests/test_ddp_options.py \
+  tests/test_shm_allreduce.py \
   -q -p no:cacheprovider "$@" || status=$?
 echo "sanitize.sh ($mode): rebuild the normal extension with scripts/dev_build.sh before other tests"
 exit $status

@@ -270,3 +270,42 @@ def _private_api(rank: int, world_size: int) -> list[str]:
 
 def test_private_torch_ddp_api_used_by_libraries() -> None:
     assert run_distributed(_private_api, world_size=2) == [["_set_static_graph", "_register_builtin_comm_hook"]] * 2
+
+
+def test_inputs_are_moved_like_torch_ddp_moves_them() -> None:
+    """forward's input move for device_ids (checked here with the meta device; the CUDA test
+    below runs it end to end): tensors inside containers move, the containers keep their kinds."""
+    from collections import OrderedDict, namedtuple
+
+    from fastddp.ddp import _to_device
+
+    Pair = namedtuple("Pair", "x y")
+    meta = torch.device("meta")
+    args = (torch.ones(2), [torch.ones(1), "tag", 3], {"k": Pair(torch.ones(3), None)},
+            OrderedDict(a=torch.ones(1)), (), [])
+    moved = _to_device(args, meta)
+    assert isinstance(moved, tuple) and len(moved) == len(args)
+    assert moved[0].is_meta and moved[1][0].is_meta and moved[1][1:] == ["tag", 3]
+    assert isinstance(moved[2]["k"], Pair) and moved[2]["k"].x.is_meta and moved[2]["k"].y is None
+    assert type(moved[3]) is OrderedDict and moved[3]["a"].is_meta
+    assert moved[4] == () and moved[5] == []
+    on_device = torch.empty(1, device="meta")
+    assert _to_device(on_device, meta) is on_device  # nothing to move: the same tensor
+
+
+@pytest.mark.cuda
+def test_cpu_inputs_reach_a_cuda_module_like_torch_ddp() -> None:
+    from .test_ddp import _nccl_world_one
+
+    with _nccl_world_one():
+        torch.manual_seed(0)
+        a, b = _mlp().cuda(), _mlp().cuda()
+        b.load_state_dict(a.state_dict())
+        ours, ref = fastddp.DDPWrapper(a, device_ids=[0]), TorchDDP(b, device_ids=[0])
+        x = torch.randn(6, 8).pin_memory()
+        for m in (ours, ref):
+            out = m(x)  # a CPU batch: both wrappers move it to cuda:0
+            assert out.device == torch.device("cuda", 0)
+            out.pow(2).mean().backward()
+        for p, q in zip(ours.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad)

@@ -8,6 +8,8 @@ namespace py = pybind11;
 
 namespace {
 
+// Every method that takes the reducer's mutex releases the GIL first: with a Python comm hook
+// the end of backward waits, holding the mutex, for Futures whose callbacks need the GIL.
 void bind_reducer(py::module_& m) {
   py::class_<fastddp::reducer::Reducer, std::shared_ptr<fastddp::reducer::Reducer>>(
       m, "Reducer", "Bucketed gradient all-reduce overlapped with backward (DDPWrapper's core).")
@@ -60,29 +62,34 @@ void bind_reducer(py::module_& m) {
            py::call_guard<py::gil_scoped_release>())
       .def("bucket_buffers", &fastddp::reducer::Reducer::bucket_buffers, "The flat gradient buffers.")
       .def("set_reduction_scale", &fastddp::reducer::Reducer::set_reduction_scale, py::arg("scale"),
-           "Multiply the next reduction's result by scale (join with divide_by_initial_world_size=False).")
+           "Multiply the next reduction's result by scale (join with divide_by_initial_world_size=False).",
+           py::call_guard<py::gil_scoped_release>())
       .def("shadow_reduction", &fastddp::reducer::Reducer::shadow_reduction,
            "join(): issue one reduced backward's collectives with zero gradients.",
            py::call_guard<py::gil_scoped_release>())
       .def("set_grad_stats", &fastddp::reducer::Reducer::set_grad_stats, py::arg("enabled"),
-           "Accumulate the buckets' sum of squares as each all-reduce completes (for GradScaler).")
+           "Accumulate the buckets' sum of squares as each all-reduce completes (for GradScaler).",
+           py::call_guard<py::gil_scoped_release>())
       .def("take_grad_stats",
            [](fastddp::reducer::Reducer& r) -> std::optional<at::Tensor> {
              auto t = r.take_grad_stats();
              if (!t.defined()) return std::nullopt;
              return t;
            },
-           "The float64[1] sum of squares of the last reduced backward, once; None if not fresh.")
+           "The float64[1] sum of squares of the last reduced backward, once; None if not fresh.",
+           py::call_guard<py::gil_scoped_release>())
       .def("arrival_order", &fastddp::reducer::Reducer::arrival_order,
-           "Gradient arrival order (parameter indices) of the first reduced backward.")
+           "Gradient arrival order (parameter indices) of the first reduced backward.",
+           py::call_guard<py::gil_scoped_release>())
       .def("rebuild_buckets", &fastddp::reducer::Reducer::rebuild_buckets, py::arg("buckets"),
            "Replace the buckets; existing gradients move into the new buffers.",
            py::call_guard<py::gil_scoped_release>())
       .def("bucket_indices", &fastddp::reducer::Reducer::bucket_indices, "Parameter indices of each bucket.")
       .def("bucket_shm", &fastddp::reducer::Reducer::bucket_shm,
-           "Per bucket: True when it is reduced through shared memory.")
+           "Per bucket: True when it is reduced through shared memory.", py::call_guard<py::gil_scoped_release>())
       .def("bucket_allreduce_ms", &fastddp::reducer::Reducer::bucket_allreduce_ms,
-           "Per bucket: milliseconds from launch to completion in the last reduced backward (-1: none yet).");
+           "Per bucket: milliseconds from launch to completion in the last reduced backward (-1: none yet).",
+           py::call_guard<py::gil_scoped_release>());
 }
 
 }  // namespace

@@ -72,6 +72,25 @@ def assign_buckets(params: list[torch.Tensor], bucket_cap_mb: float,
     return buckets
 
 
+def _to_device(obj: Any, device: torch.device) -> Any:
+    """``obj`` with its tensors on ``device``, as torch DDP's forward moves the inputs of a
+    module wrapped with ``device_ids``: tensors (and packed sequences) inside tuples, named
+    tuples, lists and dicts; anything else as it is. Copies from pinned memory do not block."""
+    if isinstance(obj, torch.Tensor):
+        return obj if obj.device == device else obj.to(device, non_blocking=True)
+    if isinstance(obj, nn.utils.rnn.PackedSequence):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a named tuple keeps its type
+        return type(obj)(*(_to_device(o, device) for o in obj))
+    if isinstance(obj, tuple):
+        return tuple(_to_device(o, device) for o in obj)
+    if isinstance(obj, list):
+        return [_to_device(o, device) for o in obj]
+    if isinstance(obj, dict):
+        return type(obj)((k, _to_device(v, device)) for k, v in obj.items())
+    return obj
+
+
 def _refuse_unsupported(delay_all_reduce_named_params: Any, param_to_hook_all_reduce: Any,
                         mixed_precision: Any, skip_all_reduce_unused_params: bool) -> None:
     """torch DDP constructor options the C++ reducer does not implement: one clear error each,
@@ -154,8 +173,10 @@ class DDPWrapper(nn.Module, Joinable):
     forward issues two small extra collectives (torch DDP's protocol does the same) and
     buffers are broadcast from the highest rank still training.
 
-    ``output_device``, ``dim`` and ``check_reduction`` are accepted for compatibility and have
-    no effect (one device per process, as torch DDP recommends). torch DDP's newer options work
+    With ``device_ids``, forward moves input tensors (inside tuples, lists, dicts and named
+    tuples) to that device, as torch DDP does. ``output_device``, ``dim`` and
+    ``check_reduction`` are accepted for compatibility and have no effect (one device per
+    process, as torch DDP recommends). torch DDP's newer options work
     as there: ``init_sync=False`` (no verification or broadcast at construction),
     ``forward_sync_buffers`` (2.13+'s name for ``broadcast_buffers``; given, buffers are still
     synced at construction; ``broadcast_buffers=False`` skips that too), ``device_mesh`` (1-D,
@@ -253,6 +274,7 @@ class DDPWrapper(nn.Module, Joinable):
         self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
         named = [(n, p) for n, p in module.named_parameters()
                  if p.requires_grad and n not in self.parameters_to_ignore]
+        self._input_device: Optional[torch.device] = None  # set from device_ids
         if not named:
             raise RuntimeError("DDPWrapper: the module has no parameter that requires a gradient")
         self._check_devices(named, device_ids)
@@ -374,6 +396,7 @@ class DDPWrapper(nn.Module, Joinable):
                 raise ValueError(f"DDPWrapper: device_ids={device_ids} but parameter {wrong[0]!r} is on "
                                  f"{dict(named)[wrong[0]].device}; move the module with "
                                  f"module.to({str(want)!r}) before wrapping it")
+            self._input_device = want  # forward moves the inputs there, as torch DDP's does
         elif len(devices) > 1 and any(d.type == "cuda" for d in devices):
             raise ValueError(f"DDPWrapper: module spans devices {sorted(map(str, devices))}; "
                              "multi-device modules need device_ids=None and are not supported")
@@ -470,6 +493,8 @@ class DDPWrapper(nn.Module, Joinable):
 
     # ------------------------------------------------------------------ forward / no_sync
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if self._input_device is not None:
+            inputs, kwargs = _to_device(inputs, self._input_device), _to_device(kwargs, self._input_device)
         grad_enabled = torch.is_grad_enabled()
         order: list[int] = []
         if grad_enabled and not self._buckets_rebuilt and self.require_backward_grad_sync \
