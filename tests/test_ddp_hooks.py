@@ -141,6 +141,34 @@ def test_python_hooks_match_torch_ddp(hook: str, world_size: int, bucket_cap_mb:
     assert len(set(calls)) == 1 and calls[0] >= 6
 
 
+def _python_hook_unused(rank: int, world_size: int) -> str:
+    """A Python hook with find_unused_parameters (a branch used on some ranks and steps, a
+    layer never used) and no_sync accumulation: the same as torch DDP with the same hook."""
+    from .test_ddp import BranchNet, _pair
+
+    os.environ["FASTDDP_SHM_ALLREDUCE"] = "1"
+    ours, ref = _pair(BranchNet, {"find_unused_parameters": True, "bucket_cap_mb": 0.001})
+    for m in (ours, ref):
+        m.register_comm_hook(None, _mean_hook)
+    _train(ours, ref, _vec, steps=4, forward=lambda m, x, step: m(x, use_extra=(step + rank) % 2 == 0))
+    assert ours.module.never.weight.grad is None
+    g = torch.Generator().manual_seed(rank)
+    for micro in range(3):  # two micro-batches under no_sync, the third reduces the sum
+        x = _vec(g)
+        for m in (ours, ref):
+            with m.no_sync() if micro < 2 else torch.enable_grad():
+                m(x, use_extra=micro == 0).pow(2).mean().backward()
+    for p, q in zip(ours.parameters(), ref.parameters()):
+        assert (p.grad is None) == (q.grad is None)
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad)
+    return "ok"
+
+
+def test_python_hook_with_unused_parameters_and_no_sync() -> None:
+    assert run_distributed(_python_hook_unused, world_size=2) == ["ok", "ok"]
+
+
 def _bad_size_hook(state, bucket):
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(bucket.buffer()[:1].clone())
