@@ -309,3 +309,15 @@ def test_cpu_inputs_reach_a_cuda_module_like_torch_ddp() -> None:
             out.pow(2).mean().backward()
         for p, q in zip(ours.parameters(), ref.parameters()):
             torch.testing.assert_close(p.grad, q.grad)
+
+
+def _legacy_methods(rank: int, world_size: int) -> str:
+    ours, ref = fastddp.DDPWrapper(_mlp()), TorchDDP(_mlp())
+    x, y = torch.ones(2), torch.zeros(3)
+    mine, theirs = ours.to_kwargs((x, [y]), {"k": y}, 0), ref.to_kwargs((x, [y]), {"k": y}, 0)
+    assert repr(mine) == repr(theirs), (mine, theirs)  # same structure, types and values
+    return "ok"
+
+
+def test_to_kwargs_like_torch_ddp() -> None:
+    assert run_distributed(_legacy_methods, world_size=1) == ["ok"]

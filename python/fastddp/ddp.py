@@ -372,6 +372,24 @@ class DDPWrapper(nn.Module, Joinable):
         wrapping. Works for both wrappers, as both read the same attribute."""
         module._ddp_params_and_buffers_to_ignore = params_and_buffers_to_ignore
 
+    def to_kwargs(self, inputs: tuple, kwargs: Optional[dict], device_id: int) -> tuple[tuple, tuple]:
+        """torch DDP's (kept for compatibility) input move: ``((inputs,), (kwargs,))`` with their
+        tensors on device ``device_id`` of the parameters' device type."""
+        device = torch.device(self._params[0].device.type, device_id)
+        return (_to_device(tuple(inputs), device),), (_to_device(dict(kwargs or {}), device),)
+
+    def scatter(self, inputs: tuple, kwargs: Optional[dict], device_ids: list[int]) -> tuple[tuple, tuple]:
+        """torch DDP's (kept for compatibility) scatter of inputs over ``device_ids`` along ``dim``."""
+        from torch.nn.parallel.scatter_gather import scatter_kwargs
+
+        return scatter_kwargs(inputs, kwargs, device_ids, dim=self.dim)
+
+    def gather(self, outputs: Any, output_device: int | torch.device) -> Any:
+        """torch DDP's (kept for compatibility) gather of outputs on ``output_device`` along ``dim``."""
+        from torch.nn.parallel.scatter_gather import gather
+
+        return gather(outputs, output_device, dim=self.dim)
+
     def will_sync_module_buffers(self) -> bool:
         """Whether forwards sync the module's buffers (torch DDP's rule: buffer sync on and
         buffers to sync; a world of one then has nothing to send)."""
