@@ -321,3 +321,38 @@ def _legacy_methods(rank: int, world_size: int) -> str:
 
 def test_to_kwargs_like_torch_ddp() -> None:
     assert run_distributed(_legacy_methods, world_size=1) == ["ok"]
+
+
+def _dcp_state(rank: int, world_size: int) -> str:
+    """torch.distributed.checkpoint's get_state_dict strips torch DDP's ``module.`` prefix by
+    type; given ``ddp.module`` it yields, for DDPWrapper, exactly what torch DDP gets."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    ours, ref = _pair(_mlp, {})
+    opt_a = torch.optim.SGD(ours.parameters(), lr=0.1, momentum=0.9)
+    opt_b = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(2):
+        x = _vec(g)
+        for m, o in ((ours, opt_a), (ref, opt_b)):
+            o.zero_grad()
+            m(x).pow(2).mean().backward()
+            o.step()
+    mine, theirs = get_state_dict(ours.module, opt_a), get_state_dict(ref, opt_b)
+    assert list(mine[0]) == list(theirs[0]) and list(mine[1]["state"]) == list(theirs[1]["state"])
+    for k in mine[0]:
+        torch.testing.assert_close(mine[0][k], theirs[0][k])
+    for k in mine[1]["state"]:
+        torch.testing.assert_close(mine[1]["state"][k], theirs[1]["state"][k])
+    # and a torch DDP state loads into the DDPWrapper's module
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.zero_()
+    set_state_dict(ours.module, opt_a, model_state_dict=theirs[0], optim_state_dict=theirs[1])
+    for p, q in zip(ours.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q)
+    return "ok"
+
+
+def test_distributed_checkpoint_state_via_module() -> None:
+    assert run_distributed(_dcp_state, world_size=2) == ["ok", "ok"]

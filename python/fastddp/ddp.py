@@ -188,6 +188,8 @@ class DDPWrapper(nn.Module, Joinable):
     Parameters and buffers named by torch DDP's ``_set_params_and_buffers_to_ignore_for_model``
     stay rank-local (neither reduced nor broadcast); ``_set_static_graph()``,
     ``_register_builtin_comm_hook`` and ``will_sync_module_buffers()`` behave as torch DDP's.
+    ``torch.distributed.checkpoint.state_dict.get_state_dict`` drops torch DDP's ``module.``
+    prefix by the wrapper's type: pass ``model.module`` to get the same keys as torch DDP.
     ``copy.deepcopy(model)`` and ``torch.save(model)`` work as with torch DDP (default process
     group only); the copy rebuilds its reducer without any collective, on the process group's
     transport, so a copy made on one rank (an EMA model) cannot hang the others.
