@@ -169,6 +169,24 @@ def test_python_hook_with_unused_parameters_and_no_sync() -> None:
     assert run_distributed(_python_hook_unused, world_size=2) == ["ok", "ok"]
 
 
+def _python_hook_static(rank: int, world_size: int) -> str:
+    """static_graph with reentrant checkpointing (the first iteration hands every bucket to
+    the hook at the end of backward, later ones as the buckets fill): torch DDP's results."""
+    from .test_ddp import _pair, _SharedCheckpointed
+
+    os.environ["FASTDDP_SHM_ALLREDUCE"] = "1"
+    ours, ref = _pair(_SharedCheckpointed, {"static_graph": True, "bucket_cap_mb": 0.0005})
+    for m in (ours, ref):
+        m.register_comm_hook(None, _mean_hook)
+    _train(ours, ref, _vec, steps=4)
+    assert ours.module.never.weight.grad is None
+    return "ok"
+
+
+def test_python_hook_with_static_graph() -> None:
+    assert run_distributed(_python_hook_static, world_size=2) == ["ok", "ok"]
+
+
 def _bad_size_hook(state, bucket):
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(bucket.buffer()[:1].clone())
