@@ -133,13 +133,19 @@ def _refused(rank: int, world_size: int) -> list[str]:
     with pytest.raises(ValueError, match="bucket_cap_mb_list entry must be > 0"):
         fastddp.DDPWrapper(lin, bucket_cap_mb_list=[1, 0])
     seen.append("bad caps")
+    lazy = nn.Sequential(nn.LazyLinear(4), nn.ReLU(), nn.Linear(4, 2))
+    with pytest.raises(RuntimeError, match=r"parameter '0\.weight' is not initialised yet.*run one forward pass"):
+        fastddp.DDPWrapper(lazy)
+    lazy(torch.randn(2, 3))  # initialised: now it wraps
+    fastddp.DDPWrapper(lazy)
+    seen.append("lazy")
     return seen
 
 
 def test_unsupported_options_are_refused_clearly() -> None:
     assert run_distributed(_refused, world_size=1) == [
         ["delay_all_reduce_named_params", "param_to_hook_all_reduce", "mixed_precision",
-         "skip_all_reduce_unused_params", "2-D mesh", "bad caps"]]
+         "skip_all_reduce_unused_params", "2-D mesh", "bad caps", "lazy"]]
 
 
 def test_per_bucket_caps() -> None:

@@ -271,6 +271,10 @@ class DDPWrapper(nn.Module, Joinable):
         self.world_size = dist.get_world_size(self.process_group)
         self.rank = dist.get_rank(self.process_group)
 
+        lazy = [n for n, p in module.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
+        if lazy:
+            raise RuntimeError(f"DDPWrapper: parameter {lazy[0]!r} is not initialised yet (a lazy module such as "
+                               "nn.LazyLinear); run one forward pass with a sample batch before wrapping the model.")
         # torch DDP's hook for parameters and buffers that stay rank-local (set with
         # DistributedDataParallel._set_params_and_buffers_to_ignore_for_model or by hand)
         self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
