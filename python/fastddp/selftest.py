@@ -11,6 +11,8 @@ import os
 import sys
 from datetime import timedelta
 
+from ._net import finish_collectives
+
 
 def _checks() -> list[tuple[str, bool | None, str]]:
     import torch
@@ -53,6 +55,7 @@ def _checks() -> list[tuple[str, bool | None, str]]:
         ok = bool(torch.all(t == expected))
         rows.append((f"all-reduce ({backend}, {world} rank(s))", ok,
                      f"got {t[0].item():g}, expected {expected:g}"))
+        finish_collectives()  # no collective left for a gloo thread to free at exit
         dist.destroy_process_group()
     except Exception as exc:
         rows.append((f"all-reduce ({backend}, {world} rank(s))", False, str(exc).splitlines()[0]))

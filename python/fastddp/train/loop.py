@@ -25,7 +25,7 @@ from torch.utils.data import TensorDataset
 
 import fastddp
 
-from .._net import free_port
+from .._net import finish_collectives, free_port
 from . import checkpoint, signals
 from .cli import UsageError
 from .graph import GraphedStep, hold_lr
@@ -234,6 +234,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 raise
             with sigterm.shielded():
                 saver.close()  # what was saved is on disk before the process ends
+            if ctx.distributed:
+                finish_collectives()  # no collective left for a gloo thread to free at exit
             return result
         finally:
             if ctx.distributed and dist.is_initialized():
