@@ -91,6 +91,11 @@ def _to_device(obj: Any, device: torch.device) -> Any:
     return obj
 
 
+def _hook_name(hook: Any) -> str:
+    """How messages and bucket_report() name a communication hook."""
+    return getattr(hook, "__qualname__", repr(hook))
+
+
 def _refuse_unsupported(delay_all_reduce_named_params: Any, param_to_hook_all_reduce: Any,
                         mixed_precision: Any, skip_all_reduce_unused_params: bool) -> None:
     """torch DDP constructor options the C++ reducer does not implement: one clear error each,
@@ -336,6 +341,13 @@ class DDPWrapper(nn.Module, Joinable):
                                f"memory: {self._reducer.transport_note}. Pass shm_allreduce=None to fall "
                                "back to the process group's backend.")
 
+    def _replace_reducer(self) -> None:
+        """A new reducer for changed settings (hook, comm_dtype, static_graph), before the first
+        backward, on the current buckets. Every rank makes the same call, so the set-up
+        collective of a new reducer matches."""
+        self._buckets = [list(b) for b in self._reducer.bucket_indices()]
+        self._build_reducer()
+
     def _shm_wish(self, params: list[torch.Tensor], requested: Optional[bool]) -> Optional[bool]:
         """None: no shared-memory handshake (one process, or not a CPU model). Otherwise this
         rank's wish, agreed with the other ranks' in the handshake."""
@@ -489,8 +501,7 @@ class DDPWrapper(nn.Module, Joinable):
         """``copy.deepcopy(model)`` and ``torch.save(model)`` as with torch DDP: everything but
         the process group and the C++ reducer, which the copy rebuilds. Like torch, only for a
         wrapper on the default process group."""
-        if self.process_group is not dist.group.WORLD and not (
-                dist.is_initialized() and self.process_group == dist.distributed_c10d._get_default_group()):
+        if not dist.is_initialized() or self.process_group is not dist.group.WORLD:
             raise RuntimeError("DDPWrapper: pickling or deep-copying is supported only for a wrapper on the "
                                "default process group (as with torch DDP); this one was built with "
                                "process_group= or device_mesh=. Copy or save ddp.module (or its state_dict()) "
@@ -599,11 +610,10 @@ class DDPWrapper(nn.Module, Joinable):
             default_hooks.fp16_compress_hook: torch.float16,
             default_hooks.bf16_compress_hook: torch.bfloat16,
         }
-        name = getattr(hook, "__qualname__", repr(hook))
+        name = _hook_name(hook)
         if self._comm_hook is not None:
             raise RuntimeError("DDPWrapper.register_comm_hook can only be called once (as in torch DDP); "
-                               f"{getattr(self._comm_hook, '__qualname__', self._comm_hook)} is registered "
-                               "already.")
+                               f"{_hook_name(self._comm_hook)} is registered already.")
         if self._reducer.arrival_order():
             raise RuntimeError("DDPWrapper.register_comm_hook must be called before the first backward "
                                "pass (as in torch DDP); register it right after wrapping the model.")
@@ -621,8 +631,7 @@ class DDPWrapper(nn.Module, Joinable):
         self._comm_hook = hook
         if dtype is not None and dtype != self.comm_dtype:
             self.comm_dtype = dtype
-            self._buckets = [list(b) for b in self._reducer.bucket_indices()]
-            self._build_reducer()  # every rank registers the hook, so this collective matches
+            self._replace_reducer()
 
     def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
         """torch DDP's C++ built-in hooks (``dist.BuiltinCommHookType``): ``ALLREDUCE`` is what
@@ -647,8 +656,7 @@ class DDPWrapper(nn.Module, Joinable):
             raise RuntimeError("DDPWrapper._set_static_graph() must be called before the first backward pass "
                                "(as in torch DDP); better, pass static_graph=True to the constructor.")
         self.static_graph = True
-        self._buckets = [list(b) for b in self._reducer.bucket_indices()]
-        self._build_reducer()
+        self._replace_reducer()
 
     def _register_python_hook(self, state: object, hook: Callable, name: str) -> None:
         """A hook the reducer calls per bucket through torch's Python hook adapter."""
@@ -672,8 +680,7 @@ class DDPWrapper(nn.Module, Joinable):
                              "shm_allreduce=None (the default).")
         self._comm_hook = hook
         self._python_hook = (state, hook)
-        self._buckets = [list(b) for b in self._reducer.bucket_indices()]
-        self._build_reducer()
+        self._replace_reducer()
 
     # ------------------------------------------------------------------ uneven inputs
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
@@ -790,8 +797,7 @@ class DDPWrapper(nn.Module, Joinable):
                 "transport": self._reducer.transport, "transport_note": self._reducer.transport_note,
                 "first_bucket_mb": FIRST_BUCKET_MB, "comm_dtype": str(self.comm_dtype),
                 "passthrough": self._reducer.passthrough, "batch_copies": self._reducer.batch_copies,
-                "comm_hook": None if self._comm_hook is None else getattr(self._comm_hook, "__qualname__",
-                                                                          repr(self._comm_hook)),
+                "comm_hook": None if self._comm_hook is None else _hook_name(self._comm_hook),
                 "buckets": buckets,
                 "param_to_bucket": {self._param_names[i]: b for b, idx in
                                     enumerate(self._reducer.bucket_indices()) for i in idx}}
