@@ -338,6 +338,31 @@ def _errors(rank: int, world_size: int) -> list[str]:
     except RuntimeError as exc:
         assert "parameter 'table' got a gradient of layout Sparse" in str(exc), exc
         seen.append("sparse grad")
+    # a parameter frozen after wrapping: named as such, with both ways out
+    model = fastddp.DDPWrapper(_mlp())
+    model.module[0].weight.requires_grad_(False)
+    try:
+        model(torch.randn(2, 8)).sum().backward()
+    except RuntimeError as exc:
+        assert "now have requires_grad=False but required grad when the wrapper was built: 0.weight" in str(exc), exc
+        assert "Freeze parameters before wrapping" in str(exc) and "find_unused_parameters=True" in str(exc), exc
+        seen.append("frozen after wrapping")
+    # find_unused_parameters=True already on, and a backward that skips a parameter the forward
+    # reached (a gradient penalty alone): the message says so instead of suggesting the flag
+    model = fastddp.DDPWrapper(_mlp(), find_unused_parameters=True)
+    out = model(torch.randn(2, 8)).sum()
+    grads = torch.autograd.grad(out, list(model.parameters()), create_graph=True)
+    try:
+        sum(g.pow(2).sum() for g in grads).backward()  # the last bias's gradient is constant
+    except RuntimeError as exc:
+        assert "received no gradient in this backward pass: 4.bias" in str(exc), exc
+        assert "find_unused_parameters=True is on" in str(exc) and "gradient penalty" in str(exc), exc
+        seen.append("skipped with find_unused")
+    # the wrapper is usable after each of those errors
+    for p in model.parameters():
+        p.grad = None
+    model(torch.randn(2, 8)).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
     return seen
 
 
@@ -352,7 +377,8 @@ class _SparseLookup(nn.Module):
 
 def test_errors_are_clear() -> None:
     assert run_distributed(_errors, world_size=2) == [
-        ["unused", "mismatch", "count", "device", "sparse module", "sparse grad"]] * 2
+        ["unused", "mismatch", "count", "device", "sparse module", "sparse grad", "frozen after wrapping",
+         "skipped with find_unused"]] * 2
 
 
 def test_needs_process_group() -> None:
@@ -693,3 +719,45 @@ def test_buffers_replaced_in_forward_are_broadcast(transport: str) -> None:
     """Rank 0's current buffers reach the tensors the module uses now, as with torch DDP
     (the wrapper used to broadcast into the tensors it saw at construction)."""
     assert run_distributed(_reassigned, world_size=2, args=(transport,)) == [transport] * 2
+
+
+class _Layouts(nn.Module):
+    """Parameters whose gradients autograd lays out other than row-major: channels_last conv
+    weights and a transposed (dense, non-contiguous) matrix; plus an empty parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.conv2 = nn.Conv2d(8, 4, 3)
+        self.t = nn.Parameter(torch.randn(4, 8).t())
+        self.empty = nn.Parameter(torch.zeros(0))
+        self.head = nn.Linear(4, 3)
+        self.to(memory_format=torch.channels_last)
+
+    def forward(self, x):
+        h = self.conv2(torch.relu(self.conv(x))).mean((2, 3))  # (n, 4)
+        return self.head(h @ self.t.t() @ self.t) + self.empty.sum()
+
+
+def _layouts(rank: int, world_size: int, transport: str) -> list[str]:
+    os.environ["FASTDDP_SHM_ALLREDUCE"] = "1" if transport == "shm" else "0"
+    done = []
+    image = lambda g: torch.randn(2, 3, 6, 6, generator=g).to(memory_format=torch.channels_last)  # noqa: E731
+    for as_view in (True, False):
+        for set_to_none in (True, False):
+            ours, ref = _pair(_Layouts, {"bucket_cap_mb": 0.001}, {"gradient_as_bucket_view": as_view})
+            assert ours.module.conv.weight.stride() != ours.module.conv.weight.contiguous().stride()
+            _train(ours, ref, image, set_to_none=set_to_none)
+            for (name, p), q in zip(ours.module.named_parameters(), ref.module.parameters()):
+                # autograd's layout contract, as torch DDP keeps it: .grad strides follow the parameter's
+                assert p.grad.stride() == q.grad.stride() == p.stride(), (name, p.grad.stride(), q.grad.stride())
+            done.append(f"view={as_view} set_to_none={set_to_none}")
+    return done
+
+
+@pytest.mark.parametrize("transport", ["shm", "c10d"])
+def test_gradient_layout_follows_the_parameter_like_torch_ddp(transport: str) -> None:
+    """channels_last and transposed parameters get gradients with their own strides (the bucket
+    views take them), equal to torch DDP's in value and layout, with either gradient layout."""
+    assert run_distributed(_layouts, world_size=2, args=(transport,)) == [
+        [f"view={v} set_to_none={s}" for v in (True, False) for s in (True, False)]] * 2

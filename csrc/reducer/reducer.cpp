@@ -153,12 +153,18 @@ void Reducer::install_buckets_locked(const std::vector<std::vector<int64_t>>& bu
   buckets_ = std::move(buckets);
   param_bucket_ = std::move(param_bucket);
   param_slot_ = std::move(param_slot);
-  // Each parameter's view is made once per bucket layout, not per gradient.
+  // Each parameter's view is made once per bucket layout, not per gradient. A dense parameter's
+  // view takes the parameter's strides (a channels_last weight gets a channels_last gradient),
+  // as autograd's gradient layout contract and torch DDP do; any other parameter gets a
+  // row-major view, which is also what autograd gives it.
   views_.clear();
   for (int64_t i = 0; i < n; ++i) {
     const auto& bucket = buckets_[param_bucket_[i]];
     const auto& p = params_[i];
-    views_.push_back(bucket.buffer.narrow(0, bucket.offsets[param_slot_[i]], p.numel()).view(p.sizes()));
+    const int64_t offset = bucket.offsets[param_slot_[i]];
+    views_.push_back(p.is_non_overlapping_and_dense()
+                         ? bucket.buffer.as_strided(p.sizes(), p.strides(), bucket.buffer.storage_offset() + offset)
+                         : bucket.buffer.narrow(0, offset, p.numel()).view(p.sizes()));
   }
 
   if (gradient_as_bucket_view_ && !passthrough_) {
@@ -332,9 +338,11 @@ void Reducer::copy_grad_to_bucket_locked(int64_t index) {
       // Copy into the bucket and divide by the world size in the same pass.
       if (divide) {
         at::mul_out(view, grad, inv_world_tensor_);
-      } else if (grad.device().is_cpu() && grad.layout() == at::kStrided && grad.is_contiguous() &&
-                 grad.scalar_type() == view.scalar_type() && grad.numel() == view.numel()) {
-        // Small CPU gradients: a plain memcpy costs a fraction of copy_'s dispatch.
+      } else if (grad.device().is_cpu() && grad.layout() == at::kStrided && grad.is_non_overlapping_and_dense() &&
+                 grad.scalar_type() == view.scalar_type() && grad.sizes() == view.sizes() &&
+                 grad.strides() == view.strides() && view.is_non_overlapping_and_dense()) {
+        // Small CPU gradients laid out as their bucket view (dense, same strides, so the same
+        // bytes in the same order): a plain memcpy costs a fraction of copy_'s dispatch.
         std::memcpy(view.data_ptr(), grad.data_ptr(), static_cast<size_t>(grad.numel()) * grad.element_size());
       } else {
         view.copy_(grad);
@@ -521,15 +529,28 @@ void Reducer::finalize_backward() {
   }
   std::string missing;
   int64_t missing_count = 0;
+  std::string frozen;  // parameters whose requires_grad was turned off after wrapping
   for (int64_t i = 0; i < static_cast<int64_t>(params_.size()); ++i) {
     if (!ready_[i]) {
       if (missing_count++ < 20) missing += (missing.empty() ? "" : ", ") + names_[i];
+      if (!params_[i].requires_grad()) frozen += (frozen.empty() ? "" : ", ") + names_[i];
     }
   }
   TORCH_CHECK(missing_count == 0, "DDPWrapper: ", missing_count, " parameter(s) received no gradient in this "
-              "backward pass: ", missing, (missing_count > 20 ? ", ..." : ""), ". Their reduction cannot finish. "
-              "If some parameters are legitimately unused in some iterations, pass find_unused_parameters=True; "
-              "also make sure every forward output that depends on parameters takes part in the loss.");
+              "backward pass: ", missing, (missing_count > 20 ? ", ..." : ""), ". Their reduction cannot finish. ",
+              (!frozen.empty()
+                   ? "These now have requires_grad=False but required grad when the wrapper was built: " + frozen +
+                         ". Freeze parameters before wrapping the model (or wrap it again after changing them), "
+                         "or pass find_unused_parameters=True."
+                   : find_unused_
+                   ? std::string("find_unused_parameters=True is on, so the forward's outputs reach these "
+                                 "parameters but this backward did not: make sure the loss uses every forward "
+                                 "output that depends on parameters (a backward through gradients taken with "
+                                 "torch.autograd.grad(create_graph=True), e.g. a gradient penalty, can skip "
+                                 "some; add the forward's loss to it).")
+                   : std::string("If some parameters are legitimately unused in some iterations, pass "
+                                 "find_unused_parameters=True; also make sure every forward output that depends "
+                                 "on parameters takes part in the loss.")));
   launch_ready_buckets_locked();
   if (passthrough_) {
     // The gradients are autograd's own and a world of one sums nothing: no bucket to wait
