@@ -20,6 +20,31 @@ def _model(device: str, seed: int = 0) -> nn.Module:
                          nn.Linear(32, 4)).to(device)
 
 
+class _Image(nn.Module):
+    def forward(self, x):
+        return x.view(-1, 1, 4, 4).contiguous(memory_format=torch.channels_last)
+
+
+class _Pool(nn.Module):
+    def forward(self, x):
+        return torch.relu(x).mean((2, 3))
+
+
+def _transposed_linear(i: int, o: int) -> nn.Linear:
+    lin = nn.Linear(i, o)
+    lin.weight = nn.Parameter(lin.weight.detach().t().contiguous().t())  # dense, strides (1, o)
+    return lin
+
+
+def _layout_model(device: str, seed: int = 0) -> nn.Module:
+    """Gradients in dense but not row-major layouts: channels_last conv weights (``[2]``, where
+    the inf/NaN injection lands) and a transposed matrix."""
+    torch.manual_seed(seed)
+    m = nn.Sequential(_Image(), nn.Conv2d(1, 8, 3, padding=1), nn.Conv2d(8, 4, 3, padding=1), _Pool(),
+                      _transposed_linear(4, 32), nn.ReLU(), nn.Linear(32, 4))
+    return m.to(device=device, memory_format=torch.channels_last)
+
+
 def _optim(kind: str, params, device: str):
     if kind == "adamw":
         return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=False)
@@ -28,8 +53,8 @@ def _optim(kind: str, params, device: str):
     return torch.optim.SGD(params, lr=0.05, momentum=0.9)
 
 
-def _run(device: str, opt_kind: str, clip: float | None, explicit_unscale: bool):
-    ours_m, ref_m = _model(device), _model(device)
+def _run(device: str, opt_kind: str, clip: float | None, explicit_unscale: bool, factory=_model):
+    ours_m, ref_m = factory(device), factory(device)
     ours_o, ref_o = _optim(opt_kind, ours_m.parameters(), device), _optim(opt_kind, ref_m.parameters(), device)
     kw = {"init_scale": 2.0**10, "growth_interval": 3}
     ours_s, ref_s = fastddp.GradScaler(device, **kw), torch.amp.GradScaler(device, **kw)
@@ -75,6 +100,24 @@ def test_matches_torch_scaler(device, opt_kind, clip) -> None:
 @pytest.mark.parametrize("device", devices())
 def test_explicit_unscale_then_step(device) -> None:
     _run(device, "adamw", 0.5, explicit_unscale=True)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("opt_kind", ["adamw", "sgd"])
+def test_channels_last_and_transposed_gradients(device, opt_kind) -> None:
+    """Dense gradients in any layout are unscaled, checked and clipped in place like torch's
+    scaler does them (they were refused as "not contiguous")."""
+    m = _layout_model(device)
+    assert not m[2].weight.is_contiguous() and not m[4].weight.is_contiguous()
+    _run(device, opt_kind, 0.5, explicit_unscale=False, factory=_layout_model)
+    _run(device, opt_kind, None, explicit_unscale=True, factory=_layout_model)
+
+
+def test_gradient_with_gaps_is_refused_clearly() -> None:
+    m, o, s = _one_step_setup()
+    m[0].weight.grad = torch.zeros(32, 32)[:, ::2]  # right shape, strides (32, 2): gaps
+    with pytest.raises(ValueError, match=r"strides \(32, 2\), which leave gaps or overlap; set a dense gradient"):
+        s.step(o)
 
 
 def test_state_dict_round_trips_with_torch() -> None:
@@ -207,10 +250,11 @@ def test_fused_step_makes_no_host_sync() -> None:
 
 
 def _ddp_scaler_parity(rank: int, world_size: int, fused: bool, via: str = "ddp",
-                       python_hook: bool = False) -> tuple[int, bool]:
+                       python_hook: bool = False, layouts: bool = False) -> tuple[int, bool]:
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-    ours_m, ref_m = _model("cpu"), _model("cpu")
+    factory = _layout_model if layouts else _model
+    ours_m, ref_m = factory("cpu"), factory("cpu")
     ours = fastddp.DDPWrapper(ours_m, bucket_cap_mb=0.002)
     ref = TorchDDP(ref_m)
     if python_hook:  # the statistics are then taken after the hook's result is in the bucket
@@ -270,6 +314,16 @@ def test_with_ddp_wrapper_and_a_python_comm_hook(world_size) -> None:
     # a hook turns the passthrough of a world of one off: the buckets and their stats are used
     used = run_distributed(_ddp_scaler_parity, world_size=world_size, args=(False, "ddp", True))
     assert used == [(5, False)] * world_size
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_with_ddp_wrapper_and_channels_last_gradients(world_size) -> None:
+    """DDPWrapper's gradients keep channels_last/transposed layouts (views of the buckets, or
+    autograd's own in a world of one) and the scaler takes them like torch's scaler does."""
+    from .distributed import run_distributed
+
+    used = run_distributed(_ddp_scaler_parity, world_size=world_size, args=(False, "ddp", False, True))
+    assert [hits for hits, _ in used] == [0 if passthrough else 5 for _, passthrough in used]
 
 
 @pytest.mark.parametrize("world_size", [1, 2])

@@ -21,7 +21,10 @@ void check_grads(const std::vector<at::Tensor>& grads, const c10::Device& device
     const auto& g = grads[i];
     TORCH_CHECK(g.device() == device, op, ": gradient ", i, " is on ", g.device(), " but the others are on ",
                 device, "; all gradients handled in one call must share a device");
-    TORCH_CHECK(g.is_contiguous(), op, ": gradient ", i, " must be contiguous (strides ", g.strides(), ")");
+    // Every kernel here is elementwise (or a sum), so any dense layout is one span of numel()
+    // elements starting at data_ptr(): channels_last and transposed gradients need no copy.
+    TORCH_CHECK(g.is_non_overlapping_and_dense(), op, ": gradient ", i, " of shape ", g.sizes(), " has strides ",
+                g.strides(), ", which leave gaps or overlap; give it a dense layout (.contiguous())");
     TORCH_CHECK(at::isFloatingType(g.scalar_type()), op, ": gradient ", i, " has dtype ", g.scalar_type(),
                 "; expected a floating type");
   }

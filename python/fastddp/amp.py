@@ -14,6 +14,19 @@ from ._ext import C
 CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s epsilon
 
 
+def _is_dense(t: torch.Tensor) -> bool:
+    """True when ``t``'s elements fill one gap-free span of memory in some dimension order
+    (row-major, channels_last, transposed, ...): what the C++ kernels take in place."""
+    if t.is_contiguous() or t.numel() == 0:
+        return True
+    expected = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 class GradScaler(torch.amp.GradScaler):
     """Drop-in for :class:`torch.amp.GradScaler` (same constructor, calls and ``state_dict``).
 
@@ -61,9 +74,12 @@ class GradScaler(torch.amp.GradScaler):
             if g.is_sparse:
                 raise TypeError("fastddp.GradScaler does not handle sparse gradients; use "
                                 "torch.amp.GradScaler for models with sparse embeddings")
-            if not g.is_contiguous():
-                raise ValueError(f"fastddp.GradScaler: a gradient of shape {tuple(g.shape)} is not "
-                                 "contiguous; make it contiguous or use torch.amp.GradScaler")
+            if not _is_dense(g):
+                # Any dense layout (row-major, channels_last, transposed) is one span of memory
+                # and handled in place; autograd never makes a gradient with gaps or overlaps.
+                raise ValueError(f"fastddp.GradScaler: a gradient of shape {tuple(g.shape)} has "
+                                 f"strides {g.stride()}, which leave gaps or overlap; set a dense "
+                                 "gradient (p.grad = g.contiguous()) or use torch.amp.GradScaler")
             out.append(g)
         devices = {g.device for g in out}
         if len(devices) > 1:
