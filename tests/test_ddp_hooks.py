@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, post_localSGD_hook, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import fastddp
@@ -95,6 +95,12 @@ PYTHON_HOOKS = {
     "fp16_powersgd": (lambda: powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1,
                                                           start_powerSGD_iter=2),
                       default_hooks.fp16_compress_wrapper(powerSGD_hook.powerSGD_hook)),
+    # local SGD from step 2 on: each rank then averages within a subgroup of one, i.e. not at
+    # all, so the ranks' models part ways exactly as under torch DDP (the hook counts steps by
+    # bucket.is_last())
+    "post_localsgd": (lambda: post_localSGD_hook.PostLocalSGDState(
+        process_group=None, subgroup=dist.new_subgroups(group_size=1)[0], start_localSGD_iter=2),
+        post_localSGD_hook.post_localSGD_hook),
 }
 
 
@@ -135,7 +141,8 @@ def _python_hook_parity(rank: int, world_size: int, hook: str, bucket_cap_mb: fl
 
 @pytest.mark.parametrize(("hook", "world_size", "bucket_cap_mb"),
                          [("mean", 2, 25), ("mean", 3, 0.001), ("halve", 1, 25), ("halve", 2, 0.001),
-                          ("powersgd", 2, 25), ("powersgd", 3, 25), ("fp16_powersgd", 2, 25)])
+                          ("powersgd", 2, 25), ("powersgd", 3, 25), ("fp16_powersgd", 2, 25),
+                          ("post_localsgd", 2, 0.001), ("post_localsgd", 3, 25)])
 def test_python_hooks_match_torch_ddp(hook: str, world_size: int, bucket_cap_mb: float) -> None:
     calls = run_distributed(_python_hook_parity, world_size=world_size, args=(hook, bucket_cap_mb), timeout=240)
     assert len(set(calls)) == 1 and calls[0] >= 6
