@@ -8,7 +8,11 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, post_localSGD_hook, powerSGD_hook
+from torch.distributed.algorithms.ddp_comm_hooks import (
+    default_hooks,
+    post_localSGD_hook,
+    powerSGD_hook,
+)
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import fastddp
