@@ -723,7 +723,8 @@ def test_buffers_replaced_in_forward_are_broadcast(transport: str) -> None:
 
 class _Layouts(nn.Module):
     """Parameters whose gradients autograd lays out other than row-major: channels_last conv
-    weights and a transposed (dense, non-contiguous) matrix; plus an empty parameter."""
+    weights and a transposed (dense, non-contiguous) matrix; plus an empty parameter and an
+    empty buffer (no copy may touch their null data pointers)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -731,6 +732,7 @@ class _Layouts(nn.Module):
         self.conv2 = nn.Conv2d(8, 4, 3)
         self.t = nn.Parameter(torch.randn(4, 8).t())
         self.empty = nn.Parameter(torch.zeros(0))
+        self.register_buffer("empty_buffer", torch.zeros(0))  # broadcast before each forward
         self.head = nn.Linear(4, 3)
         self.to(memory_format=torch.channels_last)
 

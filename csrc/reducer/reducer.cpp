@@ -338,6 +338,8 @@ void Reducer::copy_grad_to_bucket_locked(int64_t index) {
       // Copy into the bucket and divide by the world size in the same pass.
       if (divide) {
         at::mul_out(view, grad, inv_world_tensor_);
+      } else if (grad.numel() == 0) {
+        // Nothing to copy (and an empty tensor's data pointer may be null, which memcpy rejects).
       } else if (grad.device().is_cpu() && grad.layout() == at::kStrided && grad.is_non_overlapping_and_dense() &&
                  grad.scalar_type() == view.scalar_type() && grad.sizes() == view.sizes() &&
                  grad.strides() == view.strides() && view.is_non_overlapping_and_dense()) {

@@ -514,6 +514,7 @@ void ShmAllreduce::execute_broadcast(const Task& task) {
     last_broadcast_seq_ = task.seq;
     for (const auto& t : task.broadcast) {
       const int64_t n = t.numel() * static_cast<int64_t>(t.element_size());
+      if (n == 0) continue;  // an empty buffer's data pointer may be null
       if (t.is_contiguous()) {
         std::memcpy(region + pos, t.data_ptr(), static_cast<size_t>(n));
       } else {
@@ -527,6 +528,7 @@ void ShmAllreduce::execute_broadcast(const Task& task) {
   wait_for(0, kReady, task.seq);
   for (const auto& t : task.broadcast) {
     const int64_t n = t.numel() * static_cast<int64_t>(t.element_size());
+    if (n == 0) continue;
     if (t.is_contiguous()) {
       std::memcpy(t.data_ptr(), region + pos, static_cast<size_t>(n));
     } else {
