@@ -271,11 +271,20 @@ def _private_api(rank: int, world_size: int) -> list[str]:
     assert ours.comm_dtype == torch.float16
     _train(ours, ref, _vec, steps=2, tol={"rtol": 5e-3, "atol": 5e-4})  # fp16: 2**-11 per value
     done.append("_register_builtin_comm_hook")
+    # the descriptive attributes code written for torch DDP reads
+    for kwargs in ({}, {"bucket_cap_mb": 0.5}):
+        ours, ref = _pair(_mlp, kwargs)
+        for name in ("bucket_bytes_cap", "is_multi_device_module", "device_type", "device", "mixed_precision",
+                     "require_backward_grad_sync", "static_graph", "find_unused_parameters", "dim",
+                     "broadcast_buffers", "device_ids", "output_device"):
+            assert getattr(ours, name) == getattr(ref, name), (name, getattr(ours, name), getattr(ref, name))
+    done.append("attributes")
     return done
 
 
 def test_private_torch_ddp_api_used_by_libraries() -> None:
-    assert run_distributed(_private_api, world_size=2) == [["_set_static_graph", "_register_builtin_comm_hook"]] * 2
+    assert run_distributed(_private_api, world_size=2) == [
+        ["_set_static_graph", "_register_builtin_comm_hook", "attributes"]] * 2
 
 
 def test_inputs_are_moved_like_torch_ddp_moves_them() -> None:
