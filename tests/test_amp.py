@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import os
+import pickle
 
 import pytest
 import torch
@@ -349,3 +351,50 @@ def test_grads_from_bucket_buffers(world_size) -> None:
 
     used = run_distributed(_ddp_scaler_parity, world_size=world_size, args=(True, "grads"))
     assert [hits for hits, _ in used] == [0] * world_size
+
+
+def _gan_like(scaler_cls) -> tuple[list, list[torch.Tensor]]:
+    """Two optimizers sharing one scaler (a GAN's pattern): the critic's step clips after an
+    explicit unscale_, the generator's does not; an inf in the critic's loss at step 3 and a
+    NaN in the generator's at step 5 each skip their own step and back the shared scale off."""
+    torch.manual_seed(0)
+    gen_m, critic = nn.Linear(8, 8), nn.Linear(8, 1)
+    opt_g = torch.optim.Adam(gen_m.parameters(), lr=1e-2)
+    opt_c = torch.optim.SGD(critic.parameters(), lr=1e-2, momentum=0.9)
+    scaler = scaler_cls("cpu", init_scale=2.0**8, growth_interval=2)
+    seen: list = []
+    g = torch.Generator().manual_seed(1)
+    for step in range(8):
+        x = torch.randn(4, 8, generator=g)
+        opt_c.zero_grad()
+        opt_g.zero_grad()
+        scaler.scale(critic(gen_m(x).detach()).mean() * (float("inf") if step == 3 else 1.0)).backward()
+        scaler.unscale_(opt_c)
+        seen.append(float(nn.utils.clip_grad_norm_(critic.parameters(), 0.1)))
+        scaler.step(opt_c)
+        scaler.scale(-critic(gen_m(x)).mean() * (float("nan") if step == 5 else 1.0)).backward()
+        scaler.step(opt_g)
+        scaler.update()
+        seen.append(scaler.get_scale())
+    # the rest of torch's scaler API on the same object
+    seen.append(copy.deepcopy(scaler).get_scale())
+    seen.append(pickle.loads(pickle.dumps(scaler)).state_dict() == scaler.state_dict())
+    scaler.set_growth_factor(3.0)
+    scaler.set_backoff_factor(0.25)
+    scaler.set_growth_interval(5)
+    seen += [scaler.get_growth_factor(), scaler.get_backoff_factor(), scaler.get_growth_interval()]
+    scaler.update(new_scale=128.0)
+    seen.append(scaler.get_scale())
+    scaler.update(new_scale=torch.tensor(64.0))
+    seen.append(scaler.get_scale())
+    return seen, [p.detach().clone() for p in list(gen_m.parameters()) + list(critic.parameters())]
+
+
+def test_two_optimizers_share_one_scaler_like_torch() -> None:
+    ours, ours_params = _gan_like(fastddp.GradScaler)
+    ref, ref_params = _gan_like(torch.amp.GradScaler)
+    assert [x for x in ours if x == x] == [x for x in ref if x == x]  # the NaN norm at step 5 aside
+    scales = ref[1:16:2]  # after each of the 8 steps
+    assert any(b < a for a, b in zip(scales, scales[1:])) and any(b > a for a, b in zip(scales, scales[1:]))
+    for a, b in zip(ours_params, ref_params):
+        torch.testing.assert_close(a, b)
