@@ -100,17 +100,69 @@ def test_any_sampler_order(make_sampler) -> None:
 
 
 def test_shuffle_without_sampler_changes_per_epoch() -> None:
+    """As DataLoader(shuffle=True), every pass has a new order, with or without set_epoch;
+    set_epoch(e) pins the order of the next pass to the permutation of seed + e."""
     x, y = _data()
     loader = fastddp.PrefetchLoader({"x": x, "y": y}, batch_size=100, shuffle=True, seed=3)
-    first = torch.cat([b["y"].clone() for b in loader])
-    again = torch.cat([b["y"].clone() for b in loader])
-    loader.set_epoch(1)
-    second = torch.cat([b["y"].clone() for b in loader])
-    assert torch.equal(first, again)
+
+    def one_pass() -> torch.Tensor:
+        return torch.cat([b["y"].clone() for b in loader])
+
+    def perm(epoch: int) -> torch.Tensor:
+        return y[torch.randperm(N, generator=torch.Generator().manual_seed(3 + epoch))]
+
+    first, second, third = one_pass(), one_pass(), one_pass()
+    assert torch.equal(first, perm(0)) and torch.equal(second, perm(1)) and torch.equal(third, perm(2))
+    assert loader.epoch == 2 and not torch.equal(first, second)
     assert torch.equal(torch.sort(first).values, torch.sort(y).values)
-    assert not torch.equal(first, second)
-    perm = torch.randperm(N, generator=torch.Generator().manual_seed(3))
-    assert torch.equal(first, y[perm])
+    loader.set_epoch(1)
+    assert torch.equal(one_pass(), perm(1))
+    assert torch.equal(one_pass(), perm(2))  # and on from there
+    loader.set_epoch(5)  # an explicit epoch every pass, as a training loop does: that epoch each time
+    assert torch.equal(one_pass(), perm(5))
+    loader.set_epoch(5)
+    assert torch.equal(one_pass(), perm(5))
+
+
+@pytest.mark.parametrize("kind", ["tensors", "generic"])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_shuffle_with_a_generator_is_dataloaders_order(kind: str, drop_last: bool) -> None:
+    """shuffle=True with generator=g: pass for pass the batches of DataLoader(shuffle=True,
+    generator=g) from an equal generator, which ends each pass in the same state."""
+    x, y = _data()
+    ds = TensorDataset(x, y) if kind == "tensors" else _MapDataset(x, y)
+    ours_g, ref_g = torch.Generator().manual_seed(11), torch.Generator().manual_seed(11)
+    ours = fastddp.PrefetchLoader(ds, batch_size=64, shuffle=True, generator=ours_g, drop_last=drop_last)
+    ref = torch.utils.data.DataLoader(ds, batch_size=64, shuffle=True, generator=ref_g, drop_last=drop_last)
+    assert ours.transfer == ("host" if kind == "tensors" else "generic")
+    orders = []
+    for _ in range(3):
+        got, want = [b.clone() for _, b in ours], [b for _, b in ref]
+        assert len(got) == len(want) == len(ours) == len(ref)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+        assert torch.equal(ours_g.get_state(), ref_g.get_state())
+        orders.append(torch.cat(got))
+    assert not torch.equal(orders[0], orders[1])
+
+
+def test_mid_epoch_resume_with_a_generator() -> None:
+    x, y = _data()
+    g = torch.Generator().manual_seed(4)
+    loader = fastddp.PrefetchLoader(TensorDataset(x, y), batch_size=50, shuffle=True, generator=g)
+    list(loader)  # a first pass moves the generator on
+    it = iter(loader)
+    head = [next(it)[1].clone() for _ in range(3)]
+    state = loader.state_dict()
+    rest = [b.clone() for _, b in it]
+    resumed = fastddp.PrefetchLoader(TensorDataset(x, y), batch_size=50, shuffle=True,
+                                     generator=torch.Generator().manual_seed(999))
+    resumed.load_state_dict(state)
+    tail = [b.clone() for _, b in resumed]
+    assert len(tail) == len(rest) and all(torch.equal(a, b) for a, b in zip(tail, rest))
+    assert len(head) + len(tail) == len(loader)
+    with pytest.raises(ValueError, match="saved from a loader with a generator; pass generator="):
+        fastddp.PrefetchLoader(TensorDataset(x, y), batch_size=50, shuffle=True).load_state_dict(state)
 
 
 def test_mid_epoch_resume() -> None:
@@ -282,7 +334,6 @@ def test_dataloader_arguments_keep_working() -> None:
 
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"worker_init_fn": print}, "worker_init_fn=.* is not supported \\(the workers are threads"),
-    ({"generator": torch.Generator()}, "generator=.* pass seed=... instead"),
     ({"timeout": 5}, "timeout=5 is not supported"),
     ({"batch_sampler": [[0, 1]]}, "batch_sampler=.* pass sampler= and batch_size="),
     ({"prefetch_factor": 2, "prefetch": 4}, "not both"),

@@ -21,11 +21,10 @@ _FAST_KINDS = ("tensors", "npy")
 def _check_dataloader_only(**given: Any) -> None:
     """DataLoader arguments that have no meaning for C++ gather threads in this process: only
     their DataLoader defaults are accepted, anything else is one clear error."""
-    defaults = {"worker_init_fn": None, "multiprocessing_context": None, "generator": None,
+    defaults = {"worker_init_fn": None, "multiprocessing_context": None,
                 "timeout": 0, "batch_sampler": None}
     why = {"worker_init_fn": "the workers are threads of this process, not worker processes to set up",
            "multiprocessing_context": "no worker processes are started",
-           "generator": "shuffle=True permutes with seed + epoch; pass seed=... instead",
            "timeout": "batches are waited for without a timeout",
            "batch_sampler": "batches are cut from the sampler's order; pass sampler= and batch_size="}
     for name, value in given.items():
@@ -94,7 +93,11 @@ class PrefetchLoader:
     Args:
         dataset: see above.
         batch_size: samples per batch.
-        shuffle: without a sampler, permute the order each epoch (seed ``seed + epoch``).
+        shuffle: without a sampler, a new order every pass, as DataLoader: the permutation of
+            seed ``seed + epoch``, where ``set_epoch(e)`` picks the epoch and a pass not preceded
+            by ``set_epoch`` takes the next one; with ``generator``, DataLoader's own draws
+            from that generator (the same batches as ``DataLoader(..., shuffle=True,
+            generator=g)`` given an equal generator).
         sampler: e.g. :class:`fastddp.DistributedSampler`; its ``indices()`` are used when it
             has them, else its iteration order.
         num_workers: gather threads (at least 1).
@@ -116,9 +119,11 @@ class PrefetchLoader:
         persistent_workers, prefetch_factor: DataLoader's, accepted so a DataLoader call keeps
             working: the gather threads need no persisting, and ``prefetch_factor`` sets
             ``prefetch`` to ``prefetch_factor * num_workers`` batches in flight, as DataLoader.
-            DataLoader's ``worker_init_fn``, ``multiprocessing_context``, ``generator``,
-            ``timeout`` and ``batch_sampler`` are accepted at their defaults only (a message
-            says why otherwise).
+            DataLoader's ``worker_init_fn``, ``multiprocessing_context``, ``timeout`` and
+            ``batch_sampler`` are accepted at their defaults only (a message says why otherwise).
+        generator: as DataLoader's: each pass draws from it what DataLoader's iterator draws
+            (its base seed, and with ``shuffle`` the permutation); ``state_dict`` keeps the
+            generator's state at the start of the pass, so a mid-epoch resume redraws that order.
 
     Batches yielded on the fast path live in ring slots that are refilled ``prefetch`` batches
     later, unless you still hold them then (they are then left to you and the slot gets new
@@ -150,7 +155,9 @@ class PrefetchLoader:
         batch_sampler: Any = None,
     ) -> None:
         _check_dataloader_only(worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context,
-                               generator=generator, timeout=timeout, batch_sampler=batch_sampler)
+                               timeout=timeout, batch_sampler=batch_sampler)
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise TypeError(f"PrefetchLoader: generator must be a torch.Generator, got {type(generator).__name__}")
         if prefetch_factor is not None:
             if not isinstance(prefetch_factor, int) or prefetch_factor < 1:
                 raise ValueError(f"PrefetchLoader: prefetch_factor must be >= 1, got {prefetch_factor!r}")
@@ -191,7 +198,12 @@ class PrefetchLoader:
         self.prefetch = prefetch
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
         self.seed = int(seed)
+        self.generator = generator
+        self._generator_state: Optional[torch.Tensor] = None  # at the start of the current pass
         self.epoch = 0
+        # shuffle=True without a sampler or generator: a pass with no set_epoch() before it
+        # takes the next epoch's order, so every pass is shuffled anew, as with DataLoader.
+        self._epoch_pinned = True
         self._skip = 0  # batches to skip at the start of the next pass (resume)
         self._position = 0
         self._length = len(self._sources[0]) if self._sources else len(dataset)
@@ -240,10 +252,27 @@ class PrefetchLoader:
             else:
                 idx = torch.as_tensor(list(iter(self.sampler)), dtype=torch.int64)
             return idx.to(torch.int64)
+        if self.shuffle and self.generator is not None:
+            # DataLoader's RandomSampler with this generator: one randperm per pass, plus the
+            # one it draws (and takes nothing from) when the pass ends.
+            perm = torch.randperm(self._length, generator=self.generator)
+            torch.randperm(self._length, generator=self.generator)
+            return perm
         if self.shuffle:
             g = torch.Generator().manual_seed(self.seed + self.epoch)
             return torch.randperm(self._length, generator=g)
         return torch.arange(self._length, dtype=torch.int64)
+
+    def _start_pass(self) -> None:
+        """What DataLoader's iterator does to its random state when a pass begins."""
+        if self.shuffle and self.sampler is None and self.generator is None:
+            if not self._epoch_pinned:
+                self.epoch += 1
+            self._epoch_pinned = False
+        if self.generator is not None:
+            self._generator_state = self.generator.get_state()
+            # DataLoader draws its workers' base seed from the generator first
+            torch.empty((), dtype=torch.int64).random_(generator=self.generator)
 
     def _batches(self) -> list[torch.Tensor]:
         idx = self._epoch_indices()
@@ -260,6 +289,7 @@ class PrefetchLoader:
         if epoch != self.epoch:
             self._skip = 0
         self.epoch = int(epoch)
+        self._epoch_pinned = True
         if self.sampler is not None and hasattr(self.sampler, "set_epoch"):
             self.sampler.set_epoch(epoch)
 
@@ -268,16 +298,23 @@ class PrefetchLoader:
         state: dict[str, Any] = {"epoch": self.epoch, "batches_done": self._position}
         if self.sampler is not None and hasattr(self.sampler, "state_dict"):
             state["sampler"] = self.sampler.state_dict()
+        if self._generator_state is not None:  # the generator as this pass found it
+            state["generator_state"] = self._generator_state.clone()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume: the next pass starts after the last batch yielded before ``state_dict``."""
         if self.sampler is not None and "sampler" in state and hasattr(self.sampler, "load_state_dict"):
             self.sampler.load_state_dict(state["sampler"])
-        self.set_epoch(int(state["epoch"]))
         done = int(state["batches_done"])
         if not 0 <= done <= len(self):
             raise ValueError(f"PrefetchLoader.load_state_dict: batches_done {done} outside [0, {len(self)}]")
+        if "generator_state" in state:
+            if self.generator is None:
+                raise ValueError("PrefetchLoader.load_state_dict: the state was saved from a loader with a "
+                                 "generator; pass generator=torch.Generator() to this one too")
+            self.generator.set_state(state["generator_state"])  # the next pass redraws that order
+        self.set_epoch(int(state["epoch"]))
         self._skip = done
 
     # ------------------------------------------------------------------ iteration
@@ -287,6 +324,7 @@ class PrefetchLoader:
         return tuple(tensors) if len(tensors) > 1 else tensors[0]
 
     def __iter__(self) -> Iterator[Any]:
+        self._start_pass()
         batches = self._batches()
         skip, self._skip = self._skip, 0
         self._position = skip
