@@ -371,3 +371,56 @@ def _dcp_state(rank: int, world_size: int) -> str:
 
 def test_distributed_checkpoint_state_via_module() -> None:
     assert run_distributed(_dcp_state, world_size=2) == ["ok", "ok"]
+
+
+def _buffer_sync_rule(rank: int, world_size: int, transport: str) -> list[str]:
+    """Which forwards sync the buffers follows torch DDP's rule: only a forward whose
+    predecessor was a reducing one (grad enabled, outside no_sync) — so evaluation forwards
+    after the first, the first training forward after them and no_sync micro-steps after the
+    first use each rank's own BatchNorm statistics, exactly as under torch DDP."""
+    from .test_ddp import _compare
+
+    os.environ["FASTDDP_SHM_ALLREDUCE"] = "1" if transport == "shm" else "0"
+    ours, ref = _pair(_conv_bn, {})
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, ref)]
+    g = torch.Generator().manual_seed(10 + rank)  # each rank its own data: its own statistics
+    seen = []
+
+    def forward(kind: str) -> None:
+        x = torch.randn(4, 3, 6, 6, generator=g)
+        expect = ours.will_sync_module_buffers()
+        assert expect == ref.will_sync_module_buffers(), kind
+        outs = []
+        for m, o in zip((ours, ref), opts):
+            if kind == "train":
+                o.zero_grad()
+                out = m(x)
+                out.pow(2).mean().backward()
+                o.step()
+            elif kind == "no_sync":
+                with m.no_sync():
+                    out = m(x)
+                    out.pow(2).mean().backward()
+            else:
+                with torch.inference_mode() if kind == "inference" else torch.no_grad():
+                    out = m(x)
+            outs.append(out.detach())
+        torch.testing.assert_close(outs[0], outs[1], msg=lambda m: f"{kind}: {m}")
+        _compare(ours, ref, grads=False)
+        seen.append(f"{kind}{'+sync' if expect else ''}")
+
+    for kind in ("train", "train", "no_grad", "no_grad", "inference", "train", "train",
+                 "no_sync", "no_sync", "no_sync", "train", "train"):
+        forward(kind)
+    ours.eval()
+    ref.eval()
+    forward("no_grad")
+    forward("no_grad")
+    return seen
+
+
+@pytest.mark.parametrize("transport", ["shm", "c10d"])
+def test_buffers_are_synced_when_torch_ddp_syncs_them(transport: str) -> None:
+    assert run_distributed(_buffer_sync_rule, world_size=2, args=(transport,)) == [[
+        "train+sync", "train+sync", "no_grad+sync", "no_grad", "inference", "train", "train+sync",
+        "no_sync+sync", "no_sync", "no_sync", "train", "train+sync", "no_grad+sync", "no_grad"]] * 2

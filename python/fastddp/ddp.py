@@ -199,6 +199,12 @@ class DDPWrapper(nn.Module, Joinable):
     group only); the copy rebuilds its reducer without any collective, on the process group's
     transport, so a copy made on one rank (an EMA model) cannot hang the others.
 
+    Buffers (``broadcast_buffers=True``) are broadcast from rank 0 before a forward exactly when
+    torch DDP does it: when the forward before it was a reducing one (grad enabled, outside
+    ``no_sync``), and before the first. So evaluation forwards after the first one, the first
+    training forward after them and ``no_sync`` micro-steps after the first use each rank's own
+    statistics, as under torch DDP (:attr:`require_forward_param_sync`).
+
     ``static_graph=True`` behaves as in torch DDP: the first iteration reduces everything at the
     end of backward and records which parameters are used and how many times each one's
     gradient arrives (reentrant backward passes, e.g. ``torch.utils.checkpoint`` with
@@ -273,6 +279,9 @@ class DDPWrapper(nn.Module, Joinable):
         self.device_mesh = device_mesh
         self.batched_grad_copy = batched_grad_copy
         self.require_backward_grad_sync = True
+        # torch DDP's rule for the per-forward buffer sync: a forward syncs the buffers only when
+        # the forward before it was a reducing one (grad enabled, outside no_sync); the first does
+        self.require_forward_param_sync = True
         self.world_size = dist.get_world_size(self.process_group)
         self.rank = dist.get_rank(self.process_group)
 
@@ -296,7 +305,7 @@ class DDPWrapper(nn.Module, Joinable):
         self._param_names = [n for n, _ in named]
         params = [p for _, p in named]
         self._params = params
-        self._module_buffers = self._synced_buffers()  # broadcast from rank 0 before each forward
+        self._module_buffers = self._synced_buffers()  # broadcast from rank 0 before forwards
         self._buckets_rebuilt = False
         self._bucket_caps_mb = caps
         self._buckets = assign_buckets(params, bucket_cap_mb, caps_mb=caps)
@@ -416,9 +425,10 @@ class DDPWrapper(nn.Module, Joinable):
         return gather(outputs, output_device, dim=self.dim)
 
     def will_sync_module_buffers(self) -> bool:
-        """Whether forwards sync the module's buffers (torch DDP's rule: buffer sync on and
-        buffers to sync; a world of one then has nothing to send)."""
-        return self.broadcast_buffers and bool(self._module_buffers)
+        """Whether the next forward syncs the module's buffers (torch DDP's rule: buffer sync
+        on, buffers to sync, and the last forward a reducing one; a world of one then has
+        nothing to send)."""
+        return self.require_forward_param_sync and self.broadcast_buffers and bool(self._module_buffers)
 
     def _timeout_s(self) -> float:
         """The process group's timeout (a shared-memory wait for a live peer gives up after it)."""
@@ -543,11 +553,13 @@ class DDPWrapper(nn.Module, Joinable):
                 and not self._reducer.passthrough:
             order = self._reducer.arrival_order()  # non-empty after the first backward
         rebuild, buffers_from = bool(order), 0
+        sync_buffers = self._syncs_buffers() and self.require_forward_param_sync
         if self._join_config.enable:
             # Inside join(): tell the joined ranks what to stand in for this iteration.
             work = Join.notify_join_context(self)
             sync = grad_enabled and self.require_backward_grad_sync
-            _, rebuild, n_active, buffers_from = self._join_agree(sync, rebuild, active=True)
+            _, rebuild, n_active, buffers_from, sync_buffers = self._join_agree(
+                sync, rebuild, active=True, sync_buffers=sync_buffers)
             if work is not None:
                 work.wait()
             if sync and not self._divide_by_initial_world_size and n_active < self.world_size \
@@ -557,7 +569,7 @@ class DDPWrapper(nn.Module, Joinable):
                 self._reducer.set_reduction_scale(self.world_size / n_active)
         if rebuild:
             self._rebuild_buckets(order or self._reducer.arrival_order())
-        if self._syncs_buffers():
+        if sync_buffers:
             buffers = self._current_buffers()
             with torch.no_grad():
                 if self._join_config.enable:  # rank 0 may have joined with stale buffers
@@ -568,6 +580,7 @@ class DDPWrapper(nn.Module, Joinable):
                           and self._reducer.broadcast_buffers(buffers)):
                     self._broadcast_coalesced(buffers)
         output = self.module(*inputs, **kwargs)
+        self.require_forward_param_sync = grad_enabled and self.require_backward_grad_sync
         if grad_enabled:
             sync = self.require_backward_grad_sync
             # find_unused_parameters walks the graph from the outputs; static_graph hooks them
@@ -721,18 +734,20 @@ class DDPWrapper(nn.Module, Joinable):
         """Process group of the join protocol (this wrapper's)."""
         return self.process_group
 
-    def _join_agree(self, sync: bool, rebuild: bool, active: bool) -> tuple[bool, bool, int, int]:
+    def _join_agree(self, sync: bool, rebuild: bool, active: bool,
+                    sync_buffers: bool = False) -> tuple[bool, bool, int, int, bool]:
         """One all-reduce (SUM) per iteration inside join(): whether the active ranks reduce
-        gradients and rebuild the buckets in this iteration, how many ranks are active, and
-        the highest active rank (the source of the buffers). A joined rank adds zeros."""
-        flags = torch.zeros(2 + self.world_size, dtype=torch.int64)
+        gradients, rebuild the buckets and sync the buffers in this iteration, how many ranks
+        are active, and the highest active rank (the source of the buffers). A joined rank
+        adds zeros."""
+        flags = torch.zeros(3 + self.world_size, dtype=torch.int64)
         if active:
-            flags[0], flags[1], flags[2 + self.rank] = int(sync), int(rebuild), 1
+            flags[0], flags[1], flags[2], flags[3 + self.rank] = int(sync), int(rebuild), int(sync_buffers), 1
         flags = flags.to(self.join_device)
         dist.all_reduce(flags, group=self.process_group)
         values = flags.tolist()
-        ranks = [r for r, v in enumerate(values[2:]) if v]
-        return values[0] > 0, values[1] > 0, len(ranks), max(ranks, default=-1)
+        ranks = [r for r, v in enumerate(values[3:]) if v]
+        return values[0] > 0, values[1] > 0, len(ranks), max(ranks, default=-1), values[2] > 0
 
     def _sync_final_model(self, is_last_joiner: bool) -> None:
         """After join(): every rank takes the parameters and buffers of the highest-ranked
@@ -761,7 +776,7 @@ class DDPWrapper(nn.Module, Joinable):
     # ------------------------------------------------------------------ extras
     @property
     def forward_sync_buffers(self) -> bool:
-        """Whether buffers are broadcast from rank 0 before each forward (torch DDP 2.13+'s
+        """Whether buffers are broadcast from rank 0 before a forward (torch DDP 2.13+'s
         name for ``broadcast_buffers``)."""
         return self.broadcast_buffers
 
@@ -819,10 +834,10 @@ class _DDPJoinHook(JoinHook):
 
     def main_hook(self) -> None:
         ddp = self.ddp
-        sync, rebuild, _, buffers_from = ddp._join_agree(False, False, active=False)
+        sync, rebuild, _, buffers_from, sync_buffers = ddp._join_agree(False, False, active=False)
         if rebuild:
             ddp._rebuild_buckets(ddp._reducer.arrival_order())
-        if ddp._syncs_buffers():
+        if sync_buffers:
             with torch.no_grad():
                 ddp._broadcast_coalesced(ddp._current_buffers(), src=buffers_from)
         if sync:
