@@ -763,3 +763,56 @@ def test_gradient_layout_follows_the_parameter_like_torch_ddp(transport: str) ->
     views take them), equal to torch DDP's in value and layout, with either gradient layout."""
     assert run_distributed(_layouts, world_size=2, args=(transport,)) == [
         [f"view={v} set_to_none={s}" for v in (True, False) for s in (True, False)]] * 2
+
+
+_FUZZ_OPS = ("train", "train", "no_grad", "inference", "no_sync", "eval_toggle", "zero_none", "zero_keep", "step")
+
+
+def _fuzz(rank: int, world_size: int, transport: str) -> list[str]:
+    """Random sequences of what training scripts do — forward/backward, evaluation forwards
+    under no_grad or inference_mode, no_sync micro-steps, train/eval switches, both zero_grad
+    styles, optimizer steps — on a conv+BatchNorm model with each rank's own data: after every
+    operation the outputs, gradients, parameters and buffers equal torch DDP's."""
+    import random
+
+    os.environ["FASTDDP_SHM_ALLREDUCE"] = "1" if transport == "shm" else "0"
+    done = []
+    for seed, find_unused in ((0, False), (1, True), (2, False), (3, True)):
+        ops = random.Random(seed)  # the same sequence on every rank
+        ours, ref = _pair(_conv_bn, {"find_unused_parameters": find_unused})
+        opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (ours, ref)]
+        g = torch.Generator().manual_seed(100 + rank)
+        for i in range(40):
+            op = ops.choice(_FUZZ_OPS)
+            x = torch.randn(4, 3, 6, 6, generator=g)
+            outs = []
+            for m, o in zip((ours, ref), opts):
+                out = None
+                if op == "train":
+                    out = m(x)
+                    out.pow(2).mean().backward()
+                elif op == "no_sync":
+                    with m.no_sync():
+                        out = m(x)
+                        out.pow(2).mean().backward()
+                elif op in ("no_grad", "inference"):
+                    with torch.no_grad() if op == "no_grad" else torch.inference_mode():
+                        out = m(x)
+                elif op == "eval_toggle":
+                    m.train(not m.training)
+                elif op == "step":
+                    o.step()
+                else:
+                    o.zero_grad(set_to_none=op == "zero_none")
+                outs.append(out)
+            if outs[0] is not None:
+                torch.testing.assert_close(outs[0].detach(), outs[1].detach(),
+                                           msg=lambda m, i=i, op=op, s=seed: f"seed {s}, op {i} ({op}): {m}")
+            _compare(ours, ref)
+        done.append(f"seed {seed}")
+    return done
+
+
+@pytest.mark.parametrize("transport", ["shm", "c10d"])
+def test_random_training_sequences_match_torch_ddp(transport: str) -> None:
+    assert run_distributed(_fuzz, world_size=2, args=(transport,)) == [[f"seed {s}" for s in range(4)]] * 2
