@@ -398,3 +398,24 @@ def test_two_optimizers_share_one_scaler_like_torch() -> None:
     assert any(b < a for a, b in zip(scales, scales[1:])) and any(b > a for a, b in zip(scales, scales[1:]))
     for a, b in zip(ours_params, ref_params):
         torch.testing.assert_close(a, b)
+
+
+def test_float16_gradients_are_refused_like_torch() -> None:
+    """torch's scaler refuses to unscale float16 gradients (float16 parameters), in unscale_ and
+    in step; ours the same way, with torch's message first and the fix after it."""
+    for scaler_cls in (torch.amp.GradScaler, fastddp.GradScaler):
+        for explicit_unscale in (False, True):
+            m = nn.Linear(4, 4).half()
+            o = torch.optim.SGD(m.parameters(), lr=0.1)
+            s = scaler_cls("cpu")
+            s.scale(m(torch.randn(2, 4).half()).float().sum()).backward()
+            with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients"):
+                s.unscale_(o) if explicit_unscale else s.step(o)
+    # bfloat16 gradients are taken, by both
+    for scaler_cls in (torch.amp.GradScaler, fastddp.GradScaler):
+        m = nn.Linear(4, 4).bfloat16()
+        o = torch.optim.SGD(m.parameters(), lr=0.1)
+        s = scaler_cls("cpu")
+        s.scale(m(torch.randn(2, 4).bfloat16()).float().sum()).backward()
+        s.step(o)
+        s.update()

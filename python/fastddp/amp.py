@@ -89,6 +89,16 @@ class GradScaler(torch.amp.GradScaler):
         return out
 
     @staticmethod
+    def _refuse_fp16(grads: list[torch.Tensor]) -> None:
+        """torch's scaler refuses to unscale float16 gradients (unscaled, small ones would
+        flush to zero in float16); so does this one, with the same message."""
+        for g in grads:
+            if g.dtype == torch.float16:
+                raise ValueError("Attempting to unscale FP16 gradients. The parameters are float16: keep "
+                                 "them in float32 and let torch.autocast(dtype=torch.float16) run the "
+                                 "forward in float16 (as torch.amp.GradScaler requires too)")
+
+    @staticmethod
     def _stats(grads: list[torch.Tensor], device: torch.device, ddp: Any = None) -> torch.Tensor:
         if ddp is not None:
             # Computed by the reducer bucket by bucket as the all-reduces completed.
@@ -155,6 +165,7 @@ class GradScaler(torch.amp.GradScaler):
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
         g = self._collect(optimizer, grads)
+        self._refuse_fp16(g)
         self._device_of(g)
         found_inf, norm, coef, _ = C.amp_finalize(self._stats(g, scale.device), scale.view(1), 0.0, CLIP_EPS)
         if g:
@@ -207,6 +218,7 @@ class GradScaler(torch.amp.GradScaler):
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
         g = self._ddp_grads(optimizer, ddp) if ddp is not None else self._collect(optimizer, grads)
+        self._refuse_fp16(g)
         device = self._device_of(g)
         clip = float(max_grad_norm) if max_grad_norm is not None else 0.0
         if state["stage"] is OptState.READY:
