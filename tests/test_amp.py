@@ -419,3 +419,19 @@ def test_float16_gradients_are_refused_like_torch() -> None:
         s.scale(m(torch.randn(2, 4).bfloat16()).float().sum()).backward()
         s.step(o)
         s.update()
+
+
+@pytest.mark.parametrize("calls", ["step", "unscale_,step", "unscale_,update"])
+def test_no_gradients_fail_like_torch(calls: str) -> None:
+    """scale() ran but no parameter has a gradient (backward forgotten): the same assertion
+    as torch's scaler, at the same call."""
+    failures = []
+    for scaler_cls in (torch.amp.GradScaler, fastddp.GradScaler):
+        o = torch.optim.SGD(nn.Linear(4, 4).parameters(), lr=0.1)
+        s = scaler_cls("cpu")
+        s.scale(torch.ones(()))
+        with pytest.raises(AssertionError) as info:
+            for call in calls.split(","):
+                getattr(s, call)() if call == "update" else getattr(s, call)(o)
+        failures.append((call, str(info.value)))
+    assert failures[0] == failures[1] and "No inf checks were recorded" in failures[0][1]

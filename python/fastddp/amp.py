@@ -167,9 +167,12 @@ class GradScaler(torch.amp.GradScaler):
         g = self._collect(optimizer, grads)
         self._refuse_fp16(g)
         self._device_of(g)
+        state["stage"] = OptState.UNSCALED
+        if not g:  # as torch: nothing checked, which step() and update() then report
+            state["found_inf_per_device"] = {}
+            return
         found_inf, norm, coef, _ = C.amp_finalize(self._stats(g, scale.device), scale.view(1), 0.0, CLIP_EPS)
-        if g:
-            C.amp_scale_(g, coef)
+        C.amp_scale_(g, coef)
         state["found_inf_per_device"] = {scale.device: found_inf.view(())}
         state["norm"] = norm
         state["stage"] = OptState.UNSCALED
@@ -219,6 +222,9 @@ class GradScaler(torch.amp.GradScaler):
             raise RuntimeError("step() has already been called since the last update().")
         g = self._ddp_grads(optimizer, ddp) if ddp is not None else self._collect(optimizer, grads)
         self._refuse_fp16(g)
+        if not g or (state["stage"] is OptState.UNSCALED and not state["found_inf_per_device"]):
+            # torch's assertion: no parameter of this optimizer has a gradient (no backward ran?)
+            raise AssertionError("No inf checks were recorded for this optimizer.")
         device = self._device_of(g)
         clip = float(max_grad_norm) if max_grad_norm is not None else 0.0
         if state["stage"] is OptState.READY:
