@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import pickle
@@ -435,3 +436,72 @@ def test_no_gradients_fail_like_torch(calls: str) -> None:
                 getattr(s, call)() if call == "update" else getattr(s, call)(o)
         failures.append((call, str(info.value)))
     assert failures[0] == failures[1] and "No inf checks were recorded" in failures[0][1]
+
+
+def _ddp_scaler_sequences(rank: int, world_size: int, fused: bool) -> list[str]:
+    """Sequences (two written out, then random ones) of reduced backwards, no_sync backwards, injected infs, both zero_grad
+    styles and steps with or without clipping: GradScaler.step(ddp=...) (statistics taken
+    while the buckets reduce) against torch DDP + torch's scaler + clip_grad_norm_, after every
+    step. A backward after the last reduction (no_sync) makes the reduction's statistics stale,
+    and a gradient made after zero_grad(set_to_none=True) lives outside the buckets: the scaler
+    must then read the gradients themselves."""
+    import random
+
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    kinds = ["bwd", "bwd", "no_sync", "inf", "step", "step_clip", "zero", "zero_keep"]
+    sequences = [
+        # a no_sync backward after the reduction makes its statistics stale (the first step
+        # switches the reducer's statistics on)
+        (["bwd", "step", "bwd", "no_sync", "step_clip", "bwd", "no_sync", "step_clip"], True),
+        # a gradient made after zero_grad(set_to_none=True), outside the buckets
+        (["bwd", "step", "zero", "no_sync", "step_clip", "bwd", "step_clip"], True),
+        (["bwd", "step", "zero", "no_sync", "inf", "step", "no_sync", "step_clip"], False),
+    ] + [([random.Random(seed).choice(kinds) for _ in range(30)], seed % 2 == 0) for seed in range(3)]
+    done = []
+    for seed, (ops, as_view) in enumerate(sequences):
+        ours_m, ref_m = _model("cpu"), _model("cpu")
+        ours = fastddp.DDPWrapper(ours_m, bucket_cap_mb=0.002, gradient_as_bucket_view=as_view)
+        ref = TorchDDP(ref_m, gradient_as_bucket_view=as_view)
+        ours_o = torch.optim.AdamW(ours.parameters(), lr=1e-2, fused=fused)
+        ref_o = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=fused)
+        ours_s = fastddp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+        ref_s = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+        g = torch.Generator().manual_seed(rank)
+        pending = False
+        for i, op in enumerate(ops):
+            x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+            if op in ("bwd", "no_sync", "inf"):
+                poison = float("inf") if op == "inf" and rank == 0 else 1.0
+                for m, s in ((ours, ours_s), (ref, ref_s)):
+                    with m.no_sync() if op == "no_sync" else contextlib.nullcontext():
+                        s.scale(nn.functional.mse_loss(m(x), y) * poison).backward()
+                pending = True
+            elif op.startswith("step") and pending:
+                clip = 0.5 if op == "step_clip" else None
+                norm = ours_s.step(ours_o, max_grad_norm=clip, ddp=ours)
+                ref_s.unscale_(ref_o)
+                ref_norm = nn.utils.clip_grad_norm_(ref.parameters(), clip) if clip else None
+                ref_s.step(ref_o)
+                ours_s.update()
+                ref_s.update()
+                assert ours_s.get_scale() == ref_s.get_scale(), (seed, i)
+                if clip and torch.isfinite(ref_norm):
+                    torch.testing.assert_close(norm, ref_norm, msg=lambda m, s=seed, i=i: f"seed {s} op {i}: {m}")
+                for a, b in zip(ours.parameters(), ref.parameters()):
+                    torch.testing.assert_close(a, b, msg=lambda m, s=seed, i=i: f"seed {s} op {i}: {m}")
+                pending = False
+            elif op.startswith("zero"):
+                for o in (ours_o, ref_o):
+                    o.zero_grad(set_to_none=op == "zero")
+                pending = False
+        done.append(f"sequence {seed}")
+    return done
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_with_ddp_wrapper_over_random_sequences(fused: bool) -> None:
+    from .distributed import run_distributed
+
+    assert run_distributed(_ddp_scaler_sequences, world_size=2, args=(fused,)) == [
+        [f"sequence {s}" for s in range(6)]] * 2

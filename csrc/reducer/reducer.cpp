@@ -367,7 +367,14 @@ void Reducer::mark_ready(int64_t index) {
               "the reducer all-reduces dense flat buckets only. Use sparse=False for that layer, or torch's "
               "DistributedDataParallel for sparse gradients.");
   if (grad.defined()) locally_used_[index] = 1;
-  if (!expect_sync_) return;  // no_sync(), or a backward not preceded by a forward
+  if (!expect_sync_) {
+    // no_sync(), or a backward not preceded by a forward: the gradients change after the last
+    // reduction, so its statistics are stale, and a new gradient (after zero_grad(set_to_none))
+    // lives outside the buckets.
+    grad_stats_ = at::Tensor();
+    if (grad.defined() && !grad.is_alias_of(bucket_view(index))) buckets_hold_grads_ = false;
+    return;
+  }
   hooks_seen_ = true;
   if (static_graph_) {
     if (static_first_iteration_) {
@@ -621,6 +628,7 @@ void Reducer::finalize_backward() {
       grad.copy_(view);
     }
   }
+  buckets_hold_grads_ = gradient_as_bucket_view_;
 }
 
 void Reducer::set_reduction_scale(double scale) {

@@ -62,9 +62,11 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // gradients stay where autograd put them (no copy into the buckets, no copy back), exactly
   // the bare model's; the hooks still check what torch DDP checks.
   bool passthrough() const { return passthrough_; }
-  // Whether param.grad are views into bucket_buffers() after a reduced backward (so that the
-  // buffers can stand in for the gradients).
-  bool grads_in_buckets() const { return gradient_as_bucket_view_ && !passthrough_; }
+  // Whether the buckets hold the gradients now: param.grad are views into bucket_buffers()
+  // (gradient_as_bucket_view, not a world of one) since the last reduced backward, and no later
+  // backward (no_sync(), a second backward) put a gradient anywhere else. The buffers can then
+  // stand in for the gradients.
+  bool grads_in_buckets() const { return buckets_hold_grads_; }
   bool batch_copies() const { return batch_copies_; }
 
   // "shm" when the buckets are reduced through shared memory (co-located CPU ranks), else
@@ -184,6 +186,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   bool record_arrival_ = true;
   double reduction_scale_ = 1.0;  // set_reduction_scale(), for the next reduction only
   bool grad_stats_enabled_ = false;
+  bool buckets_hold_grads_ = false;  // see grads_in_buckets()
   at::Tensor grad_stats_;  // defined while a fresh result waits to be taken
 };
 
