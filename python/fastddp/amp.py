@@ -175,7 +175,6 @@ class GradScaler(torch.amp.GradScaler):
         C.amp_scale_(g, coef)
         state["found_inf_per_device"] = {scale.device: found_inf.view(())}
         state["norm"] = norm
-        state["stage"] = OptState.UNSCALED
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, max_grad_norm: Optional[float] = None,
              grads: Optional[list[torch.Tensor]] = None, ddp: Any = None, **kwargs: Any) -> Any:

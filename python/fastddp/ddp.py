@@ -312,8 +312,7 @@ class DDPWrapper(nn.Module, Joinable):
         self._bucket_cap_mb = bucket_cap_mb
         # torch DDP's descriptive attributes, which code written for it reads
         self.bucket_bytes_cap = int(bucket_cap_mb * 1024 * 1024)
-        module_devices = {p.device for p in params}
-        self.is_multi_device_module = len(module_devices) > 1
+        self.is_multi_device_module = len({p.device for p in params}) > 1
         self.device_type = params[0].device.type
         self.device = params[0].device
         self.mixed_precision = None
