@@ -12,6 +12,11 @@ from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 from ._ext import C
 
 CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s epsilon
+# torch's scaler refuses to unscale float16 gradients (small unscaled ones flush to zero in
+# float16); so does this one, with torch's message first.
+FP16_GRADS = ("Attempting to unscale FP16 gradients. The parameters are float16: keep them in float32 "
+              "and let torch.autocast(dtype=torch.float16) run the forward in float16 (as "
+              "torch.amp.GradScaler requires too)")
 
 
 def _is_dense(t: torch.Tensor) -> bool:
@@ -65,7 +70,9 @@ class GradScaler(torch.amp.GradScaler):
 
     # ------------------------------------------------------------------ helpers
     @staticmethod
-    def _collect(optimizer: torch.optim.Optimizer, grads: Optional[list[torch.Tensor]]) -> list[torch.Tensor]:
+    def _collect(optimizer: torch.optim.Optimizer, grads: Optional[list[torch.Tensor]],
+                 unscaling: bool = True) -> list[torch.Tensor]:
+        """The gradients to handle, checked in one pass (``unscaling``: float16 ones refused)."""
         if grads is None:
             grads = [p.grad for group in optimizer.param_groups for p in group["params"]
                      if p.grad is not None]
@@ -80,6 +87,8 @@ class GradScaler(torch.amp.GradScaler):
                 raise ValueError(f"fastddp.GradScaler: a gradient of shape {tuple(g.shape)} has "
                                  f"strides {g.stride()}, which leave gaps or overlap; set a dense "
                                  "gradient (p.grad = g.contiguous()) or use torch.amp.GradScaler")
+            if unscaling and g.dtype == torch.float16:
+                raise ValueError(FP16_GRADS)
             out.append(g)
         devices = {g.device for g in out}
         if len(devices) > 1:
@@ -87,16 +96,6 @@ class GradScaler(torch.amp.GradScaler):
                              f"({', '.join(sorted(map(str, devices)))}); it handles one device per "
                              "optimizer. Use one optimizer per device, or torch.amp.GradScaler")
         return out
-
-    @staticmethod
-    def _refuse_fp16(grads: list[torch.Tensor]) -> None:
-        """torch's scaler refuses to unscale float16 gradients (unscaled, small ones would
-        flush to zero in float16); so does this one, with the same message."""
-        for g in grads:
-            if g.dtype == torch.float16:
-                raise ValueError("Attempting to unscale FP16 gradients. The parameters are float16: keep "
-                                 "them in float32 and let torch.autocast(dtype=torch.float16) run the "
-                                 "forward in float16 (as torch.amp.GradScaler requires too)")
 
     @staticmethod
     def _stats(grads: list[torch.Tensor], device: torch.device, ddp: Any = None) -> torch.Tensor:
@@ -110,7 +109,7 @@ class GradScaler(torch.amp.GradScaler):
             C.amp_accumulate_stats_(grads, stats)
         return stats
 
-    def _ddp_grads(self, optimizer: torch.optim.Optimizer, ddp: Any) -> list[torch.Tensor]:
+    def _ddp_grads(self, optimizer: torch.optim.Optimizer, ddp: Any, unscaling: bool = True) -> list[torch.Tensor]:
         """The flat bucket buffers of ``ddp`` (checked once to hold exactly the optimizer's
         parameters), and switch on the reducer's overlapped gradient statistics."""
         key = (id(optimizer), id(ddp))
@@ -124,8 +123,11 @@ class GradScaler(torch.amp.GradScaler):
             ddp._reducer.set_grad_stats(True)
             self._ddp_checked.add(key)
         if ddp._reducer.grads_in_buckets:  # not in a world of one, where .grad is autograd's
-            return ddp.bucket_buffers()
-        return self._collect(optimizer, None)
+            buffers = ddp.bucket_buffers()
+            if unscaling and any(b.dtype == torch.float16 for b in buffers):
+                raise ValueError(FP16_GRADS)
+            return buffers
+        return self._collect(optimizer, None, unscaling)
 
     @staticmethod
     def _fused_step(optimizer: torch.optim.Optimizer, grad_scale: Optional[torch.Tensor],
@@ -165,7 +167,6 @@ class GradScaler(torch.amp.GradScaler):
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
         g = self._collect(optimizer, grads)
-        self._refuse_fp16(g)
         self._device_of(g)
         state["stage"] = OptState.UNSCALED
         if not g:  # as torch: nothing checked, which step() and update() then report
@@ -197,7 +198,8 @@ class GradScaler(torch.amp.GradScaler):
         if not self._enabled:
             if max_grad_norm is None:
                 return optimizer.step(*args, **kwargs)
-            g = self._ddp_grads(optimizer, ddp) if ddp is not None else self._collect(optimizer, grads)
+            g = (self._ddp_grads(optimizer, ddp, unscaling=False) if ddp is not None
+                 else self._collect(optimizer, grads, unscaling=False))
             if not g:
                 optimizer.step(*args, **kwargs)
                 return torch.zeros((), device=self._device)
@@ -220,7 +222,6 @@ class GradScaler(torch.amp.GradScaler):
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
         g = self._ddp_grads(optimizer, ddp) if ddp is not None else self._collect(optimizer, grads)
-        self._refuse_fp16(g)
         if not g or (state["stage"] is OptState.UNSCALED and not state["found_inf_per_device"]):
             # torch's assertion: no parameter of this optimizer has a gradient (no backward ran?)
             raise AssertionError("No inf checks were recorded for this optimizer.")
