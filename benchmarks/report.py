@@ -1,6 +1,6 @@
 """Collect the latest benchmark JSON results into docs/benchmarks.md tables and docs/img plots.
 
-    python benchmarks/report.py [--results benchmarks/results] [--out docs]
+    python benchmarks/report.py [--results benchmarks/results] [--out docs] [--no-plots]
 
 Each ``results/<capability>.json`` (written by ``benchmarks/common.record``) becomes one table:
 machine, torch version, the measured numbers (ratios first) and the command that produced them.
@@ -61,13 +61,12 @@ def _finish(plt, fig, ax, path: Path, xlabel: str, ylabel: str, title: str) -> s
 
 
 def plots(results: dict[str, list[dict[str, Any]]], img: Path) -> list[str]:
-    try:
-        import matplotlib
+    """Draws the PNG plots under ``img``; returns their paths relative to the docs folder."""
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return []
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     made = []
     img.mkdir(parents=True, exist_ok=True)
     e2e = results.get("e2e", [])
@@ -100,15 +99,23 @@ def plots(results: dict[str, list[dict[str, Any]]], img: Path) -> list[str]:
     return made
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--results", default=str(Path(__file__).parent / "results"))
     p.add_argument("--out", default=str(Path(__file__).parent.parent / "docs"))
-    args = p.parse_args()
+    p.add_argument("--no-plots", action="store_true",
+                   help="tables only: leave docs/img alone and link no plot")
+    args = p.parse_args(argv)
+    if not args.no_plots:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            p.error("the plots (docs/img/*.png) need matplotlib: pip install matplotlib, "
+                    "or pass --no-plots for the tables alone")
     results = {f.stem: json.loads(f.read_text()) for f in sorted(Path(args.results).glob("*.json"))}
     out = Path(args.out)
     body = "\n".join(table(cap, rows) for cap, rows in results.items())
-    for path in plots(results, out / "img"):
+    for path in ([] if args.no_plots else plots(results, out / "img")):
         body += f"\n![{Path(path).stem}]({path})\n"
     doc = out / "benchmarks.md"
     text = doc.read_text() if doc.exists() else f"# Benchmarks\n\n{BEGIN}\n{END}\n"

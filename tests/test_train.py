@@ -53,6 +53,7 @@ def test_single_process_reaches_90_percent(single_run: Path) -> None:
     assert rows[-1]["val_n"] == 2947  # every test sample evaluated exactly once
     for name in ("config.json", "metrics.csv", "last.pt", "best.pt", "summary.json"):
         assert (single_run / name).exists(), name
+    assert (single_run / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     cfg = json.loads((single_run / "config.json").read_text())
     assert cfg["world_size"] == 1 and cfg["mode"] == "flatten"
 
@@ -111,6 +112,16 @@ def test_corrupt_checkpoint_falls_back_or_stops(single_run: Path, tmp_path: Path
                    "--save-dir", str(tmp_path)], check=False)
     assert proc.returncode == 2
     assert "checksum mismatch" in proc.stderr and "--resume none" in proc.stderr
+
+
+def test_run_without_matplotlib_says_why_there_are_no_curves(tmp_path: Path) -> None:
+    code = ("import sys; sys.modules['matplotlib'] = None; from fastddp.train import main; "
+            f"sys.exit(main({['--epochs', '1', '--mode', 'flatten', '--no-progress', '--resume', 'none', '--save-dir', str(tmp_path)]!r}))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "curves.png not drawn: matplotlib is not installed (pip install matplotlib" in proc.stdout
+    assert (tmp_path / "summary.json").exists() and not (tmp_path / "curves.png").exists()
 
 
 def test_nan_loss_is_skipped_then_aborts(tmp_path: Path) -> None:

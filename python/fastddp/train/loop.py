@@ -478,7 +478,9 @@ def _train(args: argparse.Namespace, ctx: Context, saver: checkpoint.CheckpointW
         "save_dir": str(save_dir.resolve()),
     }
     if ctx.is_main:
-        plot_curves(save_dir, history)
+        if history and not plot_curves(save_dir, history):
+            log(ctx, "note: curves.png not drawn: matplotlib is not installed "
+                     "(pip install matplotlib; metrics.csv holds the same numbers)")
         (save_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         gpu = monitor.summary() if monitor is not None else ""
         log(ctx, f"done: best val acc {summary['best_val_acc']:.4f} F1 {best_f1:.4f} | "
@@ -551,16 +553,16 @@ def write_metrics(save_dir: Path, history: list[dict[str, Any]]) -> None:
     os.replace(tmp, save_dir / "metrics.csv")
 
 
-def plot_curves(save_dir: Path, history: list[dict[str, Any]]) -> None:
-    if not history:
-        return
+def plot_curves(save_dir: Path, history: list[dict[str, Any]]) -> bool:
+    """Draws loss, accuracy and macro-F1 per epoch into ``curves.png``; False when matplotlib
+    is not installed (nothing is drawn then)."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return
+        return False
     epochs = [r["epoch"] for r in history]
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
     axes[0].plot(epochs, [r["train_loss"] for r in history], label="train")
@@ -578,6 +580,7 @@ def plot_curves(save_dir: Path, history: list[dict[str, Any]]) -> None:
     fig.tight_layout()
     fig.savefig(save_dir / "curves.png", dpi=100)
     plt.close(fig)
+    return True
 
 
 def make_tensorboard(save_dir: Path, args, ctx: Context):
