@@ -33,7 +33,7 @@ def test_report_writes_tables_and_plots(tmp_path: Path) -> None:
         assert f"### {f.stem}\n" in text
         for r in rows:
             assert f"| {r['name']} |" in text, (f.stem, r["name"])
-    for png in ("e2e_samples_per_s.png", "projected_scaling.png"):
+    for png in ("e2e_samples_per_s.png", "step_time_breakdown.png", "projected_scaling.png"):
         path = tmp_path / "docs" / "img" / png
         assert path.read_bytes()[:8] == PNG, png
         assert f"](img/{png})" in text

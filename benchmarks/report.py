@@ -60,6 +60,48 @@ def _finish(plt, fig, ax, path: Path, xlabel: str, ylabel: str, title: str) -> s
     return f"img/{path.name}"
 
 
+def _breakdown(plt, scaling: list[dict[str, Any]], ddp: list[dict[str, Any]], path: Path) -> str:
+    """Step-time breakdown: left, the HAR step's measured forward / backward / optimizer time
+    on one device and the all-reduce time the projection leaves exposed at the most GPUs;
+    right, one DDP step under the bare model (where measured), DDPWrapper and torch DDP."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 5))
+    names = [r["name"] for r in scaling]
+    parts = [("forward", lambda r: r["measured"]["forward_s"]),
+             ("backward", lambda r: r["measured"]["backward_s"]),
+             ("optimizer", lambda r: r["measured"]["optimizer_s"]),
+             ("exposed all-reduce (projected, most GPUs)",
+              lambda r: r["projection"][-1]["exposed_comm_s"] if r.get("projection") else 0.0)]
+    totals = [sum(get(r) for _, get in parts) for r in scaling]
+    bottom = [0.0] * len(scaling)
+    for label, get in parts:  # shares of the step, so a 2 ms and a 20 ms step read alike
+        share = [100 * get(r) / t if t else 0.0 for r, t in zip(scaling, totals)]
+        left.bar(names, share, bottom=bottom, label=label)
+        bottom = [b + s for b, s in zip(bottom, share)]
+    for x, t in enumerate(totals):
+        left.text(x, 101, f"{t * 1e3:.2f} ms", ha="center", va="bottom", fontsize="small")
+    left.set_ylim(0, 112)
+    left.set_ylabel("% of the step")
+    left.set_title("HAR step on one device (benchmarks/scaling.py)")
+    left.tick_params(axis="x", labelrotation=15, labelsize="small")
+    left.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2)
+    width = 0.27
+    xs = range(len(ddp))
+    for i, (key, label) in enumerate((("bare_step_ms", "bare model"), ("fastddp_step_ms", "DDPWrapper"),
+                                      ("torch_step_ms", "torch DDP"))):
+        right.bar([x + (i - 1) * width for x in xs], [r.get(key) or 0.0 for r in ddp], width, label=label)
+    right.set_xticks(list(xs), [r["name"] for r in ddp], rotation=30, ha="right", fontsize="small")
+    right.set_yscale("log")
+    right.set_ylabel("ms per step")
+    right.set_title("one DDP step (benchmarks/bench_ddp.py)")
+    right.legend(fontsize="small")
+    for ax in (left, right):
+        ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return f"img/{path.name}"
+
+
 def plots(results: dict[str, list[dict[str, Any]]], img: Path) -> list[str]:
     """Draws the PNG plots under ``img``; returns their paths relative to the docs folder."""
     import matplotlib
@@ -90,6 +132,9 @@ def plots(results: dict[str, list[dict[str, Any]]], img: Path) -> list[str]:
         made.append(_finish(plt, fig, ax, img / "e2e_samples_per_s.png",
                             "batch size per process", "samples/s", "HAR end to end"))
     scaling = results.get("scaling", [])
+    ddp = [r for r in results.get("ddp", []) if r.get("fastddp_step_ms") and r.get("torch_step_ms")]
+    if scaling or ddp:
+        made.append(_breakdown(plt, scaling, ddp, img / "step_time_breakdown.png"))
     if scaling:
         fig, ax = plt.subplots(figsize=(6, 3.5))
         for r in scaling:
