@@ -75,7 +75,14 @@ def test_config_unknown_keys_are_named(tmp_path) -> None:
         (["--backend", "nccl"], 0, "nccl needs CUDA GPUs"),
         (["--data-dir", "/nonexistent/har"], 0, "not a readable directory"),
         (["--resume", "/nonexistent/last.pt"], 0, "no such checkpoint file"),
-        (["--lr", "0"], 0, "--lr must be > 0"),
+        (["--lr", "0"], 0, "--lr must be a finite number > 0"),
+        (["--lr", "nan"], 0, "--lr must be a finite number > 0, got nan"),
+        (["--weight-decay", "-0.1"], 0, r"--weight-decay must be a finite number >= 0 \(0 disables\), got -0.1"),
+        (["--clip-grad", "nan"], 0, "--clip-grad must be a finite number >= 0"),
+        (["--warmup-epochs", "inf"], 0, "--warmup-epochs must be a finite number >= 0"),
+        (["--timeout", "0"], 0, "--timeout must be a finite number of seconds > 0, got 0.0"),
+        (["--max-nan-steps", "0"], 0, r"--max-nan-steps must be >= 1 \(1 stops at the first"),
+        (["--save-interval", "-1"], 0, r"--save-interval must be >= 0 \(0: a checkpoint per epoch only\), got -1"),
     ],
 )
 def test_bad_input_is_one_clear_error(argv, cuda_count, message) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -205,14 +206,25 @@ def validate(args: argparse.Namespace, cuda_count: int) -> None:
         value = getattr(args, name)
         if not isinstance(value, int) or value <= 0:
             raise UsageError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
-    if args.lr <= 0:
-        raise UsageError(f"--lr must be > 0, got {args.lr}")
+    # `not (x > 0)` rather than `x <= 0`, so that NaN (argparse takes "nan") is refused too.
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        raise UsageError(f"--lr must be a finite number > 0, got {args.lr}")
+    if not (math.isfinite(args.weight_decay) and args.weight_decay >= 0):
+        raise UsageError(f"--weight-decay must be a finite number >= 0 (0 disables), got {args.weight_decay}")
     if args.num_workers < 0:
         raise UsageError(f"--num-workers must be >= 0, got {args.num_workers}")
-    if args.clip_grad < 0:
-        raise UsageError(f"--clip-grad must be >= 0 (0 disables), got {args.clip_grad}")
-    if args.warmup_epochs < 0:
-        raise UsageError(f"--warmup-epochs must be >= 0, got {args.warmup_epochs}")
+    if not (math.isfinite(args.clip_grad) and args.clip_grad >= 0):
+        raise UsageError(f"--clip-grad must be a finite number >= 0 (0 disables), got {args.clip_grad}")
+    if not (math.isfinite(args.warmup_epochs) and args.warmup_epochs >= 0):
+        raise UsageError(f"--warmup-epochs must be a finite number >= 0, got {args.warmup_epochs}")
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        raise UsageError(f"--timeout must be a finite number of seconds > 0, got {args.timeout}")
+    if args.max_nan_steps < 1:
+        raise UsageError(f"--max-nan-steps must be >= 1 (1 stops at the first non-finite loss), "
+                         f"got {args.max_nan_steps}")
+    if args.save_interval < 0:
+        raise UsageError(f"--save-interval must be >= 0 (0: a checkpoint per epoch only), "
+                         f"got {args.save_interval}")
     args.gpu_list = parse_gpu_ids(args.gpu_ids, cuda_count)
     if args.multi_gpu == "dp" and cuda_count == 0:
         raise UsageError("--multi-gpu dp needs at least one CUDA GPU and none is visible; "
