@@ -7,7 +7,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import Dataset, RandomSampler, SequentialSampler, TensorDataset
+from torch.utils.data import BatchSampler, Dataset, RandomSampler, SequentialSampler, TensorDataset
 from torch.utils.data.distributed import DistributedSampler as TorchSampler
 
 import fastddp
@@ -335,7 +335,6 @@ def test_dataloader_arguments_keep_working() -> None:
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"worker_init_fn": print}, "worker_init_fn=.* is not supported \\(the workers are threads"),
     ({"timeout": 5}, "timeout=5 is not supported"),
-    ({"batch_sampler": [[0, 1]]}, "batch_sampler=.* pass sampler= and batch_size="),
     ({"prefetch_factor": 2, "prefetch": 4}, "not both"),
     ({"prefetch_factor": 0}, "prefetch_factor must be >= 1"),
 ])
@@ -348,3 +347,107 @@ def test_dataloader_arguments_without_meaning_here_are_clear_errors(kwargs, mess
 def test_collate_fn_needs_a_dataset() -> None:
     with pytest.raises(ValueError, match="collate_fn needs a map-style Dataset"):
         fastddp.PrefetchLoader((torch.zeros(4, 2),), batch_size=2, collate_fn=list)
+
+
+class _LengthBuckets:
+    """Variable-size batches, as a batch sampler grouping samples by length would yield: a new
+    grouping every epoch, batch sizes 1..37."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.epoch = n, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def _cuts(self) -> list[list[int]]:
+        g = torch.Generator().manual_seed(100 + self.epoch)
+        order = torch.randperm(self.n, generator=g).tolist()
+        out, pos = [], 0
+        while pos < self.n:
+            size = int(torch.randint(1, 38, (1,), generator=g))
+            out.append(order[pos:pos + size])
+            pos += size
+        return out
+
+    def __iter__(self):
+        return iter(self._cuts())
+
+    def __len__(self) -> int:
+        return len(self._cuts())
+
+
+@pytest.mark.parametrize("kind", ["tensors", "generic"])
+@pytest.mark.parametrize("make", ["random", "buckets", "distributed"])
+def test_batch_sampler_yields_dataloaders_batches(kind: str, make: str) -> None:
+    x, y = _data()
+    ds = TensorDataset(x, y) if kind == "tensors" else _MapDataset(x, y)
+
+    def batch_sampler():
+        if make == "random":
+            return BatchSampler(RandomSampler(range(N), generator=torch.Generator().manual_seed(5)),
+                                batch_size=64, drop_last=False)
+        if make == "buckets":
+            return _LengthBuckets(N)
+        return BatchSampler(TorchSampler(range(N), num_replicas=3, rank=1, seed=4), 50, drop_last=True)
+
+    ours_bs, ref_bs = batch_sampler(), batch_sampler()
+    ours = fastddp.PrefetchLoader(ds, batch_sampler=ours_bs, num_workers=2, pin_memory=False)
+    ref = torch.utils.data.DataLoader(ds, batch_sampler=ref_bs)
+    assert ours.batch_size is None and ours.transfer == ("host" if kind == "tensors" else "generic")
+    for epoch in range(2):
+        # our set_epoch reaches the batch sampler, or the sampler inside a BatchSampler
+        ours.set_epoch(epoch)
+        if make == "buckets":
+            ref_bs.set_epoch(epoch)
+        elif make == "distributed":
+            ref_bs.sampler.set_epoch(epoch)
+        got, want = list(ours), list(ref)
+        assert len(got) == len(want) == len(ours) == len(ref)
+        if make == "buckets":
+            assert len({len(b[1]) for b in got}) > 5  # the batches really differ in size
+        for (gx, gy), (wx, wy) in zip(got, want):
+            assert torch.equal(gx, wx) and torch.equal(gy, wy)
+
+
+def test_batch_sampler_mid_epoch_resume() -> None:
+    x, y = _data()
+    ds = TensorDataset(x, y)
+    loader = fastddp.PrefetchLoader(ds, batch_sampler=_LengthBuckets(N))
+    loader.set_epoch(2)
+    full = [b.clone() for _, b in loader]
+    it = iter(loader)
+    head = [next(it)[1].clone() for _ in range(5)]
+    state = loader.state_dict()
+    del it
+    resumed = fastddp.PrefetchLoader(ds, batch_sampler=_LengthBuckets(N))
+    resumed.load_state_dict(state)
+    tail = [b.clone() for _, b in resumed]
+    assert len(head) + len(tail) == len(full)
+    for a, b in zip(head + tail, full):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(("kwargs", "exc", "message"), [
+    ({"batch_size": 4}, ValueError, "batch_sampler option is mutually exclusive with batch_size, shuffle, sampler, and drop_last"),
+    ({"shuffle": True}, ValueError, "mutually exclusive"),
+    ({"drop_last": True}, ValueError, "mutually exclusive"),
+    ({"sampler": range(4)}, ValueError, "mutually exclusive"),
+])
+def test_batch_sampler_with_batching_arguments_is_dataloaders_error(kwargs, exc, message) -> None:
+    ds = TensorDataset(torch.zeros(4, 2))
+    with pytest.raises(ValueError, match="mutually exclusive with batch_size, shuffle, sampler, and drop_last"):
+        torch.utils.data.DataLoader(ds, batch_sampler=[[0, 1]], **kwargs)
+    with pytest.raises(exc, match=message):
+        fastddp.PrefetchLoader(ds, batch_sampler=[[0, 1]], **kwargs)
+
+
+@pytest.mark.parametrize(("batches", "exc", "message"), [
+    ([[0, 1], []], ValueError, "batch_sampler's batch 1 must be a non-empty list of integer indices"),
+    ([[0.5, 1.0]], ValueError, "batch_sampler's batch 0 must be a non-empty list of integer indices, got 2 value"),
+    ([["a"]], TypeError, "batch_sampler's batch 0 is not a list of integer indices"),
+    ([[0, 9]], RuntimeError, "index 9 in batch 0 is out of range for a dataset of 4 samples"),
+])
+def test_bad_batch_sampler_output_is_one_clear_error(batches, exc, message) -> None:
+    loader = fastddp.PrefetchLoader(TensorDataset(torch.zeros(4, 2)), batch_sampler=batches)
+    with pytest.raises(exc, match=message):
+        list(loader)

@@ -21,12 +21,10 @@ _FAST_KINDS = ("tensors", "npy")
 def _check_dataloader_only(**given: Any) -> None:
     """DataLoader arguments that have no meaning for C++ gather threads in this process: only
     their DataLoader defaults are accepted, anything else is one clear error."""
-    defaults = {"worker_init_fn": None, "multiprocessing_context": None,
-                "timeout": 0, "batch_sampler": None}
+    defaults = {"worker_init_fn": None, "multiprocessing_context": None, "timeout": 0}
     why = {"worker_init_fn": "the workers are threads of this process, not worker processes to set up",
            "multiprocessing_context": "no worker processes are started",
-           "timeout": "batches are waited for without a timeout",
-           "batch_sampler": "batches are cut from the sampler's order; pass sampler= and batch_size="}
+           "timeout": "batches are waited for without a timeout"}
     for name, value in given.items():
         if value is not defaults[name] and value != defaults[name]:
             raise ValueError(f"PrefetchLoader: DataLoader's {name}={value!r} is not supported ({why[name]})")
@@ -100,6 +98,10 @@ class PrefetchLoader:
             generator=g)`` given an equal generator).
         sampler: e.g. :class:`fastddp.DistributedSampler`; its ``indices()`` are used when it
             has them, else its iteration order.
+        batch_sampler: as DataLoader's: yields each batch's indices (batches may differ in
+            size, e.g. grouped by length); exclusive with ``batch_size``, ``shuffle``,
+            ``sampler`` and ``drop_last``. ``set_epoch`` is forwarded to it, or to its
+            ``sampler`` (``BatchSampler(DistributedSampler(...), ...)``).
         num_workers: gather threads (at least 1).
         device: where batches are delivered (``"cuda:0"``; None or "cpu" keeps them on the host).
         drop_last: drop the last incomplete batch.
@@ -119,8 +121,8 @@ class PrefetchLoader:
         persistent_workers, prefetch_factor: DataLoader's, accepted so a DataLoader call keeps
             working: the gather threads need no persisting, and ``prefetch_factor`` sets
             ``prefetch`` to ``prefetch_factor * num_workers`` batches in flight, as DataLoader.
-            DataLoader's ``worker_init_fn``, ``multiprocessing_context``, ``timeout`` and
-            ``batch_sampler`` are accepted at their defaults only (a message says why otherwise).
+            DataLoader's ``worker_init_fn``, ``multiprocessing_context`` and ``timeout`` are
+            accepted at their defaults only (a message says why otherwise).
         generator: as DataLoader's: each pass draws from it what DataLoader's iterator draws
             (its base seed, and with ``shuffle`` the permutation); ``state_dict`` keeps the
             generator's state at the start of the pass, so a mid-epoch resume redraws that order.
@@ -155,7 +157,15 @@ class PrefetchLoader:
         batch_sampler: Any = None,
     ) -> None:
         _check_dataloader_only(worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context,
-                               timeout=timeout, batch_sampler=batch_sampler)
+                               timeout=timeout)
+        if batch_sampler is not None:
+            if batch_size != 1 or shuffle or sampler is not None or drop_last:
+                raise ValueError("PrefetchLoader: batch_sampler option is mutually exclusive with "
+                                 "batch_size, shuffle, sampler, and drop_last (as in DataLoader: the "
+                                 "batch_sampler decides them); pass only batch_sampler=")
+            if not hasattr(batch_sampler, "__iter__"):
+                raise TypeError("PrefetchLoader: batch_sampler must be iterable (yielding lists of "
+                                f"indices), got {type(batch_sampler).__name__}")
         if generator is not None and not isinstance(generator, torch.Generator):
             raise TypeError(f"PrefetchLoader: generator must be a torch.Generator, got {type(generator).__name__}")
         if prefetch_factor is not None:
@@ -186,7 +196,9 @@ class PrefetchLoader:
             # The user's collation runs on each batch's samples (the generic path).
             self.kind, self._sources, self._keys = "generic", [], None
         self.dataset = dataset
-        self.batch_size = batch_size
+        self.batch_sampler = batch_sampler
+        # As DataLoader: with a batch_sampler the loader itself has no batch size.
+        self.batch_size: Optional[int] = None if batch_sampler is not None else batch_size
         self.shuffle = bool(shuffle)
         self.sampler = sampler
         self.num_workers = max(1, num_workers)
@@ -275,12 +287,32 @@ class PrefetchLoader:
             torch.empty((), dtype=torch.int64).random_(generator=self.generator)
 
     def _batches(self) -> list[torch.Tensor]:
+        if self.batch_sampler is not None:
+            return [self._batch_indices(k, b) for k, b in enumerate(self.batch_sampler)]
+        assert self.batch_size is not None
         idx = self._epoch_indices()
         n = len(idx)
         end = (n // self.batch_size) * self.batch_size if self.drop_last else n
         return list(idx[:end].split(self.batch_size)) if end else []
 
+    @staticmethod
+    def _batch_indices(k: int, batch: Any) -> torch.Tensor:
+        try:
+            idx = torch.as_tensor(batch if isinstance(batch, torch.Tensor) else list(batch))
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise TypeError(f"PrefetchLoader: batch_sampler's batch {k} is not a list of integer "
+                            f"indices ({exc})") from None
+        if idx.dim() != 1 or idx.numel() == 0 or idx.is_floating_point() or idx.is_complex() \
+                or idx.dtype == torch.bool:
+            raise ValueError(f"PrefetchLoader: batch_sampler's batch {k} must be a non-empty list of "
+                             f"integer indices, got {idx.numel()} value(s) of {idx.dtype} in shape "
+                             f"{tuple(idx.shape)}")
+        return idx.to(torch.int64)
+
     def __len__(self) -> int:
+        if self.batch_sampler is not None:
+            return len(self.batch_sampler)
+        assert self.batch_size is not None
         n = len(self.sampler) if self.sampler is not None else self._length
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
 
@@ -290,14 +322,21 @@ class PrefetchLoader:
             self._skip = 0
         self.epoch = int(epoch)
         self._epoch_pinned = True
-        if self.sampler is not None and hasattr(self.sampler, "set_epoch"):
-            self.sampler.set_epoch(epoch)
+        for s in (self.sampler, self.batch_sampler):
+            if s is None:
+                continue
+            if hasattr(s, "set_epoch"):
+                s.set_epoch(epoch)
+            elif s is self.batch_sampler and hasattr(getattr(s, "sampler", None), "set_epoch"):
+                s.sampler.set_epoch(epoch)  # BatchSampler(DistributedSampler(...), ...)
 
     def state_dict(self) -> dict[str, Any]:
         """Epoch and batches already yielded in it (plus the sampler's state), for resuming."""
         state: dict[str, Any] = {"epoch": self.epoch, "batches_done": self._position}
         if self.sampler is not None and hasattr(self.sampler, "state_dict"):
             state["sampler"] = self.sampler.state_dict()
+        if self.batch_sampler is not None and hasattr(self.batch_sampler, "state_dict"):
+            state["batch_sampler"] = self.batch_sampler.state_dict()
         if self._generator_state is not None:  # the generator as this pass found it
             state["generator_state"] = self._generator_state.clone()
         return state
@@ -306,6 +345,9 @@ class PrefetchLoader:
         """Resume: the next pass starts after the last batch yielded before ``state_dict``."""
         if self.sampler is not None and "sampler" in state and hasattr(self.sampler, "load_state_dict"):
             self.sampler.load_state_dict(state["sampler"])
+        if (self.batch_sampler is not None and "batch_sampler" in state
+                and hasattr(self.batch_sampler, "load_state_dict")):
+            self.batch_sampler.load_state_dict(state["batch_sampler"])
         done = int(state["batches_done"])
         if not 0 <= done <= len(self):
             raise ValueError(f"PrefetchLoader.load_state_dict: batches_done {done} outside [0, {len(self)}]")
