@@ -451,3 +451,27 @@ def test_bad_batch_sampler_output_is_one_clear_error(batches, exc, message) -> N
     loader = fastddp.PrefetchLoader(TensorDataset(torch.zeros(4, 2)), batch_sampler=batches)
     with pytest.raises(exc, match=message):
         list(loader)
+
+
+def test_signature_is_dataloaders() -> None:
+    """A DataLoader call keeps its meaning after the class name changes: the positional
+    parameters are DataLoader's in its order, and every DataLoader keyword is accepted."""
+    import inspect
+
+    theirs = inspect.signature(torch.utils.data.DataLoader.__init__).parameters
+    ours = inspect.signature(fastddp.PrefetchLoader.__init__).parameters
+    positional = [n for n, p in ours.items() if p.kind == p.POSITIONAL_OR_KEYWORD]
+    assert positional == [n for n, p in theirs.items() if p.kind == p.POSITIONAL_OR_KEYWORD]
+    assert set(theirs) <= set(ours)
+    x, y = _data()
+    ds = TensorDataset(x, y)
+    sampler = TorchSampler(ds, num_replicas=2, rank=1, seed=3)
+    # dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn, pin_memory, drop_last
+    args = (ds, 48, None, sampler, None, 0, None, False, True)
+    got, want = list(fastddp.PrefetchLoader(*args, in_order=False, pin_memory_device="")), \
+        list(torch.utils.data.DataLoader(*args, in_order=False))
+    assert len(got) == len(want) == 10
+    for (gx, gy), (wx, wy) in zip(got, want):
+        assert torch.equal(gx, wx) and torch.equal(gy, wy)
+    with pytest.raises(ValueError, match="pin_memory_device='cpu' is not supported: batches are pinned for CUDA"):
+        fastddp.PrefetchLoader(ds, 4, pin_memory_device="cpu")

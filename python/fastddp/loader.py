@@ -121,6 +121,10 @@ class PrefetchLoader:
         persistent_workers, prefetch_factor: DataLoader's, accepted so a DataLoader call keeps
             working: the gather threads need no persisting, and ``prefetch_factor`` sets
             ``prefetch`` to ``prefetch_factor * num_workers`` batches in flight, as DataLoader.
+        in_order, pin_memory_device: DataLoader's; batches always come in order (which
+            ``in_order=False`` allows too), pinned for CUDA ("" or a CUDA device).
+
+    The positional parameters are DataLoader's, in its order; the rest are keyword-only.
             DataLoader's ``worker_init_fn``, ``multiprocessing_context`` and ``timeout`` are
             accepted at their defaults only (a message says why otherwise).
         generator: as DataLoader's: each pass draws from it what DataLoader's iterator draws
@@ -136,28 +140,34 @@ class PrefetchLoader:
         self,
         dataset: Any,
         batch_size: int = 1,
-        shuffle: bool = False,
+        shuffle: Optional[bool] = None,
         sampler: Any = None,
+        batch_sampler: Any = None,
         num_workers: int = 2,
-        device: Union[str, torch.device, None] = None,
-        drop_last: bool = False,
-        prefetch: Optional[int] = None,
+        collate_fn: Optional[Callable[[list[Any]], Any]] = None,
         pin_memory: Optional[bool] = None,
+        drop_last: bool = False,
+        timeout: float = 0,
+        worker_init_fn: Optional[Callable[[int], None]] = None,
+        multiprocessing_context: Any = None,
+        generator: Optional[torch.Generator] = None,
+        *,
+        prefetch_factor: Optional[int] = None,
+        persistent_workers: bool = False,
+        pin_memory_device: str = "",
+        in_order: bool = True,
+        device: Union[str, torch.device, None] = None,
+        prefetch: Optional[int] = None,
         device_resident: Union[bool, str] = False,
         resident_max_bytes: int = 2 << 30,
         pin_dataset: bool = False,
         seed: int = 0,
-        collate_fn: Optional[Callable[[list[Any]], Any]] = None,
-        persistent_workers: bool = False,
-        prefetch_factor: Optional[int] = None,
-        worker_init_fn: Optional[Callable[[int], None]] = None,
-        multiprocessing_context: Any = None,
-        generator: Optional[torch.Generator] = None,
-        timeout: float = 0,
-        batch_sampler: Any = None,
     ) -> None:
         _check_dataloader_only(worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context,
                                timeout=timeout)
+        if pin_memory_device and torch.device(pin_memory_device).type != "cuda":
+            raise ValueError(f"PrefetchLoader: pin_memory_device={pin_memory_device!r} is not supported: "
+                             "batches are pinned for CUDA; leave it empty (DataLoader deprecates it)")
         if batch_sampler is not None:
             if batch_size != 1 or shuffle or sampler is not None or drop_last:
                 raise ValueError("PrefetchLoader: batch_sampler option is mutually exclusive with "
