@@ -463,6 +463,9 @@ def test_signature_is_dataloaders() -> None:
     positional = [n for n, p in ours.items() if p.kind == p.POSITIONAL_OR_KEYWORD]
     assert positional == [n for n, p in theirs.items() if p.kind == p.POSITIONAL_OR_KEYWORD]
     assert set(theirs) <= set(ours)
+    ds0 = TensorDataset(torch.zeros(8, 2))
+    public = lambda obj: {n for n in vars(obj) if not n.startswith("_")}  # noqa: E731
+    assert public(torch.utils.data.DataLoader(ds0, batch_size=2)) <= public(fastddp.PrefetchLoader(ds0, batch_size=2))
     x, y = _data()
     ds = TensorDataset(x, y)
     sampler = TorchSampler(ds, num_replicas=2, rank=1, seed=3)

@@ -207,6 +207,10 @@ class PrefetchLoader:
             self.kind, self._sources, self._keys = "generic", [], None
         self.dataset = dataset
         self.batch_sampler = batch_sampler
+        # DataLoader's attributes, for code that reads them (only their defaults get this far)
+        self.timeout, self.worker_init_fn, self.multiprocessing_context = timeout, worker_init_fn, None
+        self.prefetch_factor, self.in_order = prefetch_factor, bool(in_order)
+        self.pin_memory_device = pin_memory_device
         # As DataLoader: with a batch_sampler the loader itself has no batch size.
         self.batch_size: Optional[int] = None if batch_sampler is not None else batch_size
         self.shuffle = bool(shuffle)
