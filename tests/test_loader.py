@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -478,3 +480,98 @@ def test_signature_is_dataloaders() -> None:
         assert torch.equal(gx, wx) and torch.equal(gy, wy)
     with pytest.raises(ValueError, match="pin_memory_device='cpu' is not supported: batches are pinned for CUDA"):
         fastddp.PrefetchLoader(ds, 4, pin_memory_device="cpu")
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    """A stream of (x, y) samples with a length, optionally failing at one."""
+
+    def __init__(self, n: int, fail_at: int | None = None) -> None:
+        self.n, self.fail_at = n, fail_at
+        self.x, self.y = _data()
+
+    def __iter__(self):
+        for i in range(self.n):
+            if i == self.fail_at:
+                raise KeyError(f"record {i} is corrupt")
+            yield self.x[i], self.y[i]
+
+    def __len__(self) -> int:
+        return self.n
+
+
+class _UnsizedStream(torch.utils.data.IterableDataset):
+    def __init__(self, n: int) -> None:
+        self.inner = _Stream(n)
+
+    def __iter__(self):
+        return iter(self.inner)
+
+
+@pytest.mark.parametrize("batch", [1, 7, 64])
+@pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.parametrize("collate", [False, True])
+def test_iterable_dataset_yields_dataloaders_batches(batch: int, drop_last: bool, collate: bool) -> None:
+    ds = _Stream(301)
+    kwargs = dict(batch_size=batch, drop_last=drop_last,
+                  collate_fn=(lambda s: (torch.stack([a for a, _ in s]), [int(b) for _, b in s])) if collate else None)
+    ours = fastddp.PrefetchLoader(ds, num_workers=2, pin_memory=False, prefetch=2, **kwargs)
+    ref = torch.utils.data.DataLoader(ds, **kwargs)
+    assert ours.transfer == "iterable" and len(ours) == len(ref)
+    for _ in range(2):  # and again: each pass reads the stream anew
+        got, want = list(ours), list(ref)
+        assert len(got) == len(want) == len(ours)
+        for (gx, gy), (wx, wy) in zip(got, want):
+            assert torch.equal(gx, wx) and (gy == wy if collate else torch.equal(gy, wy))
+
+
+def test_iterable_dataset_without_len_errors_and_resumes() -> None:
+    ds = _UnsizedStream(100)
+    loader = fastddp.PrefetchLoader(ds, batch_size=8)
+    with pytest.raises(TypeError, match="PrefetchLoader over _UnsizedStream has no len\\(\\): the IterableDataset defines no __len__"):
+        len(loader)
+    with pytest.raises(TypeError):
+        len(torch.utils.data.DataLoader(ds, batch_size=8))  # DataLoader has none either
+    full = [b.clone() for _, b in loader]
+    assert len(full) == 13
+    it = iter(loader)
+    head = [next(it)[1].clone() for _ in range(5)]
+    state = loader.state_dict()
+    del it
+    resumed = fastddp.PrefetchLoader(_UnsizedStream(100), batch_size=8)
+    resumed.load_state_dict(state)  # the resumed pass reads and drops the first 5 batches
+    tail = [b.clone() for _, b in resumed]
+    assert len(head) + len(tail) == len(full)
+    for a, b in zip(head + tail, full):
+        assert torch.equal(a, b)
+
+
+def test_iterable_dataset_errors_and_early_break() -> None:
+    with pytest.raises(KeyError, match="record 20 is corrupt"):
+        list(fastddp.PrefetchLoader(_Stream(50, fail_at=20), batch_size=4))
+    before = threading.active_count()
+    loader = fastddp.PrefetchLoader(_Stream(1000), batch_size=2, prefetch=2)
+    for i, _ in enumerate(loader):
+        if i == 3:
+            break
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while threading.active_count() > before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert threading.active_count() == before
+    for kwargs in ({"shuffle": True}, {"sampler": range(4)}, {"batch_sampler": [[0]]}):
+        name = next(iter(kwargs))
+        with pytest.raises(ValueError, match=f"expected unspecified {name} option"):
+            torch.utils.data.DataLoader(_Stream(4), **kwargs)
+        with pytest.raises(ValueError, match=f"PrefetchLoader with IterableDataset: expected unspecified {name} option"):
+            fastddp.PrefetchLoader(_Stream(4), **kwargs)
+
+
+@pytest.mark.cuda
+def test_cuda_iterable_dataset_batches() -> None:
+    ds = _Stream(301)
+    ours = fastddp.PrefetchLoader(ds, batch_size=32, device="cuda")
+    got, want = list(ours), list(torch.utils.data.DataLoader(ds, batch_size=32))
+    assert len(got) == len(want) == 10
+    for (gx, gy), (wx, wy) in zip(got, want):
+        assert gx.is_cuda and gy.is_cuda
+        assert torch.equal(gx.cpu(), wx) and torch.equal(gy.cpu(), wy)

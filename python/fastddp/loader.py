@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import queue
+import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Optional, Union
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, TensorDataset, default_collate
+from torch.utils.data import Dataset, IterableDataset, TensorDataset, default_collate
 
 from ._ext import C
 
@@ -32,6 +34,8 @@ def _check_dataloader_only(**given: Any) -> None:
 
 def _as_sources(dataset: Any) -> tuple[str, list[torch.Tensor], Optional[list[str]]]:
     """Classify ``dataset``: ('tensors'|'npy', sources, dict keys or None) or ('generic', [], None)."""
+    if isinstance(dataset, IterableDataset):
+        return "iterable", [], None
     if isinstance(dataset, TensorDataset):
         return "tensors", list(dataset.tensors), None
     if isinstance(dataset, Mapping) and dataset and all(isinstance(v, torch.Tensor) for v in dataset.values()):
@@ -60,7 +64,8 @@ def _as_sources(dataset: Any) -> tuple[str, list[torch.Tensor], Optional[list[st
     if isinstance(dataset, Dataset) or (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
         return "generic", [], None
     raise TypeError(f"PrefetchLoader: cannot load from {type(dataset).__name__}; pass a "
-                    "TensorDataset, a tuple/dict of tensors, .npy paths or a map-style Dataset")
+                    "TensorDataset, a tuple/dict of tensors, .npy paths, a map-style Dataset or "
+                    "an IterableDataset")
 
 
 class _ListSampler:
@@ -86,7 +91,9 @@ class PrefetchLoader:
     common first dimension (fast path: C++ worker threads copy the selected rows into pinned
     ring slots, no per-sample Python); ``.npy`` paths (memory-mapped, same fast path); any
     map-style ``Dataset`` (fallback: ``__getitems__``/``__getitem__`` from Python threads and
-    torch's ``default_collate`` — slower, measured in the benchmarks).
+    torch's ``default_collate`` — slower, measured in the benchmarks); an ``IterableDataset``
+    (one background thread reads the stream once, as ``DataLoader(num_workers=0)`` does, and
+    collates ``batch_size`` samples at a time ahead of the consumer; no sampler or shuffle).
 
     Args:
         dataset: see above.
@@ -196,6 +203,12 @@ class PrefetchLoader:
             raise ValueError("PrefetchLoader: sampler option is mutually exclusive with shuffle "
                              "(shuffle through the sampler, e.g. DistributedSampler(shuffle=True))")
         self.kind, self._sources, self._keys = _as_sources(dataset)
+        if self.kind == "iterable":
+            # DataLoader's rules for an IterableDataset: the stream decides the order.
+            for name, value in (("shuffle", shuffle), ("sampler", sampler), ("batch_sampler", batch_sampler)):
+                if value:
+                    raise ValueError(f"PrefetchLoader with IterableDataset: expected unspecified {name} "
+                                     f"option, but got {name}={value!r} (the stream decides the order)")
         self.collate_fn = collate_fn
         self.persistent_workers = bool(persistent_workers)  # threads: nothing to keep alive
         if collate_fn is not None and self.kind in _FAST_KINDS:
@@ -232,7 +245,12 @@ class PrefetchLoader:
         self._epoch_pinned = True
         self._skip = 0  # batches to skip at the start of the next pass (resume)
         self._position = 0
-        self._length = len(self._sources[0]) if self._sources else len(dataset)
+        if self._sources:
+            self._length: Optional[int] = len(self._sources[0])
+        elif self.kind == "iterable":
+            self._length = len(dataset) if hasattr(dataset, "__len__") else None
+        else:
+            self._length = len(dataset)
         if self.kind in _FAST_KINDS:
             for i, s in enumerate(self._sources):
                 if s.dim() == 0 or len(s) != self._length:
@@ -259,9 +277,12 @@ class PrefetchLoader:
         """How batches reach ``device``: ``"resident"`` (gathered on the device from a copy of
         the data set there), ``"direct"`` (the GPU gathers from page-locked host memory),
         ``"staged"`` (C++ threads gather into pinned slots, then a side-stream copy), ``"host"``
-        (CPU batches) or ``"generic"`` (a map-style Dataset through Python threads)."""
+        (CPU batches), ``"generic"`` (a map-style Dataset through Python threads) or
+        ``"iterable"`` (an IterableDataset read by one Python thread)."""
         if self._resident is not None:
             return "resident"
+        if self.kind == "iterable":
+            return "iterable"
         if self.kind not in _FAST_KINDS:
             return "generic"
         if self.device.type != "cuda":
@@ -327,7 +348,11 @@ class PrefetchLoader:
         if self.batch_sampler is not None:
             return len(self.batch_sampler)
         assert self.batch_size is not None
+        if self.kind == "iterable" and self._length is None:
+            raise TypeError(f"PrefetchLoader over {type(self.dataset).__name__} has no len(): the "
+                            "IterableDataset defines no __len__")
         n = len(self.sampler) if self.sampler is not None else self._length
+        assert n is not None
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
 
     def set_epoch(self, epoch: int) -> None:
@@ -363,8 +388,11 @@ class PrefetchLoader:
                 and hasattr(self.batch_sampler, "load_state_dict")):
             self.batch_sampler.load_state_dict(state["batch_sampler"])
         done = int(state["batches_done"])
-        if not 0 <= done <= len(self):
-            raise ValueError(f"PrefetchLoader.load_state_dict: batches_done {done} outside [0, {len(self)}]")
+        unbounded = self.kind == "iterable" and self._length is None and self.batch_sampler is None
+        upper = None if unbounded else len(self)
+        if done < 0 or (upper is not None and done > upper):
+            raise ValueError(f"PrefetchLoader.load_state_dict: batches_done {done} outside "
+                             f"[0, {'unbounded' if upper is None else upper}]")
         if "generator_state" in state:
             if self.generator is None:
                 raise ValueError("PrefetchLoader.load_state_dict: the state was saved from a loader with a "
@@ -381,6 +409,11 @@ class PrefetchLoader:
 
     def __iter__(self) -> Iterator[Any]:
         self._start_pass()
+        if self.kind == "iterable":
+            skip, self._skip = self._skip, 0
+            self._position = skip
+            yield from self._iter_iterable(skip)
+            return
         batches = self._batches()
         skip, self._skip = self._skip, 0
         self._position = skip
@@ -446,6 +479,66 @@ class PrefetchLoader:
             finally:
                 for fut in pending:
                     fut.cancel()
+
+
+    def _iter_iterable(self, skip: int) -> Iterator[Any]:
+        """One thread reads the stream, collates (and pins) whole batches up to ``prefetch``
+        ahead; the first ``skip`` batches (a resumed pass) are read and dropped there."""
+        assert self.batch_size is not None
+        batch_size, drop_last = self.batch_size, self.drop_last
+        collate = self.collate_fn or default_collate
+        ready: queue.Queue = queue.Queue(maxsize=self.prefetch)
+        stop = threading.Event()
+        end = object()
+
+        def put(item: Any) -> bool:
+            while not stop.is_set():
+                try:
+                    ready.put(item, timeout=0.1)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
+        def produce() -> None:
+            try:
+                samples: list[Any] = []
+                made = 0
+                for sample in self.dataset:
+                    if stop.is_set():  # the consumer left (break, exception, garbage collection)
+                        return
+                    samples.append(sample)
+                    if len(samples) < batch_size:
+                        continue
+                    if made >= skip:
+                        batch = collate(samples)
+                        if not put(_pin(batch) if self.pin_memory else batch):
+                            return
+                    made += 1
+                    samples = []
+                if samples and not drop_last and made >= skip:
+                    batch = collate(samples)
+                    if not put(_pin(batch) if self.pin_memory else batch):
+                        return
+                put(end)
+            except BaseException as exc:  # handed to the consumer, raised there with its traceback
+                put(exc)
+
+        thread = threading.Thread(target=produce, name="fastddp-loader-iterable", daemon=True)
+        thread.start()
+        try:
+            while True:
+                item = ready.get()
+                if item is end:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                self._position += 1
+                yield _to_device(item, self.device)
+        finally:
+            stop.set()
+            # It ends at its next sample; a stream that blocks longer is not waited for here.
+            thread.join(timeout=5.0)
 
 
 def _pin(batch: Any) -> Any:
