@@ -227,6 +227,7 @@ def test_bad_index_is_clear_error() -> None:
     ("kwargs", "exc", "message"),
     [
         ({"batch_size": 0}, ValueError, "batch_size must be a positive integer"),
+        ({"batch_size": None}, ValueError, "batch_size=None \\(DataLoader's unbatched mode, one sample at a time\\) is not supported"),
         ({"num_workers": -1}, ValueError, "num_workers must be >= 0"),
         ({"shuffle": True, "sampler": SequentialSampler(range(N))}, ValueError, "mutually exclusive"),
     ],

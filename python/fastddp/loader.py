@@ -193,6 +193,10 @@ class PrefetchLoader:
                                  "prefetch_factor (batches per worker), not both")
             prefetch = prefetch_factor * max(1, num_workers)  # DataLoader's batches in flight
         prefetch = 4 if prefetch is None else prefetch
+        if batch_size is None and batch_sampler is None:
+            raise ValueError("PrefetchLoader: batch_size=None (DataLoader's unbatched mode, one sample "
+                             "at a time) is not supported: it yields whole batches; pass batch_size=N "
+                             "or a batch_sampler")
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
             raise ValueError(f"PrefetchLoader: batch_size must be a positive integer, got {batch_size!r}")
         if not isinstance(num_workers, int) or num_workers < 0:
