@@ -89,6 +89,7 @@ def test_state_dict_resumes_mid_epoch() -> None:
         ({"num_replicas": 2, "rank": -1}, "invalid rank -1"),
         ({"seed": 1.5}, "seed must be an integer, got 1.5"),
         ({"seed": "0"}, "seed must be an integer, got '0'"),
+        ({"seed": 2**64}, r"seed must fit in 64 bits \(-2\*\*63 <= seed < 2\*\*63\), got 18446744073709551616"),
         ({"order": "random"}, "order must be one of"),
     ],
 )

@@ -18,6 +18,9 @@ _CHUNK = 1 << 16  # indices converted to Python ints at a time while iterating
 def _check_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ValueError(f"DistributedSampler: {name} must be an integer, got {value!r}")
+    if not -(2**63) <= int(value) < 2**63:
+        raise ValueError(f"DistributedSampler: {name} must fit in 64 bits "
+                         f"(-2**63 <= {name} < 2**63), got {value}")
     return int(value)
 
 
