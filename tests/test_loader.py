@@ -576,3 +576,18 @@ def test_cuda_iterable_dataset_batches() -> None:
     for (gx, gy), (wx, wy) in zip(got, want):
         assert gx.is_cuda and gy.is_cuda
         assert torch.equal(gx.cpu(), wx) and torch.equal(gy.cpu(), wy)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="what happens without CUDA")
+@pytest.mark.parametrize("kind", ["tensors", "generic", "iterable"])
+def test_pin_memory_without_cuda_warns_like_dataloader(kind: str) -> None:
+    x, y = _data()
+    ds = {"tensors": TensorDataset(x, y), "generic": _MapDataset(x, y), "iterable": _Stream(N)}[kind]
+    with pytest.warns(UserWarning, match="no accelerator is found"):
+        want = list(torch.utils.data.DataLoader(ds, batch_size=100, pin_memory=True))
+    with pytest.warns(UserWarning, match="PrefetchLoader: pin_memory=True but CUDA is not available; batches are not pinned"):
+        loader = fastddp.PrefetchLoader(ds, batch_size=100, pin_memory=True)
+    got = list(loader)  # was "Found no NVIDIA driver" on the Python paths
+    assert len(got) == len(want) == 10
+    for (gx, gy), (wx, wy) in zip(got, want):
+        assert torch.equal(gx, wx) and torch.equal(gy, wy)

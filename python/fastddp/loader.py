@@ -7,6 +7,7 @@ import concurrent.futures
 import os
 import queue
 import threading
+import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Optional, Union
@@ -55,8 +56,6 @@ def _as_sources(dataset: Any) -> tuple[str, list[torch.Tensor], Optional[list[st
             if not arr.flags.c_contiguous:
                 raise ValueError(f"PrefetchLoader: {p} is not C-contiguous (Fortran order); "
                                  "re-save it with np.save(path, np.ascontiguousarray(a))")
-            import warnings
-
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)  # read-only mmap: we never write
                 arrays.append(torch.from_numpy(arr))
@@ -240,6 +239,12 @@ class PrefetchLoader:
         self.drop_last = bool(drop_last)
         self.prefetch = prefetch
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
+        if self.pin_memory and not torch.cuda.is_available():
+            # As DataLoader: nothing to pin for, so warn and deliver pageable batches (pinning
+            # would fail with "Found no NVIDIA driver" on the first batch).
+            warnings.warn("PrefetchLoader: pin_memory=True but CUDA is not available; batches are "
+                          "not pinned", stacklevel=2)
+            self.pin_memory = False
         self.seed = int(seed)
         self.generator = generator
         self._generator_state: Optional[torch.Tensor] = None  # at the start of the current pass
