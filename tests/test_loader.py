@@ -559,7 +559,7 @@ def test_iterable_dataset_errors_and_early_break() -> None:
     while threading.active_count() > before and time.monotonic() < deadline:
         time.sleep(0.01)
     assert threading.active_count() == before
-    for kwargs in ({"shuffle": True}, {"sampler": range(4)}, {"batch_sampler": [[0]]}):
+    for kwargs in ({"shuffle": True}, {"sampler": range(4)}, {"sampler": []}, {"batch_sampler": [[0]]}):
         name = next(iter(kwargs))
         with pytest.raises(ValueError, match=f"expected unspecified {name} option"):
             torch.utils.data.DataLoader(_Stream(4), **kwargs)

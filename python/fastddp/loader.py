@@ -127,15 +127,15 @@ class PrefetchLoader:
         persistent_workers, prefetch_factor: DataLoader's, accepted so a DataLoader call keeps
             working: the gather threads need no persisting, and ``prefetch_factor`` sets
             ``prefetch`` to ``prefetch_factor * num_workers`` batches in flight, as DataLoader.
-        in_order, pin_memory_device: DataLoader's; batches always come in order (which
-            ``in_order=False`` allows too), pinned for CUDA ("" or a CUDA device).
-
-    The positional parameters are DataLoader's, in its order; the rest are keyword-only.
             DataLoader's ``worker_init_fn``, ``multiprocessing_context`` and ``timeout`` are
             accepted at their defaults only (a message says why otherwise).
+        in_order, pin_memory_device: DataLoader's; batches always come in order (which
+            ``in_order=False`` allows too), pinned for CUDA ("" or a CUDA device).
         generator: as DataLoader's: each pass draws from it what DataLoader's iterator draws
             (its base seed, and with ``shuffle`` the permutation); ``state_dict`` keeps the
             generator's state at the start of the pass, so a mid-epoch resume redraws that order.
+
+    The positional parameters are DataLoader's, in its order; the rest are keyword-only.
 
     Batches yielded on the fast path live in ring slots that are refilled ``prefetch`` batches
     later, unless you still hold them then (they are then left to you and the slot gets new
@@ -208,8 +208,10 @@ class PrefetchLoader:
         self.kind, self._sources, self._keys = _as_sources(dataset)
         if self.kind == "iterable":
             # DataLoader's rules for an IterableDataset: the stream decides the order.
-            for name, value in (("shuffle", shuffle), ("sampler", sampler), ("batch_sampler", batch_sampler)):
-                if value:
+            for name, value, given in (("shuffle", shuffle, shuffle not in (None, False)),
+                                       ("sampler", sampler, sampler is not None),
+                                       ("batch_sampler", batch_sampler, batch_sampler is not None)):
+                if given:
                     raise ValueError(f"PrefetchLoader with IterableDataset: expected unspecified {name} "
                                      f"option, but got {name}={value!r} (the stream decides the order)")
         self.collate_fn = collate_fn
@@ -488,7 +490,6 @@ class PrefetchLoader:
             finally:
                 for fut in pending:
                     fut.cancel()
-
 
     def _iter_iterable(self, skip: int) -> Iterator[Any]:
         """One thread reads the stream, collates (and pins) whole batches up to ``prefetch``
