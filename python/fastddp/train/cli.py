@@ -206,7 +206,8 @@ def validate(args: argparse.Namespace, cuda_count: int) -> None:
         value = getattr(args, name)
         if not isinstance(value, int) or value <= 0:
             raise UsageError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
-    # `not (x > 0)` rather than `x <= 0`, so that NaN (argparse takes "nan") is refused too.
+    # argparse takes "nan" and "inf" for float flags; NaN compares False both ways, so each
+    # float check starts with math.isfinite.
     if not (math.isfinite(args.lr) and args.lr > 0):
         raise UsageError(f"--lr must be a finite number > 0, got {args.lr}")
     if not (math.isfinite(args.weight_decay) and args.weight_decay >= 0):
