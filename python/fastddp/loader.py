@@ -372,13 +372,13 @@ class PrefetchLoader:
             self._skip = 0
         self.epoch = int(epoch)
         self._epoch_pinned = True
-        for s in (self.sampler, self.batch_sampler):
-            if s is None:
-                continue
-            if hasattr(s, "set_epoch"):
+        # a batch sampler without set_epoch may wrap a sampler with one:
+        # BatchSampler(DistributedSampler(...), ...)
+        inner = getattr(self.batch_sampler, "sampler", None)
+        bs = self.batch_sampler if hasattr(self.batch_sampler, "set_epoch") else inner
+        for s in (self.sampler, bs):
+            if s is not None and hasattr(s, "set_epoch"):
                 s.set_epoch(epoch)
-            elif s is self.batch_sampler and hasattr(getattr(s, "sampler", None), "set_epoch"):
-                s.sampler.set_epoch(epoch)  # BatchSampler(DistributedSampler(...), ...)
 
     def state_dict(self) -> dict[str, Any]:
         """Epoch and batches already yielded in it (plus the sampler's state), for resuming."""
@@ -420,15 +420,12 @@ class PrefetchLoader:
 
     def __iter__(self) -> Iterator[Any]:
         self._start_pass()
-        if self.kind == "iterable":
-            skip, self._skip = self._skip, 0
-            self._position = skip
-            yield from self._iter_iterable(skip)
-            return
-        batches = self._batches()
         skip, self._skip = self._skip, 0
         self._position = skip
-        batches = batches[skip:]
+        if self.kind == "iterable":  # a stream: the skipped batches are read, not indexed
+            yield from self._iter_iterable(skip)
+            return
+        batches = self._batches()[skip:]
         if self._resident is not None:
             yield from self._iter_resident(batches)
         elif self.kind in _FAST_KINDS:
@@ -464,10 +461,12 @@ class PrefetchLoader:
             samples = self.dataset.__getitems__(ids)
         else:
             samples = [self.dataset[i] for i in ids]
+        return self._collate(samples)
+
+    def _collate(self, samples: list[Any]) -> Any:
+        """One batch of the Python paths: the user's (or torch's default) collation, pinned."""
         batch = (self.collate_fn or default_collate)(samples)
-        if self.pin_memory:
-            batch = _pin(batch)
-        return batch
+        return _pin(batch) if self.pin_memory else batch
 
     def _iter_generic(self, batches: list[torch.Tensor]) -> Iterator[Any]:
         with concurrent.futures.ThreadPoolExecutor(self.num_workers,
@@ -496,7 +495,6 @@ class PrefetchLoader:
         ahead; the first ``skip`` batches (a resumed pass) are read and dropped there."""
         assert self.batch_size is not None
         batch_size, drop_last = self.batch_size, self.drop_last
-        collate = self.collate_fn or default_collate
         ready: queue.Queue = queue.Queue(maxsize=self.prefetch)
         stop = threading.Event()
         end = object()
@@ -520,16 +518,12 @@ class PrefetchLoader:
                     samples.append(sample)
                     if len(samples) < batch_size:
                         continue
-                    if made >= skip:
-                        batch = collate(samples)
-                        if not put(_pin(batch) if self.pin_memory else batch):
-                            return
+                    if made >= skip and not put(self._collate(samples)):
+                        return
                     made += 1
                     samples = []
-                if samples and not drop_last and made >= skip:
-                    batch = collate(samples)
-                    if not put(_pin(batch) if self.pin_memory else batch):
-                        return
+                if samples and not drop_last and made >= skip and not put(self._collate(samples)):
+                    return
                 put(end)
             except BaseException as exc:  # handed to the consumer, raised there with its traceback
                 put(exc)
