@@ -2,8 +2,9 @@
 
     python benchmarks/report.py [--results benchmarks/results] [--out docs] [--no-plots]
 
-Each ``results/<capability>.json`` (written by ``benchmarks/common.record``) becomes one table:
-machine, torch version, the measured numbers (ratios first) and the command that produced them.
+Each ``results/<capability>.json`` (written by ``benchmarks/common.record``) becomes a section
+with one table per machine and command, headed by the machine, torch version, the date measured
+and the command; the measured numbers follow, ratios first.
 The narrative around the tables lives in ``docs/benchmarks.md`` between the markers
 ``<!-- report:begin -->`` and ``<!-- report:end -->``, which this script rewrites.
 """
@@ -16,35 +17,86 @@ from pathlib import Path
 from typing import Any
 
 BEGIN, END = "<!-- report:begin -->", "<!-- report:end -->"
+PLOTS = ("e2e_samples_per_s.png", "step_time_breakdown.png", "projected_scaling.png")
 
 
 def _fmt(v: Any) -> str:
     if isinstance(v, float):
         return f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}"
+    if isinstance(v, int) and not isinstance(v, bool) and abs(v) >= 10000:
+        return f"{v:,}"
     if v is None:
         return "–"
     return str(v)
 
 
-def table(capability: str, rows: list[dict[str, Any]]) -> str:
+def _machine(m: dict[str, Any]) -> str:
+    """One line naming where a row was measured: the GPU (with its host's cores) or the CPU."""
+    torch = f"torch {m['torch']}" if m.get("torch") else "torch ?"
+    if m.get("gpu"):
+        return f"{m['gpu']} ({m.get('cores', '?')}-core host), {torch}"
+    return f"{m.get('cores', '?')}-core {m.get('cpu', '?')} CPU, {torch}"
+
+
+def _dates(rows: list[dict[str, Any]]) -> str:
+    days = sorted({str(r["time"])[:10] for r in rows if r.get("time")})
+    if not days:
+        return "date not recorded"
+    return days[0] if len(days) == 1 else f"{days[0]} to {days[-1]}"
+
+
+def _flat(r: dict[str, Any]) -> dict[str, Any]:
+    """The row with the numbers of a nested record (``measured``) as ``measured.forward_s``."""
+    out: dict[str, Any] = {}
+    for k, v in r.items():
+        if isinstance(v, dict) and k != "machine":
+            out.update({f"{k}.{sk}": sv for sk, sv in v.items() if not isinstance(sv, (list, dict))})
+        else:
+            out[k] = v
+    return out
+
+
+def _groups(rows: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """Rows measured on one machine by one command with the same fields, in first-seen order:
+    each group is one table, so no table mixes machines and few cells are empty."""
+    groups: dict[tuple[str, str, tuple[str, ...]], list[dict[str, Any]]] = {}
+    for r in rows:
+        fields = tuple(sorted(k for k, v in r.items() if v is not None))
+        key = (json.dumps(r.get("machine", {}), sort_keys=True), r.get("command", ""), fields)
+        groups.setdefault(key, []).append(r)
+    return list(groups.values())
+
+
+def _group_table(rows: list[dict[str, Any]]) -> list[str]:
     keys: list[str] = []
     for r in rows:
         for k in r:
             if (k not in ("name", "machine", "time", "command") and k not in keys
                     and not isinstance(r[k], (list, dict))):
                 keys.append(k)
+    # A text field with one value over the whole group is a property of the table, not of a row:
+    # it is written under the table's heading, so the cells hold numbers and short words.
+    shared = [k for k in keys if isinstance(rows[0].get(k), str)
+              and all(r.get(k) == rows[0][k] for r in rows)]
+    keys = [k for k in keys if k not in shared]
     order = {k: i for i, k in enumerate(keys)}
     keys.sort(key=lambda k: (not any(w in k for w in ("ratio", "speedup")), order[k]))
-    lines = [f"### {capability}", ""]
-    machines = {json.dumps(r.get("machine", {}), sort_keys=True) for r in rows}
-    for m in machines:
-        lines.append(f"Machine: `{m}`")
-    commands = sorted({r.get("command", "") for r in rows if r.get("command")})
-    for c in commands:
-        lines.append(f"Command: `{c}`")
+    info = [f"{_machine(rows[0].get('machine', {}))} · {_dates(rows)}"
+            + (f" · `{rows[0]['command']}`" if rows[0].get("command") else ""),
+            *(f"{k}: {rows[0][k]}" for k in shared)]
+    lines = [ln + "  " for ln in info[:-1]] + info[-1:]  # two spaces: a markdown line break
     lines += ["", "| name | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
     for r in rows:
         lines.append(f"| {r['name']} | " + " | ".join(_fmt(r.get(k)) for k in keys) + " |")
+    return lines
+
+
+def table(capability: str, rows: list[dict[str, Any]]) -> str:
+    """The capability's rows as one table per machine and command, each headed by the machine,
+    the date measured and the command that measured it."""
+    lines = [f"### {capability}"]
+    for group in _groups([_flat(r) for r in rows]):
+        lines += ["", *_group_table(group)]
     return "\n".join(lines) + "\n"
 
 
@@ -129,17 +181,17 @@ def plots(results: dict[str, list[dict[str, Any]]], img: Path) -> list[str]:
                         linestyle="--", label=f"compute floor, {device}, {nproc} proc")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        made.append(_finish(plt, fig, ax, img / "e2e_samples_per_s.png",
+        made.append(_finish(plt, fig, ax, img / PLOTS[0],
                             "batch size per process", "samples/s", "HAR end to end"))
     scaling = results.get("scaling", [])
     ddp = [r for r in results.get("ddp", []) if r.get("fastddp_step_ms") and r.get("torch_step_ms")]
     if scaling or ddp:
-        made.append(_breakdown(plt, scaling, ddp, img / "step_time_breakdown.png"))
+        made.append(_breakdown(plt, scaling, ddp, img / PLOTS[1]))
     if scaling:
         fig, ax = plt.subplots(figsize=(6, 3.5))
         for r in scaling:
             ax.plot(r["gpus"], r["efficiency"], marker="o", label=r["name"])
-        made.append(_finish(plt, fig, ax, img / "projected_scaling.png", "GPUs",
+        made.append(_finish(plt, fig, ax, img / PLOTS[2], "GPUs",
                             "projected scaling efficiency", "Projected (model, not measurement)"))
     return made
 
@@ -149,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--results", default=str(Path(__file__).parent / "results"))
     p.add_argument("--out", default=str(Path(__file__).parent.parent / "docs"))
     p.add_argument("--no-plots", action="store_true",
-                   help="tables only: leave docs/img alone and link no plot")
+                   help="tables only: leave docs/img alone and link the plots already there")
     args = p.parse_args(argv)
     if not args.no_plots:
         try:
@@ -160,7 +212,9 @@ def main(argv: list[str] | None = None) -> None:
     results = {f.stem: json.loads(f.read_text()) for f in sorted(Path(args.results).glob("*.json"))}
     out = Path(args.out)
     body = "\n".join(table(cap, rows) for cap, rows in results.items())
-    for path in ([] if args.no_plots else plots(results, out / "img")):
+    made = ([f"img/{n}" for n in PLOTS if (out / "img" / n).exists()] if args.no_plots
+            else plots(results, out / "img"))
+    for path in made:
         body += f"\n![{Path(path).stem}]({path})\n"
     doc = out / "benchmarks.md"
     text = doc.read_text() if doc.exists() else f"# Benchmarks\n\n{BEGIN}\n{END}\n"
