@@ -1,0 +1,115 @@
+"""The model zoo on two gloo ranks (CPU), and on a GPU machine NCCL world 1 and two ranks
+sharing the GPU (gloo on CUDA tensors):
+
+    pytest benchmarks/zoo -s                # CPU: every model x fp32 / bf16 / fp16
+    pytest benchmarks/zoo -s -m cuda        # GPU
+
+For each model and precision: step time of the bare model, torch DDP and DDPWrapper
+interleaved in rounds (ratios paired within a round; median and spread over the rounds), and
+each contender's peak memory in a process of its own. One progress line per case; rows go to
+``benchmarks/results/zoo.json`` and from there (``python benchmarks/report.py``) into
+docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from tests.distributed import run_distributed
+
+from ..common import SMOKE, record
+from .measure import MEMORY, PRECISIONS, peak_memory, time_rounds
+from .models import NAMES, workload
+
+ROUNDS, STEPS = (1, 1) if SMOKE else (9, 4)
+MEM_STEPS = 1 if SMOKE else 3
+CASES = [pytest.param(n, p, id=f"{n}-{p}") for n in NAMES for p in PRECISIONS]
+
+
+def _paired(times: dict[str, list[float]], num: str, den: str) -> dict[str, float]:
+    """Median and spread of the per-round ratio ``num / den``."""
+    ratios = [a / b for a, b in zip(times[num], times[den])]
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+
+
+def _case(name: str, precision: str, device_type: str, world_size: int, backend: str,
+          scratch: Path) -> dict:
+    wl = workload(name, torch.device(device_type), scratch, SMOKE)  # writes the clips once
+    if precision == "fp16" and not wl.fp16:
+        pytest.skip(f"{name}: torch has no float16 kernel for this model on {device_type}")
+    args = (name, precision, device_type)
+    per_rank = run_distributed(time_rounds, world_size, backend=backend, timeout=3600,
+                               args=(*args, ROUNDS, STEPS, str(scratch), SMOKE))
+    # A step is as slow as its slowest rank: take the per-round maximum over ranks.
+    times = {k: [max(r[k][i] for r in per_rank) for i in range(ROUNDS)] for k in per_rank[0]}
+    mem = {}
+    for kind in MEMORY:
+        peaks = run_distributed(peak_memory, world_size, backend=backend, timeout=1800,
+                                args=(name, precision, kind, device_type, MEM_STEPS,
+                                      str(scratch), SMOKE))
+        mem[kind] = max(peaks) / 2**20
+    row = {"model": name, "precision": precision, "world_size": world_size, "backend": backend,
+           "device": device_type, "rounds": ROUNDS, "steps_per_round": STEPS,
+           **{f"{k}_step_ms": statistics.median(v) * 1e3 for k, v in times.items()},
+           "fastddp_over_bare": _paired(times, "fastddp", "bare"),
+           "fastddp_over_torch": _paired(times, "fastddp", "torch"),
+           "torch_over_bare": _paired(times, "torch", "bare"),
+           **{f"{k}_peak_mib": v for k, v in mem.items()},
+           "command": "pytest benchmarks/zoo -s" + (" -m cuda" if device_type == "cuda" else "")}
+    fb, ft = row["fastddp_over_bare"], row["fastddp_over_torch"]
+    print(f"\n[zoo] {name} {precision} {backend} w{world_size}: step ms bare "
+          f"{row['bare_step_ms']:.1f} torch {row['torch_step_ms']:.1f} fastddp "
+          f"{row['fastddp_step_ms']:.1f} | fastddp/bare {fb['median']:.3f} "
+          f"[{fb['min']:.3f}, {fb['max']:.3f}] | fastddp/torch {ft['median']:.3f} "
+          f"[{ft['min']:.3f}, {ft['max']:.3f}] | peak MiB "
+          + " ".join(f"{k} {row[k + '_peak_mib']:.0f}" for k in MEMORY),
+          flush=True)
+    record("zoo", f"{device_type}-{backend}-w{world_size}-{name}-{precision}", row)
+    return row
+
+
+@pytest.mark.parametrize("name,precision", CASES)
+def test_zoo_cpu_gloo_world2(name: str, precision: str, tmp_path: Path) -> None:
+    if SMOKE:
+        pytest.skip("smoke run: test_zoo_smoke runs every model once")
+    _case(name, precision, "cpu", 2, "gloo", tmp_path)
+
+
+# Each precision path at least once (CPU has no float16 LSTM, so speech runs bf16).
+SMOKE_PLAN = {"resnet18": "fp16", "gpt2": "bf16", "speech": "bf16", "video3d": "fp32",
+              "har": "fp16"}
+
+
+def _smoke_rank(rank: int, world_size: int, scratch: str) -> dict:
+    out = {name: time_rounds(rank, world_size, name, precision, "cpu", 1, 1, scratch, True)
+           for name, precision in SMOKE_PLAN.items()}
+    out["memory"] = {kind: peak_memory(rank, world_size, "har", "fp16", kind, "cpu", 1, scratch,
+                                       True) for kind in MEMORY}
+    return out
+
+
+@pytest.mark.skipif(not SMOKE, reason="the smoke run's quick pass; the full run measures each case")
+def test_zoo_smoke(tmp_path: Path) -> None:
+    """Every model, contender and precision path once, in one pair of ranks (tiny batches)."""
+    workload("video3d", torch.device("cpu"), tmp_path, smoke=True)  # the clips, written once
+    out = run_distributed(_smoke_rank, 2, args=(str(tmp_path),), timeout=900)[0]
+    for name in NAMES:
+        assert all(t[0] > 0 for t in out[name].values()), name
+    assert set(out["memory"]) == set(MEMORY)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name,precision", CASES)
+def test_zoo_gpu_nccl_world1(name: str, precision: str, tmp_path: Path) -> None:
+    _case(name, precision, "cuda", 1, "nccl", tmp_path)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name,precision", CASES)
+def test_zoo_gpu_shared_gloo_world2(name: str, precision: str, tmp_path: Path) -> None:
+    assert dist.is_gloo_available()
+    _case(name, precision, "cuda", 2, "gloo", tmp_path)

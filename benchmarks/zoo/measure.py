@@ -1,0 +1,148 @@
+"""What one rank measures for a zoo case: step times of every contender, interleaved in rounds,
+and (in a process of its own) one contender's peak memory.
+
+Contenders: ``bare`` (the model alone, no communication), ``torch`` (torch DDP, default
+options), ``torch_bv`` (torch DDP with ``gradient_as_bucket_view=True``, memory only) and
+``fastddp`` (DDPWrapper). Each runs the same workload step: zero_grad, forward (under autocast
+for bf16/fp16), backward, AdamW step; fp16 goes through a GradScaler (torch's for the torch
+contenders, fastddp's for DDPWrapper).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+import fastddp
+
+from .models import Workload, workload
+
+TIMED = ("bare", "torch", "fastddp")
+MEMORY = ("bare", "torch", "torch_bv", "fastddp")
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+@dataclass
+class Contender:
+    model: nn.Module
+    opt: torch.optim.Optimizer
+    scaler: Optional[torch.amp.GradScaler]
+
+
+def new_model(wl: Workload, device: torch.device) -> nn.Module:
+    """A fresh copy of the workload's model, the same weights for every contender."""
+    torch.manual_seed(0)
+    return wl.build().to(device)
+
+
+def build(kind: str, model: nn.Module, device: torch.device, precision: str) -> Contender:
+    """Contender ``kind`` over ``model``."""
+    ids = [device.index or 0] if device.type == "cuda" else None
+    if kind in ("torch", "torch_bv"):
+        model = TorchDDP(model, device_ids=ids, gradient_as_bucket_view=kind == "torch_bv")
+    elif kind == "fastddp":
+        model = fastddp.DDPWrapper(model, device_ids=ids)
+    elif kind != "bare":
+        raise ValueError(f"unknown contender {kind!r}")
+    scaler = None
+    if precision == "fp16":
+        scaler = (fastddp.GradScaler(device.type) if kind == "fastddp"
+                  else torch.amp.GradScaler(device.type))
+    return Contender(model, torch.optim.AdamW(model.parameters(), lr=1e-4), scaler)
+
+
+def step(c: Contender, wl: Workload, batch: Any, precision: str, device: torch.device) -> None:
+    """One training step of contender ``c``."""
+    c.opt.zero_grad(set_to_none=True)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    ctx = torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext()
+    with ctx:
+        loss = wl.loss(c.model, batch)
+    if c.scaler is None:
+        loss.backward()
+        c.opt.step()
+    else:
+        c.scaler.scale(loss).backward()
+        c.scaler.step(c.opt)
+        c.scaler.update()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_rounds(rank: int, world_size: int, name: str, precision: str, device_type: str,
+                rounds: int, steps: int, scratch: str, smoke: bool) -> dict[str, list[float]]:
+    """Seconds per step of each timed contender, one figure per round. Every round runs each
+    contender for ``steps`` steps, in an order rotated from round to round so no contender
+    always follows the same one; all ranks start each block together."""
+    device = torch.device(device_type)  # on a GPU machine every rank shares GPU 0
+    wl = workload(name, device, Path(scratch), smoke)
+    contenders = {k: build(k, new_model(wl, device), device, precision) for k in TIMED}
+    for c in contenders.values():  # warm-up: allocations, bucket rebuilds, oneDNN plans
+        for i in range(3):
+            step(c, wl, wl.batch(i), precision, device)
+    times: dict[str, list[float]] = {k: [] for k in TIMED}
+    for r in range(rounds):
+        order = TIMED[r % len(TIMED):] + TIMED[:r % len(TIMED)]
+        for kind in order:
+            batches = [wl.batch(r * steps + i) for i in range(steps)] if name != "video3d" else None
+            if dist.is_initialized():
+                dist.barrier()
+            _sync(device)
+            t0 = time.perf_counter()
+            for i in range(steps):  # the video batch is read from disk inside the step
+                step(contenders[kind], wl, wl.batch(i) if batches is None else batches[i],
+                     precision, device)
+            _sync(device)
+            times[kind].append((time.perf_counter() - t0) / steps)
+    return times
+
+
+def _rss_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def peak_memory(rank: int, world_size: int, name: str, precision: str, kind: str,
+                device_type: str, steps: int, scratch: str, smoke: bool) -> int:
+    """Bytes the contender adds at its peak over the built model: wrapper, optimizer state,
+    gradients, buckets and activations of ``steps`` steps. CPU: peak RSS (VmHWM, reset after
+    the model is built); CUDA: the allocator's peak."""
+    device = torch.device(device_type)
+    wl = workload(name, device, Path(scratch), smoke)
+    model = new_model(wl, device)
+    # One throw-away step first, so one-time costs (kernel libraries, thread pools, oneDNN
+    # primitives) are not counted against the contender.
+    warm = build("bare", new_model(wl, device), device, precision)
+    step(warm, wl, wl.batch(0), precision, device)
+    del warm
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        base = _rss_bytes("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS
+    c = build(kind, model, device, precision)
+    for i in range(steps):
+        step(c, wl, wl.batch(i), precision, device)
+    _sync(device)
+    peak = (torch.cuda.max_memory_allocated() if device.type == "cuda"
+            else _rss_bytes("VmHWM"))
+    return peak - base
