@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 BEGIN, END = "<!-- report:begin -->", "<!-- report:end -->"
-PLOTS = ("e2e_samples_per_s.png", "step_time_breakdown.png", "projected_scaling.png")
+PLOTS = ("e2e_samples_per_s.png", "step_time_breakdown.png", "projected_scaling.png",
+         "zoo_overhead.png")
 
 
 def _fmt(v: Any) -> str:
@@ -154,6 +155,24 @@ def _breakdown(plt, scaling: list[dict[str, Any]], ddp: list[dict[str, Any]], pa
     return f"img/{path.name}"
 
 
+def _zoo(plt, rows: list[dict[str, Any]], path: Path) -> str:
+    """Step time over the bare model per zoo case: DDPWrapper and torch DDP, the median over
+    rounds with the spread as an error bar, and the 1.05 target as a line."""
+    fig, ax = plt.subplots(figsize=(12, 4.5))
+    width, xs = 0.4, range(len(rows))
+    for i, (key, label) in enumerate((("fastddp_over_bare", "DDPWrapper / bare"),
+                                      ("torch_over_bare", "torch DDP / bare"))):
+        med = [r[key]["median"] for r in rows]
+        err = [[m - r[key]["min"] for m, r in zip(med, rows)],
+               [r[key]["max"] - m for m, r in zip(med, rows)]]
+        ax.bar([x + (i - 0.5) * width for x in xs], med, width, yerr=err, capsize=2, label=label)
+    ax.axhline(1.05, color="k", linestyle="--", linewidth=1, label="target 1.05")
+    ax.set_xticks(list(xs), [f"{r['model']} {r['precision']} w{r['world_size']}" for r in rows],
+                  rotation=35, ha="right", fontsize="small")
+    ax.set_ylim(bottom=0.8)
+    return _finish(plt, fig, ax, path, "", "step time / bare model's", "Model zoo (benchmarks/zoo)")
+
+
 def plots(results: dict[str, list[dict[str, Any]]], img: Path) -> list[str]:
     """Draws the PNG plots under ``img``; returns their paths relative to the docs folder."""
     import matplotlib
@@ -193,6 +212,9 @@ def plots(results: dict[str, list[dict[str, Any]]], img: Path) -> list[str]:
             ax.plot(r["gpus"], r["efficiency"], marker="o", label=r["name"])
         made.append(_finish(plt, fig, ax, img / PLOTS[2], "GPUs",
                             "projected scaling efficiency", "Projected (model, not measurement)"))
+    zoo = results.get("zoo", [])
+    if zoo:
+        made.append(_zoo(plt, zoo, img / PLOTS[3]))
     return made
 
 
