@@ -32,6 +32,14 @@ def _is_dense(t: torch.Tensor) -> bool:
     return True
 
 
+def _check_growth_interval(value: Any) -> None:
+    # torch's update kernel takes an integer and grows the scale when the count of clean steps
+    # equals it: an interval <= 0 is accepted and never reached. A non-integer fails only in
+    # torch's first update(); it is refused here when given.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"GradScaler: growth_interval must be an integer, got {value!r}")
+
+
 class GradScaler(torch.amp.GradScaler):
     """Drop-in for :class:`torch.amp.GradScaler` (same constructor, calls and ``state_dict``).
 
@@ -65,8 +73,13 @@ class GradScaler(torch.amp.GradScaler):
                          backoff_factor=backoff_factor, growth_interval=growth_interval,
                          enabled=enabled)
         self._ddp_checked: set[tuple[int, int]] = set()
-        if self._enabled and (not isinstance(growth_interval, int) or growth_interval <= 0):
-            raise ValueError(f"GradScaler: growth_interval must be a positive integer, got {growth_interval!r}")
+        if self._enabled:
+            _check_growth_interval(growth_interval)
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        """As torch's: any integer; one <= 0 is never reached, so the scale never grows."""
+        _check_growth_interval(new_interval)
+        super().set_growth_interval(new_interval)
 
     # ------------------------------------------------------------------ helpers
     @staticmethod
