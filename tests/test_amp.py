@@ -540,3 +540,16 @@ def test_growth_interval_not_an_integer_refused(bad) -> None:
         fastddp.GradScaler("cpu", growth_interval=bad)
     with pytest.raises(TypeError, match="growth_interval must be an integer"):
         fastddp.GradScaler("cpu").set_growth_interval(bad)
+
+
+def test_sparse_gradients_with_fused_clip_refused() -> None:
+    # torch's scaler handles sparse gradients (and the plain step here hands them to its code);
+    # the fused clip of step(max_grad_norm=) works on dense gradients only, and says so.
+    emb = nn.Embedding(10, 3, sparse=True)
+    opt = torch.optim.SGD(emb.parameters(), lr=0.5)
+    scaler = fastddp.GradScaler("cpu")
+    scaler.scale(emb(torch.tensor([1, 2])).sum()).backward()
+    with pytest.raises(TypeError, match=r"sparse gradients .* clip them with torch.nn.utils.clip_grad_norm_"):
+        scaler.step(opt, max_grad_norm=1.0)
+    scaler.step(opt)
+    scaler.update()
