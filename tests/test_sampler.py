@@ -85,8 +85,8 @@ def test_state_dict_resumes_mid_epoch() -> None:
     [
         ({"num_replicas": 0}, ValueError, "num_replicas must be > 0, got 0"),
         ({"num_replicas": -2}, ValueError, "num_replicas must be > 0, got -2"),
-        ({"num_replicas": 2, "rank": 2}, ValueError, r"invalid rank 2, rank should be in the interval \[0, 1\]"),
-        ({"num_replicas": 2, "rank": -1}, ValueError, "invalid rank -1"),
+        ({"num_replicas": 2, "rank": 2}, ValueError, r"^Invalid rank 2, rank should be in the interval \[0, 1\]: DistributedSampler got rank=2"),
+        ({"num_replicas": 2, "rank": -1}, ValueError, "^Invalid rank -1"),
         ({"num_replicas": "2"}, TypeError, "num_replicas must be an integer, got '2'"),
         ({"seed": 1.5}, TypeError, "seed must be an integer, got 1.5"),
         ({"seed": "0"}, TypeError, "seed must be an integer, got '0'"),

@@ -89,11 +89,13 @@ class DistributedSampler(torch.utils.data.Sampler[int]):
         num_replicas = _check_int("num_replicas", _world("num_replicas") if num_replicas is None
                                   else num_replicas)
         rank = _check_int("rank", _world("rank") if rank is None else rank)
+        # torch's sentence first (its tests match "Invalid rank"), then what is wrong
+        invalid = f"Invalid rank {rank}, rank should be in the interval [0, {num_replicas - 1}]"
         if num_replicas <= 0:
-            raise ValueError(f"DistributedSampler: num_replicas must be > 0, got {num_replicas}")
+            raise ValueError(f"{invalid}: DistributedSampler num_replicas must be > 0, got {num_replicas}")
         if rank < 0 or rank >= num_replicas:
-            raise ValueError(f"DistributedSampler: invalid rank {rank}, rank should be in the "
-                             f"interval [0, {num_replicas - 1}]")
+            raise ValueError(f"{invalid}: DistributedSampler got rank={rank} with "
+                             f"num_replicas={num_replicas}")
         if not -(2**63) <= num_replicas < 2**63:
             raise ValueError(f"DistributedSampler: num_replicas must be < 2**63, got {num_replicas}")
         seed = _check_int("seed", seed)

@@ -115,7 +115,7 @@ def test_attributes_set_directly_are_read_by_the_next_iter(attr) -> None:
 def test_invalid_rank(replicas, rank) -> None:
     want, got = _side_by_side(lambda cls: cls(range(10), num_replicas=replicas, rank=rank))
     assert want[0] is ValueError
-    assert want[1].lower() in got[1].lower()  # torch's sentence, in ours
+    assert got[1].startswith(want[1])  # torch's sentence, then ours
 
 
 @pytest.mark.parametrize("replicas", [0, -2])
@@ -124,7 +124,7 @@ def test_num_replicas_not_positive(replicas) -> None:
     # num_replicas, the argument that is wrong.
     want, got = _side_by_side(lambda cls: cls(range(10), num_replicas=replicas, rank=0))
     assert want[0] is ValueError and "Invalid rank 0" in want[1]
-    assert f"num_replicas must be > 0, got {replicas}" in got[1]
+    assert got[1].startswith(want[1]) and f"num_replicas must be > 0, got {replicas}" in got[1]
 
 
 @pytest.mark.parametrize("kwargs", [{}, {"num_replicas": 2}, {"rank": 1}])
