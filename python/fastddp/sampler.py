@@ -129,10 +129,12 @@ class DistributedSampler(torch.utils.data.Sampler[int]):
     def _seeds(self) -> tuple[int, int]:
         """(seed, epoch) as the C++ core takes them. For torch's order ``seed + epoch`` goes
         through ``torch.Generator.manual_seed`` first, so what torch refuses is refused."""
-        if self.shuffle and self.order == "torch":
+        if not self.shuffle:
+            return 0, 0  # the order does not depend on them (torch never reads them then)
+        if self.order == "torch":
             try:
                 torch.Generator().manual_seed(self.seed + self.epoch)
-            except (ValueError, RuntimeError) as exc:
+            except ValueError as exc:  # out of range; a non-integer keeps torch's own error
                 raise ValueError(f"DistributedSampler: seed + epoch = {self.seed} + {self.epoch} is "
                                  "not a valid torch.Generator seed (it must lie in [-2**63, 2**64)); "
                                  f"choose a smaller seed ({exc})") from exc

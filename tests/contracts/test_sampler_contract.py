@@ -98,12 +98,12 @@ def test_iterator_keeps_the_epoch_it_was_created_in() -> None:
     _side_by_side(run)
 
 
-@pytest.mark.parametrize("attr", ["seed", "epoch", "shuffle"])
-def test_attributes_set_directly_are_read_by_the_next_iter(attr) -> None:
-    value = {"seed": 99, "epoch": 7, "shuffle": False}[attr]
-
+@pytest.mark.parametrize(("attr", "value"), [("seed", 99), ("epoch", 7), ("shuffle", False),
+                                             ("seed", 2.5), ("epoch", "x")])
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_attributes_set_directly_are_read_by_the_next_iter(attr, value, shuffle) -> None:
     def run(cls):
-        s = cls(range(30), num_replicas=3, rank=2)
+        s = cls(range(30), num_replicas=3, rank=2, shuffle=shuffle)
         before = list(s)
         setattr(s, attr, value)
         return before, list(s)
