@@ -505,3 +505,51 @@ def test_with_ddp_wrapper_over_random_sequences(fused: bool) -> None:
 
     assert run_distributed(_ddp_scaler_sequences, world_size=2, args=(fused,)) == [
         [f"sequence {s}" for s in range(6)]] * 2
+
+
+def _scale_history(scaler_cls, growth_interval: int, later_interval=None) -> list:
+    """Scale and growth tracker after each of 6 steps (an inf at step 2); ``later_interval``
+    is set with set_growth_interval after step 3."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = scaler_cls("cpu", init_scale=8.0, growth_interval=growth_interval)
+    seen = []
+    for step in range(6):
+        opt.zero_grad()
+        scaler.scale(model(torch.ones(3, 4)).sum() * (float("inf") if step == 2 else 1.0)).backward()
+        scaler.step(opt)
+        scaler.update()
+        seen.append((scaler.get_scale(), scaler.state_dict()["_growth_tracker"]))
+        if step == 3 and later_interval is not None:
+            scaler.set_growth_interval(later_interval)
+    return seen
+
+
+@pytest.mark.parametrize(("interval", "later"), [(0, None), (-3, None), (1, 0), (0, 1)])
+def test_growth_interval_not_positive_as_torch(interval, later) -> None:
+    # torch accepts growth_interval <= 0: the scale then never grows, only backs off.
+    ours = _scale_history(fastddp.GradScaler, interval, later)
+    assert ours == _scale_history(torch.amp.GradScaler, interval, later)
+    assert ours[2][0] == ours[1][0] / 2
+
+
+@pytest.mark.parametrize("bad", [2.5, "3", True])
+def test_growth_interval_not_an_integer_refused(bad) -> None:
+    with pytest.raises(TypeError, match="growth_interval must be an integer"):
+        fastddp.GradScaler("cpu", growth_interval=bad)
+    with pytest.raises(TypeError, match="growth_interval must be an integer"):
+        fastddp.GradScaler("cpu").set_growth_interval(bad)
+
+
+def test_sparse_gradients_with_fused_clip_refused() -> None:
+    # torch's scaler handles sparse gradients (and the plain step here hands them to its code);
+    # the fused clip of step(max_grad_norm=) works on dense gradients only, and says so.
+    emb = nn.Embedding(10, 3, sparse=True)
+    opt = torch.optim.SGD(emb.parameters(), lr=0.5)
+    scaler = fastddp.GradScaler("cpu")
+    scaler.scale(emb(torch.tensor([1, 2])).sum()).backward()
+    with pytest.raises(TypeError, match=r"sparse gradients .* clip them with torch.nn.utils.clip_grad_norm_"):
+        scaler.step(opt, max_grad_norm=1.0)
+    scaler.step(opt)
+    scaler.update()

@@ -81,20 +81,20 @@ def test_state_dict_resumes_mid_epoch() -> None:
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "message"),
+    ("kwargs", "exc", "message"),
     [
-        ({"num_replicas": 0}, "num_replicas must be > 0, got 0"),
-        ({"num_replicas": -2}, "num_replicas must be > 0, got -2"),
-        ({"num_replicas": 2, "rank": 2}, r"invalid rank 2, rank should be in the interval \[0, 1\]"),
-        ({"num_replicas": 2, "rank": -1}, "invalid rank -1"),
-        ({"seed": 1.5}, "seed must be an integer, got 1.5"),
-        ({"seed": "0"}, "seed must be an integer, got '0'"),
-        ({"seed": 2**64}, r"seed must fit in 64 bits \(-2\*\*63 <= seed < 2\*\*63\), got 18446744073709551616"),
-        ({"order": "random"}, "order must be one of"),
+        ({"num_replicas": 0}, ValueError, "num_replicas must be > 0, got 0"),
+        ({"num_replicas": -2}, ValueError, "num_replicas must be > 0, got -2"),
+        ({"num_replicas": 2, "rank": 2}, ValueError, r"^Invalid rank 2, rank should be in the interval \[0, 1\]: DistributedSampler got rank=2"),
+        ({"num_replicas": 2, "rank": -1}, ValueError, "^Invalid rank -1"),
+        ({"num_replicas": "2"}, TypeError, "num_replicas must be an integer, got '2'"),
+        ({"seed": 1.5}, TypeError, "seed must be an integer, got 1.5"),
+        ({"seed": "0"}, TypeError, "seed must be an integer, got '0'"),
+        ({"order": "random"}, ValueError, "order must be one of"),
     ],
 )
-def test_bad_input(kwargs, message) -> None:
-    with pytest.raises(ValueError, match=message):
+def test_bad_input(kwargs, exc, message) -> None:
+    with pytest.raises(exc, match=message):
         fastddp.DistributedSampler(10, **{"num_replicas": 1, "rank": 0, **kwargs})
 
 
@@ -153,6 +153,96 @@ def test_defaults_from_process_group() -> None:
     assert out[1][2] == _torch_order(10, 2, 1, True, 0, 0, False)
 
 
-def test_defaults_without_process_group() -> None:
-    s = fastddp.DistributedSampler(7)
-    assert (s.num_replicas, s.rank) == (1, 0)
+@pytest.mark.parametrize("kwargs", [{}, {"num_replicas": 2}, {"rank": 0}])
+def test_defaults_without_process_group_raise_as_torch(kwargs) -> None:
+    # torch reads the missing value from the default process group, which raises; assuming
+    # one replica would train every rank on the whole dataset without a word.
+    with pytest.raises(ValueError) as want:
+        TorchSampler(range(7), **kwargs)
+    with pytest.raises(ValueError, match="pass num_replicas= and rank= explicitly") as got:
+        fastddp.DistributedSampler(7, **kwargs)
+    assert str(got.value).startswith(str(want.value))
+
+
+def test_every_iter_starts_the_epoch_over() -> None:
+    s = fastddp.DistributedSampler(32, num_replicas=1, rank=0, seed=4)
+    s.set_epoch(2)
+    full = s.indices().tolist()
+    peek = next(iter(s))  # a look at one index before the loop, as scripts do
+    assert peek == full[0]
+    assert list(s) == full and list(s) == full
+    a, b = iter(s), iter(s)
+    assert [next(a) for _ in range(3)] == full[:3]
+    assert list(b) == full and list(a) == full[3:]
+
+
+def test_iterator_indices_fixed_at_creation() -> None:
+    ours = fastddp.DistributedSampler(20, num_replicas=2, rank=1, seed=1)
+    ref = TorchSampler(range(20), num_replicas=2, rank=1, seed=1)
+    it_ours, it_ref = iter(ours), iter(ref)
+    ours.set_epoch(5)
+    ref.set_epoch(5)
+    assert list(it_ours) == list(it_ref)
+    assert list(ours) == list(ref)
+
+
+def test_resume_offset_goes_to_exactly_one_iterator() -> None:
+    s = fastddp.DistributedSampler(40, num_replicas=2, rank=0, seed=3)
+    s.set_epoch(1)
+    full = s.indices().tolist()
+    s.load_state_dict({"epoch": 1, "seed": 3, "position": 7})
+    s.set_epoch(1)  # same epoch: the offset stays pending
+    first, second = iter(s), iter(s)
+    assert list(first) == full[7:]
+    assert list(second) == full
+    assert list(s) == full
+    s.load_state_dict({"epoch": 1, "seed": 3, "position": 7})
+    s.set_epoch(2)  # another epoch: the offset is dropped
+    assert len(list(s)) == len(s)
+
+
+def test_position_follows_the_latest_iterator() -> None:
+    s = fastddp.DistributedSampler(40, num_replicas=1, rank=0)
+    old = iter(s)
+    next(old)
+    new = iter(s)
+    assert s.state_dict()["position"] == 0
+    next(old)
+    next(new), next(new)
+    assert s.state_dict()["position"] == 2
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [{"epoch": "x", "seed": 123, "position": 0}, {"epoch": 1, "seed": 123, "position": 99},
+     {"epoch": 1, "seed": 1.5, "position": 0}, {"epoch": 1, "seed": 123, "position": "0"},
+     {"epoch": 1, "seed": 123}, {"epoch": 1, "seed": 123, "position": 0, "length": 5}],
+)
+def test_refused_state_changes_nothing(bad) -> None:
+    s = fastddp.DistributedSampler(40, num_replicas=2, rank=0, seed=9)
+    s.set_epoch(3)
+    it = iter(s)
+    next(it)
+    before = s.state_dict()
+    with pytest.raises((TypeError, ValueError)):
+        s.load_state_dict(bad)
+    assert s.state_dict() == before
+    assert list(it) == s.indices().tolist()[1:]
+
+
+@pytest.mark.parametrize(("seed", "epoch"), [(2**64 - 1, 0), (-1, 1), (-(2**63), 0), (2**63 - 1, 1)])
+def test_any_seed_torch_accepts(seed, epoch) -> None:
+    ours = _ours(50, 3, 1, True, seed, epoch, False)
+    assert list(ours) == _torch_order(50, 3, 1, True, seed, epoch, False)
+
+
+@pytest.mark.parametrize(("seed", "epoch"), [(2**64 - 1, 1), (2**64, 0), (-(2**63), -1)])
+def test_seed_torch_refuses(seed, epoch) -> None:
+    # torch accepts any seed when constructed and fails in iter() when seed + epoch is not a
+    # valid generator seed; without shuffling the seed is never used.
+    with pytest.raises(ValueError) as want:
+        _torch_order(50, 3, 1, True, seed, epoch, False)
+    with pytest.raises(ValueError, match=r"seed \+ epoch .* is not a valid torch.Generator seed") as got:
+        list(_ours(50, 3, 1, True, seed, epoch, False))
+    assert str(want.value) in str(got.value)
+    assert list(_ours(50, 3, 1, False, seed, epoch, False)) == _torch_order(50, 3, 1, False, seed, epoch, False)

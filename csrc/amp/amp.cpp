@@ -134,7 +134,8 @@ void update_scale_(at::Tensor& scale, at::Tensor& growth_tracker, const at::Tens
   TORCH_CHECK(scale.device() == growth_tracker.device() && scale.device() == found_inf.device(),
               "update_scale_: scale, growth_tracker and found_inf must share a device, got ", scale.device(),
               ", ", growth_tracker.device(), ", ", found_inf.device());
-  TORCH_CHECK(growth_interval > 0, "update_scale_: growth_interval must be > 0, got ", growth_interval);
+  // growth_interval <= 0 is accepted as torch's kernel accepts it: the count of clean steps
+  // (>= 1) never equals it, so the scale only backs off.
   if (scale.is_cuda()) {
     require_cuda_build("update_scale_");
 #ifdef FASTDDP_WITH_CUDA

@@ -121,10 +121,13 @@ at::Tensor epoch_indices(const Plan& plan) {
     return out;
   }
 
-  // torch order: torch.randperm(n, generator=Generator().manual_seed(seed + epoch)). The
-  // permutation depends only on the generator's draws, not on the output dtype, so int32
-  // halves the memory of the one full-size tensor whenever the indices fit.
-  auto gen = at::detail::createCPUGenerator(static_cast<uint64_t>(plan.seed + plan.epoch));
+  // torch order: torch.randperm(n, generator=Generator().manual_seed(seed + epoch)). manual_seed
+  // takes seed + epoch modulo 2^64, which unsigned addition of the two bit patterns gives
+  // without signed overflow. The permutation depends only on the generator's draws, not on
+  // the output dtype, so int32 halves the memory of the one full-size tensor whenever the
+  // indices fit.
+  const uint64_t torch_seed = static_cast<uint64_t>(plan.seed) + static_cast<uint64_t>(plan.epoch);
+  auto gen = at::detail::createCPUGenerator(torch_seed);
   const bool narrow = n <= std::numeric_limits<int32_t>::max();
   at::Tensor perm = at::randperm(n, gen, at::TensorOptions().dtype(narrow ? at::kInt : at::kLong));
   if (narrow) {

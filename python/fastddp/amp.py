@@ -32,6 +32,18 @@ def _is_dense(t: torch.Tensor) -> bool:
     return True
 
 
+def _check_growth_interval(value: Any) -> None:
+    # torch's update kernel takes an integer and grows the scale when the count of clean steps
+    # equals it: an interval <= 0 is accepted and never reached. A non-integer fails only in
+    # torch's first update(); it is refused here when given.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"GradScaler: growth_interval must be an integer, got {value!r}")
+
+
+class _SparseGradients(TypeError):
+    """An optimizer holds sparse gradients: unscale_/step then run torch's own code."""
+
+
 class GradScaler(torch.amp.GradScaler):
     """Drop-in for :class:`torch.amp.GradScaler` (same constructor, calls and ``state_dict``).
 
@@ -47,6 +59,9 @@ class GradScaler(torch.amp.GradScaler):
     ``clip_grad_norm_``) and ``grads`` (operate on these tensors instead of the optimizer's
     ``.grad``s, e.g. :meth:`fastddp.DDPWrapper.bucket_buffers`, so a few flat buffers replace
     hundreds of small tensors).
+
+    An optimizer holding sparse gradients (``nn.Embedding(sparse=True)``) is unscaled and
+    stepped by torch's own code, as with ``torch.amp.GradScaler``.
 
     Host syncs: none with a fused optimizer. With any other optimizer, deciding whether to skip
     the step reads ``found_inf`` once per step (as torch's scaler does).
@@ -65,8 +80,13 @@ class GradScaler(torch.amp.GradScaler):
                          backoff_factor=backoff_factor, growth_interval=growth_interval,
                          enabled=enabled)
         self._ddp_checked: set[tuple[int, int]] = set()
-        if self._enabled and (not isinstance(growth_interval, int) or growth_interval <= 0):
-            raise ValueError(f"GradScaler: growth_interval must be a positive integer, got {growth_interval!r}")
+        if self._enabled:
+            _check_growth_interval(growth_interval)
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        """As torch's: any integer; one <= 0 is never reached, so the scale never grows."""
+        _check_growth_interval(new_interval)
+        super().set_growth_interval(new_interval)
 
     # ------------------------------------------------------------------ helpers
     @staticmethod
@@ -79,8 +99,10 @@ class GradScaler(torch.amp.GradScaler):
         out = []
         for g in grads:
             if g.is_sparse:
-                raise TypeError("fastddp.GradScaler does not handle sparse gradients; use "
-                                "torch.amp.GradScaler for models with sparse embeddings")
+                raise _SparseGradients("fastddp.GradScaler: sparse gradients (e.g. nn.Embedding("
+                                       "sparse=True)) are handled by torch's scaler code, which takes "
+                                       "neither max_grad_norm nor grads=; clip them with "
+                                       "torch.nn.utils.clip_grad_norm_ after unscale_()")
             if not _is_dense(g):
                 # Any dense layout (row-major, channels_last, transposed) is one span of memory
                 # and handled in place; autograd never makes a gradient with gaps or overlaps.
@@ -166,7 +188,14 @@ class GradScaler(torch.amp.GradScaler):
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
-        g = self._collect(optimizer, grads)
+        try:
+            g = self._collect(optimizer, grads)
+        except _SparseGradients:
+            if grads is not None:
+                raise
+            # torch's scaler unscales sparse gradients (coalescing them); so does its code here
+            super().unscale_(optimizer)
+            return
         self._device_of(g)
         state["stage"] = OptState.UNSCALED
         if not g:  # as torch: nothing checked, which step() and update() then report
@@ -221,7 +250,12 @@ class GradScaler(torch.amp.GradScaler):
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
-        g = self._ddp_grads(optimizer, ddp) if ddp is not None else self._collect(optimizer, grads)
+        try:
+            g = self._ddp_grads(optimizer, ddp) if ddp is not None else self._collect(optimizer, grads)
+        except _SparseGradients:
+            if grads is not None or ddp is not None or max_grad_norm is not None:
+                raise
+            return super().step(optimizer, *args, **kwargs)  # unscale_ above takes the same path
         if not g or (state["stage"] is OptState.UNSCALED and not state["found_inf_per_device"]):
             # torch's assertion: no parameter of this optimizer has a gradient (no backward ran?)
             raise AssertionError("No inf checks were recorded for this optimizer.")

@@ -13,15 +13,30 @@ from ._ext import C
 
 _ORDERS = {"torch": 0, "stateless": 1}
 _CHUNK = 1 << 16  # indices converted to Python ints at a time while iterating
+_STATE_KEYS = ("epoch", "seed", "position")
 
 
 def _check_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"DistributedSampler: {name} must be an integer, got {value!r}")
-    if not -(2**63) <= int(value) < 2**63:
-        raise ValueError(f"DistributedSampler: {name} must fit in 64 bits "
-                         f"(-2**63 <= {name} < 2**63), got {value}")
+        raise TypeError(f"DistributedSampler: {name} must be an integer, got {value!r}")
     return int(value)
+
+
+def _as_int64(value: int) -> int:
+    """``value`` modulo 2**64 as a signed 64-bit integer (the bits the C++ core receives)."""
+    value %= 2**64
+    return value - 2**64 if value >= 2**63 else value
+
+
+def _world(what: str) -> int:
+    """The default process group's world size or rank, exactly as torch's sampler reads it."""
+    if not dist.is_available():
+        raise RuntimeError("Requires distributed package to be available")
+    try:
+        return dist.get_world_size() if what == "num_replicas" else dist.get_rank()
+    except ValueError as exc:  # no default process group: torch's ValueError, plus the fix
+        raise ValueError(f"{exc} DistributedSampler: without a process group, pass "
+                         f"num_replicas= and rank= explicitly ({what} was not given).") from exc
 
 
 class DistributedSampler(torch.utils.data.Sampler[int]):
@@ -29,13 +44,17 @@ class DistributedSampler(torch.utils.data.Sampler[int]):
 
     For every (length, num_replicas, rank, shuffle, seed, epoch, drop_last) it yields exactly
     the indices torch's sampler yields, but builds them in C++ as an int64 tensor: no Python
-    list of the whole dataset is ever made, so lengths beyond 2**31 work.
+    list of the whole dataset is ever made, so lengths beyond 2**31 work. As torch's, each
+    ``iter()`` starts the selected epoch from its beginning, and the indices of an iterator are
+    fixed when it is created (a later :meth:`set_epoch` does not change them).
 
     Args:
         dataset: anything with ``__len__``, or the length itself as an int.
-        num_replicas: number of ranks (default: the process group's world size, else 1).
-        rank: this rank (default: the process group's rank, else 0).
-        shuffle: permute the indices each epoch (seeded with ``seed + epoch``).
+        num_replicas: number of ranks (default: the default process group's world size; as
+            torch, raises when no process group is initialized).
+        rank: this rank (default: the default process group's rank; same rule).
+        shuffle: permute the indices each epoch (``torch.randperm`` seeded with
+            ``seed + epoch``, which must be a valid ``torch.Generator.manual_seed`` value).
         seed: base seed, identical on every rank.
         drop_last: drop the tail so every rank gets the same count, instead of padding by
             wrapping around.
@@ -44,7 +63,8 @@ class DistributedSampler(torch.utils.data.Sampler[int]):
             and memory — for huge datasets where even one full permutation is too costly.
 
     Beyond torch's API: :meth:`indices`, :meth:`batches`, :meth:`state_dict` and
-    :meth:`load_state_dict` (resume mid-epoch).
+    :meth:`load_state_dict` (resume mid-epoch: the next iterator, and only it, starts after
+    the indices already yielded).
     """
 
     def __init__(
@@ -66,18 +86,18 @@ class DistributedSampler(torch.utils.data.Sampler[int]):
                             f"got {type(dataset).__name__}")
         if length < 0:
             raise ValueError(f"DistributedSampler: dataset length must be >= 0, got {length}")
-        group = dist.is_available() and dist.is_initialized()
-        if num_replicas is None:
-            num_replicas = dist.get_world_size() if group else 1
-        if rank is None:
-            rank = dist.get_rank() if group else 0
-        num_replicas = _check_int("num_replicas", num_replicas)
-        rank = _check_int("rank", rank)
+        num_replicas = _check_int("num_replicas", _world("num_replicas") if num_replicas is None
+                                  else num_replicas)
+        rank = _check_int("rank", _world("rank") if rank is None else rank)
+        # torch's sentence first (its tests match "Invalid rank"), then what is wrong
+        invalid = f"Invalid rank {rank}, rank should be in the interval [0, {num_replicas - 1}]"
         if num_replicas <= 0:
-            raise ValueError(f"DistributedSampler: num_replicas must be > 0, got {num_replicas}")
+            raise ValueError(f"{invalid}: DistributedSampler num_replicas must be > 0, got {num_replicas}")
         if rank < 0 or rank >= num_replicas:
-            raise ValueError(f"DistributedSampler: invalid rank {rank}, rank should be in the "
-                             f"interval [0, {num_replicas - 1}]")
+            raise ValueError(f"{invalid}: DistributedSampler got rank={rank} with "
+                             f"num_replicas={num_replicas}")
+        if not -(2**63) <= num_replicas < 2**63:
+            raise ValueError(f"DistributedSampler: num_replicas must be < 2**63, got {num_replicas}")
         seed = _check_int("seed", seed)
         if order not in _ORDERS:
             raise ValueError(f"DistributedSampler: order must be one of {sorted(_ORDERS)}, got {order!r}")
@@ -92,24 +112,44 @@ class DistributedSampler(torch.utils.data.Sampler[int]):
         self.epoch = 0
         self.num_samples = C.sampler_num_samples(length, num_replicas, self.drop_last)
         self.total_size = self.num_samples * num_replicas
-        self._position = 0
-        self._cache: Optional[tuple[int, torch.Tensor]] = None
+        self._resume = 0  # offset the next iterator starts at (set by load_state_dict)
+        self._position = 0  # indices yielded in this epoch by the latest iterator
+        self._generation = 0  # which iterator is the latest: only it reports its position
+        self._cache: Optional[tuple[tuple, torch.Tensor]] = None
 
     def set_epoch(self, epoch: int) -> None:
-        """Select the epoch (the shuffle seed is ``seed + epoch``); restarts at its beginning
-        unless the same epoch is already selected (so a resumed position survives)."""
+        """Select the epoch (the shuffle seed is ``seed + epoch``). Selecting another epoch
+        drops a pending resume offset; selecting the same one keeps it."""
         epoch = _check_int("epoch", epoch)
         if epoch != self.epoch:
-            self._position = 0
+            self._resume = self._position = 0
+            self._generation += 1
         self.epoch = epoch
 
+    def _seeds(self) -> tuple[int, int]:
+        """(seed, epoch) as the C++ core takes them. For torch's order ``seed + epoch`` goes
+        through ``torch.Generator.manual_seed`` first, so what torch refuses is refused."""
+        if not self.shuffle:
+            return 0, 0  # the order does not depend on them (torch never reads them then)
+        if self.order == "torch":
+            try:
+                torch.Generator().manual_seed(self.seed + self.epoch)
+            except ValueError as exc:  # out of range; a non-integer keeps torch's own error
+                raise ValueError(f"DistributedSampler: seed + epoch = {self.seed} + {self.epoch} is "
+                                 "not a valid torch.Generator seed (it must lie in [-2**63, 2**64)); "
+                                 f"choose a smaller seed ({exc})") from exc
+        return _as_int64(self.seed), _as_int64(self.epoch)
+
     def indices(self) -> torch.Tensor:
-        """This rank's indices for the current epoch (all of them, ignoring the position), as
-        an int64 CPU tensor. Cached per epoch; treat it as read-only."""
-        if self._cache is None or self._cache[0] != self.epoch:
+        """This rank's indices for the current epoch (all of them, ignoring any resume
+        offset), as an int64 CPU tensor. Cached; treat it as read-only."""
+        key = (self.length, self.num_replicas, self.rank, self.shuffle, self.seed, self.epoch,
+               self.drop_last, self.order)
+        if self._cache is None or self._cache[0] != key:
+            seed, epoch = self._seeds()
             t = C.sampler_epoch_indices(self.length, self.num_replicas, self.rank, self.shuffle,
-                                        self.seed, self.epoch, self.drop_last, _ORDERS[self.order])
-            self._cache = (self.epoch, t)
+                                        seed, epoch, self.drop_last, _ORDERS[self.order])
+            self._cache = (key, t)
         return self._cache[1]
 
     def batches(self, batch_size: int, drop_last: bool = False) -> list[torch.Tensor]:
@@ -122,36 +162,52 @@ class DistributedSampler(torch.utils.data.Sampler[int]):
         return list(idx[:end].split(batch_size))
 
     def __iter__(self) -> Iterator[int]:
+        # Not a generator function: the indices and the start are fixed when iter() is called,
+        # as torch's __iter__ fixes its list, and a resume offset goes to this iterator only.
         idx = self.indices()
-        start = self._position
+        start, self._resume = self._resume, 0
+        self._generation += 1
+        self._position = start
+        return self._yield(idx, start, self._generation)
+
+    def _yield(self, idx: torch.Tensor, start: int, generation: int) -> Iterator[int]:
+        position = start
         for chunk_start in range(start, len(idx), _CHUNK):
             for value in idx[chunk_start:chunk_start + _CHUNK].tolist():
-                self._position += 1
+                position += 1
+                if self._generation == generation:
+                    self._position = position
                 yield value
-        self._position = 0  # a finished epoch starts over when iterated again
 
     def __len__(self) -> int:
         return self.num_samples
 
     def state_dict(self) -> dict[str, Any]:
-        """Epoch, seed and position in the epoch (indices already yielded), for resuming."""
+        """Epoch, seed and position in the epoch (indices yielded by the latest iterator,
+        or the pending resume offset before one is created), for resuming."""
         return {"epoch": self.epoch, "seed": self.seed, "position": self._position,
                 "num_replicas": self.num_replicas, "rank": self.rank, "shuffle": self.shuffle,
                 "drop_last": self.drop_last, "order": self.order, "length": self.length}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`; iteration resumes after the last yielded index."""
-        for key in ("epoch", "seed", "position"):
+        """Restore :meth:`state_dict`: the next iterator resumes after the last yielded index.
+        Everything is checked before anything changes, so a refused state leaves the sampler
+        as it was."""
+        if not isinstance(state, dict):
+            raise TypeError(f"DistributedSampler.load_state_dict: state must be a dict, got "
+                            f"{type(state).__name__}")
+        for key in _STATE_KEYS:
             if key not in state:
                 raise ValueError(f"DistributedSampler.load_state_dict: missing key {key!r}")
         if state.get("length", self.length) != self.length:
             raise ValueError(f"DistributedSampler.load_state_dict: state is for a dataset of "
                              f"{state['length']} items, this one has {self.length}")
+        epoch = _check_int("epoch", state["epoch"])
+        seed = _check_int("seed", state["seed"])
         position = _check_int("position", state["position"])
         if not 0 <= position <= self.num_samples:
             raise ValueError(f"DistributedSampler.load_state_dict: position {position} outside "
                              f"[0, {self.num_samples}]")
-        self.seed = _check_int("seed", state["seed"])
-        self.epoch = _check_int("epoch", state["epoch"])
-        self._cache = None
-        self._position = position
+        self.seed, self.epoch = seed, epoch
+        self._resume = self._position = position
+        self._generation += 1

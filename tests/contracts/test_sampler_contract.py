@@ -1,0 +1,214 @@
+"""Contract: fastddp.DistributedSampler behaves as torch.utils.data.distributed.DistributedSampler.
+
+Each test runs the same scenario against torch's class and ours in this process and compares
+what a user can observe: the values, the exception (type and meaning) and the global RNG state
+afterwards. Where ours refuses what torch accepts, the test says why.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import pickle
+import re
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data.distributed import DistributedSampler as TorchSampler
+
+import fastddp
+
+from ..distributed import run_distributed
+
+CLASSES = {"torch": TorchSampler, "fastddp": fastddp.DistributedSampler}
+
+
+def _outcome(fn: Callable[[type], Any], cls: type) -> tuple[str, Any, torch.Tensor]:
+    """("ok", value) or ("raise", (type, message)), and the global RNG state afterwards, from
+    the same starting state for both classes."""
+    torch.manual_seed(1234)
+    try:
+        result: tuple[str, Any] = ("ok", fn(cls))
+    except Exception as exc:  # the exception itself is what is compared
+        result = ("raise", (type(exc), str(exc)))
+    return result[0], result[1], torch.random.get_rng_state()
+
+
+def _side_by_side(fn: Callable[[type], Any]) -> tuple[Any, Any]:
+    """Run ``fn`` with both classes; assert the same outcome kind, value or exception type,
+    and the same RNG state; return (torch's, ours) values or messages."""
+    kind_t, val_t, rng_t = _outcome(fn, TorchSampler)
+    kind_o, val_o, rng_o = _outcome(fn, fastddp.DistributedSampler)
+    assert kind_o == kind_t, (val_t, val_o)
+    assert torch.equal(rng_o, rng_t), "the global RNG state differs after the same calls"
+    if kind_t == "ok":
+        assert val_o == val_t
+    else:
+        assert val_o[0] is val_t[0], (val_t, val_o)
+    return val_t, val_o
+
+
+CASES = [(n, r, rank, shuffle, drop_last, seed, epoch)
+         for n, r in itertools.product((0, 1, 5, 7, 16), (1, 2, 3, 8))
+         for rank in sorted({0, r - 1})
+         for shuffle, drop_last in itertools.product((True, False), (True, False))
+         for seed, epoch in ((0, 0), (17, 3))]
+
+
+@pytest.mark.parametrize(("n", "replicas", "rank", "shuffle", "drop_last", "seed", "epoch"), CASES)
+def test_order_len_and_attributes(n, replicas, rank, shuffle, drop_last, seed, epoch) -> None:
+    def run(cls):
+        s = cls(range(n), num_replicas=replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
+        s.set_epoch(epoch)
+        return (list(s), len(s), s.num_samples, s.total_size, s.epoch, s.seed, s.shuffle,
+                s.drop_last, s.num_replicas, s.rank)
+
+    _side_by_side(run)
+
+
+def test_every_iter_starts_the_epoch_over() -> None:
+    def run(cls):
+        s = cls(range(32), num_replicas=2, rank=1, seed=3)
+        s.set_epoch(1)
+        peek = next(iter(s))
+        return peek, list(s), list(s)
+
+    _side_by_side(run)
+
+
+def test_interleaved_iterators_are_independent() -> None:
+    def run(cls):
+        s = cls(range(20), num_replicas=1, rank=0)
+        a, b = iter(s), iter(s)
+        return [next(a), next(a), next(b), *a, *b]
+
+    _side_by_side(run)
+
+
+def test_iterator_keeps_the_epoch_it_was_created_in() -> None:
+    def run(cls):
+        s = cls(range(20), num_replicas=2, rank=0, seed=5)
+        it = iter(s)
+        s.set_epoch(4)
+        return list(it), list(s)
+
+    _side_by_side(run)
+
+
+@pytest.mark.parametrize(("attr", "value"), [("seed", 99), ("epoch", 7), ("shuffle", False),
+                                             ("seed", 2.5), ("epoch", "x")])
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_attributes_set_directly_are_read_by_the_next_iter(attr, value, shuffle) -> None:
+    def run(cls):
+        s = cls(range(30), num_replicas=3, rank=2, shuffle=shuffle)
+        before = list(s)
+        setattr(s, attr, value)
+        return before, list(s)
+
+    _side_by_side(run)
+
+
+@pytest.mark.parametrize(("replicas", "rank"), [(2, 2), (2, -1), (1, 5), (3, -3)])
+def test_invalid_rank(replicas, rank) -> None:
+    want, got = _side_by_side(lambda cls: cls(range(10), num_replicas=replicas, rank=rank))
+    assert want[0] is ValueError
+    assert got[1].startswith(want[1])  # torch's sentence, then ours
+
+
+@pytest.mark.parametrize("replicas", [0, -2])
+def test_num_replicas_not_positive(replicas) -> None:
+    # torch reports it as an invalid rank (the interval [0, replicas - 1] is empty); ours names
+    # num_replicas, the argument that is wrong.
+    want, got = _side_by_side(lambda cls: cls(range(10), num_replicas=replicas, rank=0))
+    assert want[0] is ValueError and "Invalid rank 0" in want[1]
+    assert got[1].startswith(want[1]) and f"num_replicas must be > 0, got {replicas}" in got[1]
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"num_replicas": 2}, {"rank": 1}])
+def test_no_process_group_without_explicit_values(kwargs) -> None:
+    want, got = _side_by_side(lambda cls: cls(range(10), **kwargs))
+    assert want[0] is ValueError
+    assert got[1].startswith(want[1]) and "pass num_replicas= and rank=" in got[1]
+
+
+def _per_rank_orders(rank: int, world_size: int) -> tuple[list, list, tuple, tuple]:
+    ours, ref = fastddp.DistributedSampler(range(11)), TorchSampler(range(11))
+    for s in (ours, ref):
+        s.set_epoch(2)
+    return list(ours), list(ref), (ours.num_replicas, ours.rank), (ref.num_replicas, ref.rank)
+
+
+def test_defaults_from_the_process_group() -> None:
+    for ours, ref, ours_world, ref_world in run_distributed(_per_rank_orders, world_size=2):
+        assert ours == ref and ours_world == ref_world
+
+
+@pytest.mark.parametrize(("seed", "epoch"), [(2**64 - 1, 0), (-1, 0), (-(2**63), 0), (2**63, 1),
+                                             (2**64 - 1, 1), (2**64, 0), (-(2**63) - 1, 0)])
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_seed_range(seed, epoch, shuffle) -> None:
+    # torch accepts any seed when constructed; iter() seeds a generator with seed + epoch,
+    # which accepts [-2**63, 2**64). Ours raises the same type there, naming seed + epoch.
+    def run(cls):
+        s = cls(range(12), num_replicas=2, rank=1, shuffle=shuffle, seed=seed)
+        s.set_epoch(epoch)
+        return list(s)
+
+    want, got = _side_by_side(run)
+    if isinstance(want, tuple):
+        assert re.search(r"seed \+ epoch", got[1]) and want[1] in got[1]
+
+
+@pytest.mark.parametrize("seed", [1.5, "1", None])
+def test_non_integer_seed_refused_when_given(seed) -> None:
+    # torch fails only in iter() (manual_seed of a float or str); ours refuses at once, naming seed.
+    with pytest.raises(RuntimeError if seed == 1.5 else TypeError):
+        list(TorchSampler(range(4), num_replicas=1, rank=0, seed=seed))
+    with pytest.raises(TypeError, match="seed must be an integer"):
+        fastddp.DistributedSampler(range(4), num_replicas=1, rank=0, seed=seed)
+
+
+def test_in_a_dataloader() -> None:
+    data = TensorDataset(torch.arange(50.0))
+
+    def run(cls):
+        s = cls(data, num_replicas=3, rank=1, seed=8)
+        loader = DataLoader(data, batch_size=4, sampler=s)
+        out = []
+        for epoch in range(3):
+            s.set_epoch(epoch)
+            out.append(next(iter(loader))[0].tolist())  # a peek, then the whole epoch
+            out.append([b[0].tolist() for b in loader])
+        return out
+
+    _side_by_side(run)
+
+
+def test_global_rng_untouched() -> None:
+    def run(cls):
+        before = torch.random.get_rng_state()
+        s = cls(range(100), num_replicas=2, rank=0)
+        for epoch in range(3):
+            s.set_epoch(epoch)
+            list(s)
+        return torch.equal(before, torch.random.get_rng_state())
+
+    want, _ = _side_by_side(run)
+    assert want is True
+
+
+def test_pickle_and_deepcopy() -> None:
+    def run(cls):
+        s = cls(range(40), num_replicas=4, rank=3, seed=2)
+        s.set_epoch(6)
+        clones = (pickle.loads(pickle.dumps(s)), copy.deepcopy(s))
+        return [list(c) for c in clones] + [[c.epoch, c.seed] for c in clones]
+
+    _side_by_side(run)
+
+
+def test_is_a_torch_sampler() -> None:
+    _side_by_side(lambda cls: isinstance(cls(range(3), num_replicas=1, rank=0), torch.utils.data.Sampler))
