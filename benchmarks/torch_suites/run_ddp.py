@@ -1,0 +1,106 @@
+"""torch's own DistributedDataParallel tests (``torch.testing._internal.distributed.
+distributed_test``, shipped in the wheel) run on gloo with DDPWrapper in torch DDP's place.
+
+    python benchmarks/torch_suites/run_ddp.py [--torch] [-k PATTERN] [--json OUT]
+
+Every ``_DistTestBase`` test whose name mentions DDP runs in torch's own harness (two spawned
+ranks, file:// rendezvous). With ``--torch`` the stock class runs, for the baseline of what
+passes on this machine at all (most DDP cases need GPUs and skip). Prints one line per test and
+a summary; ``--json`` writes ``{test: [outcome, reason]}``. The list of cases that fail only
+with DDPWrapper, with the reason, is kept in docs/compatibility.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import unittest
+
+# distributed_test reads these at import, in the parent and in every spawned rank.
+os.environ.setdefault("BACKEND", "gloo")
+os.environ.setdefault("WORLD_SIZE", "2")
+os.environ.setdefault("TEMP_DIR", tempfile.mkdtemp(prefix="fastddp-torch-suite-"))
+os.environ.setdefault("PYTORCH_PRINT_REPRO_ON_FAILURE", "0")
+
+import torch
+import torch.nn.parallel
+from torch.testing._internal.distributed import distributed_test as dt
+
+import fastddp
+
+SWAP = os.environ.get("FASTDDP_SUITE_STOCK") != "1"
+if SWAP:  # every spelling the suite uses: the module global and torch.nn.parallel's attribute
+    dt.DistributedDataParallel = fastddp.DDPWrapper
+    torch.nn.parallel.DistributedDataParallel = fastddp.DDPWrapper
+
+
+class TestDDPOnGloo(dt.TestDistBackend, dt.DistributedTest._DistTestBase):
+    def setUp(self) -> None:
+        super().setUp()
+        self._spawn_processes()
+
+
+def _selected(pattern: str) -> list[str]:
+    names = unittest.TestLoader().getTestCaseNames(TestDDPOnGloo)
+    ddp = [n for n in names if "ddp" in n.lower() or "distributeddataparallel" in n.lower()]
+    return [n for n in ddp if pattern.lower() in n.lower()]
+
+
+class _Collect(unittest.TextTestResult):
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.outcomes: dict[str, tuple[str, str]] = {}
+
+    def _last_line(self, test, err) -> str:
+        text = self._exc_info_to_string(err, test)
+        lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+        errors = [ln for ln in lines if "Error:" in ln or "Exception:" in ln]  # a rank's exception
+        return (errors or lines or [""])[-1][:300]
+
+    def addSuccess(self, test) -> None:
+        super().addSuccess(test)
+        self.outcomes[test._testMethodName] = ("pass", "")
+
+    def addFailure(self, test, err) -> None:
+        super().addFailure(test, err)
+        self.outcomes[test._testMethodName] = ("fail", self._last_line(test, err))
+
+    def addError(self, test, err) -> None:
+        super().addError(test, err)
+        self.outcomes[test._testMethodName] = ("error", self._last_line(test, err))
+
+    def addSkip(self, test, reason) -> None:
+        super().addSkip(test, reason)
+        self.outcomes[test._testMethodName] = ("skip", str(reason)[:200])
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--torch", action="store_true", help="run stock torch DDP (the baseline)")
+    p.add_argument("-k", default="", help="only tests whose name contains this")
+    p.add_argument("--json", help="write {test: [outcome, reason]} here")
+    args = p.parse_args()
+    if args.torch:  # the spawned ranks import this module afresh: tell them through the env
+        os.environ["FASTDDP_SUITE_STOCK"] = "1"
+        os.execv(sys.executable, [sys.executable, *sys.argv[:1],
+                                  *[a for a in sys.argv[1:] if a != "--torch"]])
+    suite = unittest.TestSuite(TestDDPOnGloo(n) for n in _selected(args.k))
+    result = unittest.TextTestRunner(resultclass=_Collect, verbosity=2, stream=sys.stdout).run(suite)
+    side = "DDPWrapper" if SWAP else "torch DDP"
+    counts = {k: sum(1 for o, _ in result.outcomes.values() if o == k)
+              for k in ("pass", "fail", "error", "skip")}
+    print(f"\n{side}: " + ", ".join(f"{v} {k}" for k, v in counts.items()))
+    for name, (outcome, reason) in sorted(result.outcomes.items()):
+        if outcome in ("fail", "error"):
+            print(f"  {outcome}: {name}: {reason}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result.outcomes, f, indent=1, sort_keys=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
