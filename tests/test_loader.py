@@ -598,3 +598,26 @@ def test_pin_memory_without_cuda_warns_like_dataloader(kind: str) -> None:
     assert len(got) == len(want) == 10
     for (gx, gy), (wx, wy) in zip(got, want):
         assert torch.equal(gx, wx) and torch.equal(gy, wy)
+
+
+def test_mid_epoch_resume_of_a_global_generator_shuffle() -> None:
+    """shuffle=True drawing from the global generator: a pass resumed from state_dict redraws the
+    saved pass's order without drawing from the global generator, so a trainer that restores
+    its global state from the same checkpoint continues exactly as the uninterrupted run."""
+    x, y = _data()
+    torch.manual_seed(21)
+    loader = fastddp.PrefetchLoader(TensorDataset(x, y), batch_size=100, shuffle=True)
+    it = iter(loader)
+    head = [next(it)[1].clone() for _ in range(3)]
+    state, rng = loader.state_dict(), torch.random.get_rng_state()
+    rest = [b.clone() for _, b in it]
+    after = torch.rand(4)  # what the uninterrupted run draws next
+
+    torch.manual_seed(999)  # a new process: its own global state until the trainer restores it
+    resumed = fastddp.PrefetchLoader(TensorDataset(x, y), batch_size=100, shuffle=True)
+    resumed.load_state_dict(state)
+    torch.random.set_rng_state(rng)
+    tail = [b.clone() for _, b in resumed]
+    assert len(head) + len(tail) == len(loader) and all(torch.equal(a, b) for a, b in zip(tail, rest))
+    assert torch.equal(torch.rand(4), after)
+    assert torch.equal(torch.sort(torch.cat(head + tail)).values, torch.sort(y).values)

@@ -27,10 +27,15 @@ class LoaderIterator:
         self._pass, self._hooks = pass_, hooks
         self._yielded = 0
 
-    def _reset(self, loader: Any = None) -> None:
-        """A new pass on the same workers (``persistent_workers``), as DataLoader's ``_reset``."""
+    def reset(self) -> None:
+        """A new pass on the same workers (``persistent_workers``): no new base seed is drawn,
+        as DataLoader's ``_reset`` draws none."""
         self._hooks.restart(self._pass, False)
         self._yielded = 0
+
+    def _reset(self, loader: Any = None) -> None:
+        """DataLoader's name for :meth:`reset`."""
+        self.reset()
 
     def __iter__(self) -> LoaderIterator:
         return self

@@ -203,7 +203,7 @@ class PrefetchLoader:
             if self._iterator is None:
                 self._iterator = self._new_iterator()
             else:
-                self._iterator._reset(self)
+                self._iterator.reset()
             return self._iterator
         return self._new_iterator()
 
