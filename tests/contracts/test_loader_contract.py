@@ -384,11 +384,49 @@ def test_len_of_an_iterable_dataset(kwargs: dict, sized: bool) -> None:
     assert len(ref) == len(ours) == want
 
 
+class PerWorker(IterableDataset):
+    """Each worker process yields its own share (worker k: range(sizes[k]))."""
+
+    def __init__(self, sizes: list[int]) -> None:
+        self.sizes = sizes
+
+    def __iter__(self):
+        info = get_worker_info()
+        return iter(range(sum(self.sizes) if info is None else self.sizes[info.id]))
+
+    def __len__(self) -> int:
+        return sum(self.sizes)
+
+
+@pytest.mark.parametrize("kwargs", [{"batch_size": None}, {"batch_size": 3}, {"batch_size": 3, "drop_last": True}])
+def test_iterable_dataset_split_across_workers(kwargs: dict) -> None:
+    side_by_side(lambda: PerWorker([0, 4, 9]), num_workers=3, passes=1, **kwargs)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_iterable_dataset_longer_than_reported_warns_as_dataloader(workers: int) -> None:
+    import warnings
+
+    texts = []
+    for cls in (DataLoader, fastddp.PrefetchLoader):
+        loader = cls(Stream(n=6), batch_size=None, num_workers=workers)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            list(loader)  # no len() asked: no warning
+            assert len(loader) == 6
+            got = list(loader)  # twice the data with two workers: warned from the 7th on
+        texts.append(([str(w.message).replace(repr(loader.dataset), "") for w in caught], len(got)))
+    assert texts[0] == texts[1]
+
+
 def test_iterator_protocol() -> None:
     for cls in (DataLoader, fastddp.PrefetchLoader):
         loader = cls(tensors(), batch_size=5)
         it = iter(loader)
         assert iter(it) is it and len(it) == len(loader) == 5
+        stream_it = iter(cls(Stream(), batch_size=5))
+        with pytest.raises(TypeError, match="has no len"):
+            len(stream_it)  # its sampler is endless, whatever the stream's length
 
 
 def test_pin_memory_warnings_without_an_accelerator() -> None:

@@ -16,7 +16,8 @@ class LoaderHooks:
     restart: Callable[[Any, bool], None]          # (pass, draw_seed): start the pass anew
     on_batch: Callable[[], None]                  # a batch was delivered
     len_reported: Callable[[], Optional[int]]     # len() last reported for an IterableDataset
-    length: Callable[[], int]                     # len(loader)
+    length: Callable[[], int]                     # the iterator's len(), as DataLoader's
+    num_workers: Callable[[], int]
     dataset: Any
 
 
@@ -26,12 +27,14 @@ class LoaderIterator:
     def __init__(self, pass_: Any, hooks: LoaderHooks) -> None:
         self._pass, self._hooks = pass_, hooks
         self._yielded = 0
+        self._reported = hooks.len_reported()  # as DataLoader: what len() said before this pass
 
     def reset(self) -> None:
         """A new pass on the same workers (``persistent_workers``): no new base seed is drawn,
         as DataLoader's ``_reset`` draws none."""
         self._hooks.restart(self._pass, False)
         self._yielded = 0
+        self._reported = self._hooks.len_reported()
 
     def _reset(self, loader: Any = None) -> None:
         """DataLoader's name for :meth:`reset`."""
@@ -44,11 +47,16 @@ class LoaderIterator:
         batch = self._pass.next()
         self._yielded += 1
         self._hooks.on_batch()
-        reported = self._hooks.len_reported()
+        reported = self._reported
         if reported is not None and self._yielded > reported:
-            warnings.warn(f"Length of IterableDataset {self._hooks.dataset} was reported to be "
-                          f"{reported}(when accessing len(dataloader)), but {self._yielded} samples "
-                          "have been fetched. ", stacklevel=2)
+            message = (f"Length of IterableDataset {self._hooks.dataset} was reported to be {reported}"
+                       f"(when accessing len(dataloader)), but {self._yielded} samples have been fetched. ")
+            if self._hooks.num_workers() > 0:
+                message += ("For multiprocessing data-loading, this could be caused by not properly "
+                            "configuring the IterableDataset replica at each worker. Please see "
+                            "https://pytorch.org/docs/stable/data.html#torch.utils.data.IterableDataset "
+                            "for examples.")
+            warnings.warn(message, stacklevel=2)
         return batch
 
     def __len__(self) -> int:

@@ -161,7 +161,8 @@ class PrefetchLoader:
         tensors, resident = self._prepared()
         workers = self.num_workers
         if workers > 0:  # DataLoader's workers are handed prefetch_factor batches each at once
-            start, first = (self.prefetch_factor or 0) * workers, 0
+            factor = 2 if self.prefetch_factor is None else self.prefetch_factor  # DataLoader's default
+            start, first = factor * workers, 0
         else:  # DataLoader reads one batch per next(); reading ahead is safe for known samplers
             start, first = 0, (self.prefetch - 1 if reads_ahead_unobserved(self.batch_sampler) else 0)
         pin = (self.pin_memory and torch.accelerator.is_available()) or self.device.type == "cuda"
@@ -191,8 +192,8 @@ class PrefetchLoader:
             pass_ = TorchPass(*build_runner(self, self._src.dataset, self._src.kind == "iterable"), self.device)
         self._start(pass_, True)
         hooks = LoaderHooks(restart=self._start, on_batch=self._batch_delivered,
-                            len_reported=lambda: self._iterable_len_reported, length=self.__len__,
-                            dataset=self.dataset)
+                            len_reported=lambda: self._iterable_len_reported, length=self._iterator_len,
+                            num_workers=lambda: self.num_workers, dataset=self.dataset)
         return LoaderIterator(pass_, hooks)
 
     def _batch_delivered(self) -> None:
@@ -214,6 +215,13 @@ class PrefetchLoader:
                 length = length // self.batch_size if self.drop_last else -(-length // self.batch_size)
             return length
         return len(self.batch_sampler if self.batch_sampler is not None else self.sampler)
+
+    def _iterator_len(self) -> int:
+        """len() of an iterator, as DataLoader's: the index sampler's length; an
+        IterableDataset's iterator has none (its sampler is endless)."""
+        if self._src.kind == "iterable":
+            raise TypeError("object of type '_InfiniteConstantSampler' has no len()")
+        return len(self)
 
     @property
     def transfer(self) -> str:
