@@ -419,6 +419,56 @@ def test_iterable_dataset_longer_than_reported_warns_as_dataloader(workers: int)
     assert texts[0] == texts[1]
 
 
+def test_list_of_tensors_is_a_sequence_of_samples() -> None:
+    """DataLoader reads a list of tensors as samples (it may grow between passes); a tuple of
+    tensors is PrefetchLoader's columns form (docs/compatibility.md)."""
+    ref_ds, our_ds = [torch.full((3,), float(i)) for i in range(5)], [torch.full((3,), float(i)) for i in range(5)]
+    ref, ours = DataLoader(ref_ds, batch_size=2), fastddp.PrefetchLoader(our_ds, batch_size=2)
+    same(outcomes(ref), outcomes(ours))
+    ref_ds.append(torch.ones(3))
+    our_ds.append(torch.ones(3))
+    assert len(ref) == len(ours) == 3
+    same(outcomes(ref), outcomes(ours))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_batch_sampler_of_tuples(workers: int) -> None:
+    batches = [tuple(range(i, i + 2)) for i in range(0, 20, 5)] + [tuple(range(i + 2, i + 5)) for i in range(0, 20, 5)]
+    side_by_side(tensors, batch_sampler=batches, num_workers=workers, passes=1)
+
+
+def test_range_sampler() -> None:
+    side_by_side(tensors, sampler=range(2, 12), batch_size=2, passes=1)
+
+
+class NumpySamples(Dataset):
+    def __len__(self) -> int:
+        return 30
+
+    def __getitem__(self, i: int) -> Any:
+        import numpy as np
+
+        return np.ones((2, 3)) * i
+
+
+def test_numpy_samples_become_double_tensors() -> None:
+    side_by_side(NumpySamples, batch_size=12, passes=1)
+
+
+class Doubled(torch.utils.data.Subset):
+    """A Subset whose batched read (``__getitems__``) transforms samples."""
+
+    def __getitem__(self, idx: int) -> torch.Tensor:
+        return self.dataset[self.indices[idx]][1] * 2
+
+    def __getitems__(self, indices: list[int]) -> list[torch.Tensor]:
+        return [self[i] for i in indices]
+
+
+def test_dataset_getitems_is_used() -> None:
+    side_by_side(lambda: Doubled(tensors(), [0, 1, 2, 3, 7]), batch_size=2, passes=1)
+
+
 def test_iterator_protocol() -> None:
     for cls in (DataLoader, fastddp.PrefetchLoader):
         loader = cls(tensors(), batch_size=5)

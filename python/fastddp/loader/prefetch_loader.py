@@ -36,8 +36,9 @@ class PrefetchLoader:
 
     How batches are made:
 
-    * a :class:`~torch.utils.data.TensorDataset` (or PrefetchLoader's own forms: a tensor, a
-      tuple/list/dict of tensors, ``.npy`` paths, memory-mapped) with the default collation:
+    * a :class:`~torch.utils.data.TensorDataset` (or PrefetchLoader's own forms, read as its
+      columns: a tuple or dict of tensors, ``.npy`` paths, memory-mapped; see
+      docs/compatibility.md) with the default collation:
       C++ threads gather each batch's rows into a ring of (pinned) slots and, for a CUDA
       ``device``, copy them there on a side stream. ``num_workers`` threads (two when it is 0:
       no Python runs in them, so nothing of DataLoader's main-process loading changes).

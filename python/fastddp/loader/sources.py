@@ -31,7 +31,8 @@ class Columns(Dataset):
 
 @dataclass
 class Sources:
-    """``kind``: ``"tensors"``/``"npy"`` (PrefetchLoader's forms, always gathered natively),
+    """``kind``: ``"tensors"``/``"npy"`` (PrefetchLoader's forms: a tensor, a tuple or dict of
+    tensors, ``.npy`` paths; always gathered natively),
     ``"dataset"`` (a map-style Dataset; ``gatherable`` when it is a plain TensorDataset) or
     ``"iterable"``. ``dataset`` is what the DataLoader machinery indexes."""
 
@@ -115,7 +116,9 @@ def classify(dataset: Any) -> Sources:
     if isinstance(dataset, Mapping) and dataset and all(isinstance(v, torch.Tensor) for v in dataset.values()):
         _check_rows(list(dataset.values()))
         return Sources("tensors", Columns(list(dataset.values())), keys=list(dataset.keys()))
-    if isinstance(dataset, (tuple, list)) and dataset and all(isinstance(v, torch.Tensor) for v in dataset):
+    # A tuple of tensors is columns (TensorDataset(*t)); a list of tensors stays what DataLoader
+    # reads it as: a sequence of samples.
+    if isinstance(dataset, tuple) and dataset and all(isinstance(v, torch.Tensor) for v in dataset):
         _check_rows(list(dataset))
         return Sources("tensors", Columns(list(dataset)), single=len(dataset) == 1)
     if isinstance(dataset, (str, os.PathLike)) or (
