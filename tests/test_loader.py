@@ -621,3 +621,41 @@ def test_mid_epoch_resume_of_a_global_generator_shuffle() -> None:
     assert len(head) + len(tail) == len(loader) and all(torch.equal(a, b) for a, b in zip(tail, rest))
     assert torch.equal(torch.rand(4), after)
     assert torch.equal(torch.sort(torch.cat(head + tail)).values, torch.sort(y).values)
+
+
+_TORCH_STYLE_SUITE = '''
+import unittest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class TestDataLoader(unittest.TestCase):
+    def test_batches(self):
+        ds = TensorDataset(torch.arange(10.0))
+        self.assertEqual(len(list(DataLoader(ds, batch_size=3))), 4)
+
+    def test_class_in_use(self):
+        self.assertEqual(DataLoader.__name__, "PrefetchLoader")
+
+    def test_private_iterator_member(self):
+        iter(torch.utils.data.DataLoader(TensorDataset(torch.zeros(4)), num_workers=0))._workers
+'''
+
+
+def test_torch_suite_runner_swaps_the_class_and_lists_failures(tmp_path) -> None:
+    """benchmarks/torch_suites/run_dataloader.py runs a torch-style test module with
+    PrefetchLoader in DataLoader's place and lists what fails, with the exception."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "benchmarks" / "torch_suites" / "run_dataloader.py"
+    spec = importlib.util.spec_from_file_location("run_dataloader", path)
+    runner = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(runner)
+    suite = tmp_path / "test_dataloader.py"
+    suite.write_text(_TORCH_STYLE_SUITE)
+    rows = {tid.rsplit(".", 1)[1]: (outcome, why) for tid, outcome, why in runner.run_suite(suite)}
+    assert rows["test_batches"] == ("passed", "") and rows["test_class_in_use"] == ("passed", "")
+    assert rows["test_private_iterator_member"][0] == "error"
+    assert "has no attribute '_workers'" in rows["test_private_iterator_member"][1]
+    assert torch.utils.data.DataLoader.__name__ == "DataLoader"  # restored afterwards
