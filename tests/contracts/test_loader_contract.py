@@ -469,6 +469,55 @@ def test_dataset_getitems_is_used() -> None:
     side_by_side(lambda: Doubled(tensors(), [0, 1, 2, 3, 7]), batch_size=2, passes=1)
 
 
+class FailingStream(IterableDataset):
+    def __iter__(self):
+        raise RuntimeError("Error in __iter__")
+
+
+def _failing_init(worker_id: int) -> None:
+    raise RuntimeError("Error in worker_init_fn")
+
+
+@pytest.mark.parametrize(("make", "kwargs"), [
+    (FailingStream, {"num_workers": 0}), (FailingStream, {"num_workers": 2}),
+    (tensors, {"num_workers": 2, "worker_init_fn": _failing_init}),
+])
+def test_errors_while_a_pass_starts(make: Callable[[], Any], kwargs: dict) -> None:
+    for cls in (DataLoader, fastddp.PrefetchLoader):
+        with pytest.raises(RuntimeError, match="Error in"):
+            list(cls(make(), **kwargs))
+
+
+class Bulk(Dataset):
+    """Reads a whole list of indices at once (unbatched mode with a sampler of lists)."""
+
+    def __len__(self) -> int:
+        return 35
+
+    def __getitem__(self, indices: list[int]) -> torch.Tensor:
+        assert isinstance(indices, list)
+        return torch.as_tensor(indices)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_unbatched_sampler_of_lists(workers: int) -> None:
+    side_by_side(Bulk, batch_size=None, num_workers=workers, passes=1,
+                 sampler=[list(range(i, min(i + 4, 35))) for i in range(0, 35, 4)])
+
+
+def test_private_collation_view() -> None:
+    for kwargs in ({"batch_size": 2}, {"batch_size": None}):
+        ref, ours = DataLoader(tensors(), **kwargs), fastddp.PrefetchLoader(tensors(), **kwargs)
+        assert ref._auto_collation == ours._auto_collation
+        assert type(ref._index_sampler) is type(ours._index_sampler)
+
+
+def test_too_many_workers_warns_as_dataloader() -> None:
+    for cls in (DataLoader, fastddp.PrefetchLoader):
+        with pytest.warns(UserWarning, match="excessive worker creation might get DataLoader running slow"):
+            cls(tensors(), batch_size=2, num_workers=1000)
+
+
 def test_iterator_protocol() -> None:
     for cls in (DataLoader, fastddp.PrefetchLoader):
         loader = cls(tensors(), batch_size=5)

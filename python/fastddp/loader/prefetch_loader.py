@@ -215,7 +215,17 @@ class PrefetchLoader:
             if self.batch_size is not None:
                 length = length // self.batch_size if self.drop_last else -(-length // self.batch_size)
             return length
-        return len(self.batch_sampler if self.batch_sampler is not None else self.sampler)
+        return len(self._index_sampler)
+
+    @property
+    def _auto_collation(self) -> bool:
+        """DataLoader's name: whether samples are collated into batches (a batch sampler exists)."""
+        return self.batch_sampler is not None
+
+    @property
+    def _index_sampler(self) -> Any:
+        """DataLoader's name: the sampler each step reads (the batch sampler when batching)."""
+        return self.batch_sampler if self._auto_collation else self.sampler
 
     def _iterator_len(self) -> int:
         """len() of an iterator, as DataLoader's: the index sampler's length; an
