@@ -570,7 +570,7 @@ def test_iterable_dataset_errors_and_early_break() -> None:
         name = next(iter(kwargs))
         with pytest.raises(ValueError, match=f"expected unspecified {name} option"):
             torch.utils.data.DataLoader(_Stream(4), **kwargs)
-        with pytest.raises(ValueError, match=f"PrefetchLoader with IterableDataset: expected unspecified {name} option"):
+        with pytest.raises(ValueError, match=f"PrefetchLoader: DataLoader with IterableDataset: expected unspecified {name} option"):
             fastddp.PrefetchLoader(_Stream(4), **kwargs)
 
 

@@ -48,7 +48,9 @@ def load(path: Path) -> Any:
 
 def reason(err: Any) -> str:
     """The last line of a formatted traceback: the exception and its message."""
-    lines = [line for line in str(err).strip().splitlines() if line.strip()]
+    trailer = ("To execute this test", "python ", "This message can be suppressed")  # torch's TestCase
+    lines = [line for line in str(err).strip().splitlines()
+             if line.strip() and not line.strip().startswith(trailer)]
     return lines[-1].strip() if lines else "?"
 
 

@@ -1,5 +1,5 @@
 """Argument checking for PrefetchLoader: DataLoader's arguments are checked by DataLoader itself
-(same exception types and meanings, named for PrefetchLoader); PrefetchLoader's own are
+(the same exception types and messages, prefixed with PrefetchLoader); PrefetchLoader's own are
 checked here."""
 
 from __future__ import annotations
@@ -17,10 +17,7 @@ def make_spec(dataset: Any, *args: Any, **kwargs: Any) -> DataLoader:
     try:
         return DataLoader(dataset, *args, **kwargs)
     except (ValueError, TypeError) as exc:
-        message = str(exc).replace("DataLoader", "PrefetchLoader")
-        if not message.startswith("PrefetchLoader"):
-            message = f"PrefetchLoader: {message}"
-        raise type(exc)(message) from None
+        raise type(exc)(f"PrefetchLoader: {exc}") from None  # DataLoader's words, as its tests match them
 
 
 def check_own_form(**given: Any) -> None:
