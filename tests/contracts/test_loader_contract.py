@@ -147,6 +147,41 @@ def test_given_generator_draws_match(kind: str, shuffle: bool) -> None:
     side_by_side(make, batch_size=4, shuffle=shuffle, generator=True, drop_last=True, passes=3)
 
 
+class DrawingSampler:
+    """A sampler that draws from the global generator for every index it yields: the moments
+    the loader reads it show in the indices and in the global generator's state."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self):
+        for _ in range(self.n):
+            yield int(torch.randint(0, N, ()))
+
+    def __len__(self) -> int:
+        return self.n
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_sampler_read_at_dataloaders_moments(workers: int) -> None:
+    """Draws between batches (as dropout makes) interleave with the sampler's draws exactly as
+    with DataLoader: without workers one batch per next(), with workers prefetch_factor *
+    num_workers ahead."""
+    results = []
+    for cls in (DataLoader, fastddp.PrefetchLoader):
+        torch.manual_seed(77)
+        loader = cls(tensors(), batch_size=3, sampler=DrawingSampler(17), num_workers=workers)
+        got = []
+        for _, y in loader:
+            got.append((y.clone(), torch.rand(())))  # the training step's draw
+        results.append((got, torch.random.get_rng_state()))
+    (a, sa), (b, sb) = results
+    assert len(a) == len(b) == 6
+    for (ya, ra), (yb, rb) in zip(a, b):
+        assert torch.equal(ya, yb) and torch.equal(ra, rb)
+    assert torch.equal(sa, sb)
+
+
 def test_iterable_dataset_draws_match() -> None:
     side_by_side(Stream, batch_size=4, between=lambda: torch.rand(1))
 
