@@ -5,30 +5,39 @@ namespace py = pybind11;
 
 namespace {
 
+using fastddp::data::PipelineOptions;
+using fastddp::data::PrefetchPipeline;
+
 void bind_data(py::module_& m) {
-  py::class_<fastddp::data::PrefetchPipeline>(m, "PrefetchPipeline",
-      "Worker threads gather batches of rows into a ring of (pinned) staging slots; CUDA "
-      "builds copy each slot to the device on a side stream. One pass over `batches`.")
-      .def(py::init([](std::vector<at::Tensor> sources, std::vector<at::Tensor> batches,
-                       int64_t num_workers, int64_t prefetch, bool pin_memory, const std::string& device) {
-             fastddp::data::PipelineOptions opt;
-             opt.num_workers = num_workers;
-             opt.prefetch = prefetch;
-             opt.pin_memory = pin_memory;
-             opt.device = c10::Device(device);
-             return std::make_unique<fastddp::data::PrefetchPipeline>(std::move(sources), std::move(batches), opt);
-           }),
-           py::arg("sources"), py::arg("batches"), py::arg("num_workers"), py::arg("prefetch"),
-           py::arg("pin_memory"), py::arg("device"), py::call_guard<py::gil_scoped_release>())
-      .def("next", &fastddp::data::PrefetchPipeline::next,
+  py::class_<PipelineOptions>(m, "PipelineOptions", "Settings of one PrefetchPipeline.")
+      .def(py::init<>())
+      .def_readwrite("num_workers", &PipelineOptions::num_workers, "Gather threads (>= 1).")
+      .def_readwrite("prefetch", &PipelineOptions::prefetch, "Ring slots (batches in flight).")
+      .def_readwrite("pin_memory", &PipelineOptions::pin_memory, "Page-locked staging buffers.")
+      .def_property(
+          "device", [](const PipelineOptions& o) { return o.device.str(); },
+          [](PipelineOptions& o, const std::string& d) { o.device = c10::Device(d); },
+          "Where batches are delivered (\"cpu\" or a CUDA device).");
+
+  py::class_<PrefetchPipeline>(m, "PrefetchPipeline",
+      "Worker threads gather submitted batches of rows into a ring of (pinned) staging slots; "
+      "CUDA builds bring each slot to the device on a side stream. One pass.")
+      .def(py::init<std::vector<at::Tensor>, PipelineOptions>(), py::arg("sources"), py::arg("options"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("submit", &PrefetchPipeline::submit, py::arg("indices"),
+           "Queue the next batch (1-D int64 CPU tensor of row numbers in [0, rows)).",
+           py::call_guard<py::gil_scoped_release>())
+      .def("finish", &PrefetchPipeline::finish, "No batch follows the ones submitted.",
+           py::call_guard<py::gil_scoped_release>())
+      .def("next", &PrefetchPipeline::next,
            "Next batch (a list of tensors), or [] at the end; rethrows a worker's error.",
            py::call_guard<py::gil_scoped_release>())
-      .def("close", &fastddp::data::PrefetchPipeline::close, "Stop and join the worker threads.",
+      .def("close", &PrefetchPipeline::close, "Stop and join the worker threads.",
            py::call_guard<py::gil_scoped_release>())
-      .def("__len__", &fastddp::data::PrefetchPipeline::size)
-      .def_property_readonly("direct", &fastddp::data::PrefetchPipeline::direct,
+      .def_property_readonly("submitted", &PrefetchPipeline::submitted, "Batches submitted so far.")
+      .def_property_readonly("direct", &PrefetchPipeline::direct,
                              "True when the device gathers rows straight from pinned sources.")
-      .def_property_readonly("position", &fastddp::data::PrefetchPipeline::position,
+      .def_property_readonly("position", &PrefetchPipeline::position,
                              "Batches handed to the consumer so far.");
 }
 

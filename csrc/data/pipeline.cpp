@@ -3,16 +3,8 @@
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cstring>
-
-#ifdef FASTDDP_WITH_CUDA
-#include <ATen/cuda/CUDAEvent.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <cuda_runtime_api.h>
-
-#include "data/gather.h"
-#endif
 
 namespace fastddp::data {
 
@@ -23,16 +15,12 @@ namespace fastddp::data {
 // consumer still holds a reference to that slot's buffers then (it kept a batch), the slot
 // gets fresh buffers and the kept ones become the consumer's alone.
 struct PrefetchPipeline::Slot {
-  std::vector<at::Tensor> host;    // staging buffers, max_rows x row shape
-  std::vector<at::Tensor> device;  // device buffers (CUDA mode)
-  at::Tensor idx_host;             // direct path: the batch's indices, pinned
-  at::Tensor idx_device;           // direct path: the same on the device
-  int64_t batch = -1;              // batch held, valid when ready
+  std::vector<at::Tensor> host;     // staging buffers, capacity x row shape (none when direct)
+  int64_t capacity = 0;             // rows the host buffers hold
+  std::unique_ptr<DeviceSlot> dev;  // with a device stage
+  int64_t batch = -1;               // batch held, valid when ready
+  int64_t rows = 0;                 // rows of that batch
   bool ready = false;
-#ifdef FASTDDP_WITH_CUDA
-  std::unique_ptr<at::cuda::CUDAEvent> copied;    // H2D copy finished (side stream)
-  std::unique_ptr<at::cuda::CUDAEvent> released;  // consumer's stream done with the slot
-#endif
 };
 
 namespace {
@@ -45,9 +33,8 @@ bool held_elsewhere(const std::vector<at::Tensor>& buffers) {
 
 }  // namespace
 
-PrefetchPipeline::PrefetchPipeline(std::vector<at::Tensor> sources, std::vector<at::Tensor> batches,
-                                   PipelineOptions options)
-    : sources_(std::move(sources)), batches_(std::move(batches)), options_(options) {
+PrefetchPipeline::PrefetchPipeline(std::vector<at::Tensor> sources, PipelineOptions options)
+    : sources_(std::move(sources)), options_(options) {
   TORCH_CHECK(!sources_.empty(), "PrefetchLoader: need at least one source tensor");
   TORCH_CHECK(options_.num_workers >= 1, "PrefetchLoader: num_workers must be >= 1, got ",
               options_.num_workers);
@@ -60,126 +47,82 @@ PrefetchPipeline::PrefetchPipeline(std::vector<at::Tensor> sources, std::vector<
                 "dimension; source 0 has ", rows, " rows, source ", i, " has shape ", s.sizes());
     TORCH_CHECK(s.is_contiguous(), "PrefetchLoader: source ", i, " must be contiguous");
   }
-  for (size_t b = 0; b < batches_.size(); ++b) {
-    const auto& idx = batches_[b];
-    TORCH_CHECK(idx.scalar_type() == at::kLong && idx.dim() == 1 && idx.device().is_cpu(),
-                "PrefetchLoader: batch ", b, " indices must be a 1-D int64 CPU tensor, got ",
-                idx.scalar_type(), " of shape ", idx.sizes());
-    batches_[b] = idx.contiguous();
-    max_rows_ = std::max(max_rows_, idx.size(0));
-    // Checked here, on the caller's thread, before any work starts: a bad index is one clear
-    // error at the start of the pass rather than a failure in a worker halfway through it.
-    check_indices(static_cast<int64_t>(b));
-  }
-#ifndef FASTDDP_WITH_CUDA
-  TORCH_CHECK(options_.device.is_cpu(), "PrefetchLoader: device ", options_.device,
-              " needs fastddp built with CUDA; rebuild with FASTDDP_WITH_CUDA=1, or use device=None");
-#else
-  if (options_.device.is_cuda()) {
-    c10::cuda::CUDAGuard guard(options_.device);
-    direct_ = true;
-    for (const auto& s : sources_) {
-      const void* mapped = s.numel() ? cuda::mapped_device_pointer(s.data_ptr()) : nullptr;
-      mapped_.push_back(mapped);
-      direct_ = direct_ && mapped != nullptr;
-    }
-  }
-#endif
+  if (!options_.device.is_cpu()) stage_ = make_cuda_stage(sources_, options_);
   // Never fewer slots than workers, or workers would queue behind each other's slots; one
   // more than asked for because a slot is refilled one batch after the consumer left it.
   const int64_t nslots = std::max(options_.prefetch, options_.num_workers + 1) + 1;
-  for (int64_t i = 0; i < nslots; ++i) {
-    slots_.push_back(std::make_unique<Slot>());
-    allocate(*slots_.back(), /*host=*/!direct_, /*device=*/!options_.device.is_cpu());
-  }
-  const int64_t nworkers = std::min<int64_t>(options_.num_workers, std::max<int64_t>(1, size()));
-  for (int64_t i = 0; i < nworkers; ++i) workers_.emplace_back([this] { worker_loop(); });
+  for (int64_t i = 0; i < nslots; ++i) slots_.push_back(std::make_unique<Slot>());
+  for (int64_t i = 0; i < options_.num_workers; ++i) workers_.emplace_back([this, i] { worker_loop(i); });
 }
 
 PrefetchPipeline::~PrefetchPipeline() { close(); }
 
-void PrefetchPipeline::allocate(Slot& slot, bool host, bool device) {
-  if (host) {
-    slot.host.clear();
-    for (const auto& s : sources_) {
-      auto shape = s.sizes().vec();
-      shape[0] = max_rows_;
-      slot.host.push_back(at::empty(shape, s.options().pinned_memory(options_.pin_memory)));
-    }
+void PrefetchPipeline::submit(at::Tensor indices) {
+  TORCH_CHECK(indices.scalar_type() == at::kLong && indices.dim() == 1 && indices.device().is_cpu(),
+              "PrefetchLoader: batch indices must be a 1-D int64 CPU tensor, got ",
+              indices.scalar_type(), " of shape ", indices.sizes());
+  // A copy the pipeline alone owns: its workers drop their references without the GIL,
+  // which the last reference to a tensor Python also holds would need.
+  indices = indices.clone(at::MemoryFormat::Contiguous);
+  const int64_t rows = sources_[0].size(0);
+  const int64_t* ids = indices.data_ptr<int64_t>();
+  // Checked on the caller's thread: a bad index is an error of this call, never a worker's.
+  for (int64_t i = 0; i < indices.size(0); ++i) {
+    TORCH_CHECK(ids[i] >= 0 && ids[i] < rows, "PrefetchLoader: index ", ids[i],
+                " is out of range for a dataset of ", rows, " samples");
   }
-#ifdef FASTDDP_WITH_CUDA
-  if (device) {
-    // Allocated on this thread's current stream (the default stream in a worker): a buffer
-    // the consumer keeps is freed by the consumer, and the caching allocator orders its reuse
-    // after work on that stream, with no record_stream.
-    c10::cuda::CUDAGuard guard(options_.device);
-    slot.device.clear();
-    for (const auto& s : sources_) {
-      auto shape = s.sizes().vec();
-      shape[0] = max_rows_;
-      slot.device.push_back(at::empty(shape, s.options().device(options_.device)));
-    }
-    if (direct_) {
-      slot.idx_host = at::empty({max_rows_}, at::TensorOptions(at::kLong).pinned_memory(true));
-      slot.idx_device = at::empty({max_rows_}, at::TensorOptions(at::kLong).device(options_.device));
-    }
-    if (!slot.copied) slot.copied = std::make_unique<at::cuda::CUDAEvent>(cudaEventDisableTiming);
-    if (!slot.released) slot.released = std::make_unique<at::cuda::CUDAEvent>(cudaEventDisableTiming);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    TORCH_CHECK(!finished_, "PrefetchLoader: submit() after finish()");
+    batches_.push_back(std::move(indices));
   }
-#endif
+  cv_.notify_all();
 }
 
-void PrefetchPipeline::worker_loop() {
-#ifdef FASTDDP_WITH_CUDA
-  std::optional<c10::cuda::CUDAStream> stream;
-  if (options_.device.is_cuda()) {
-    c10::cuda::CUDAGuard guard(options_.device);
-    stream = c10::cuda::getStreamFromPool(/*isHighPriority=*/false, options_.device.index());
+void PrefetchPipeline::finish() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    finished_ = true;
   }
-#endif
+  cv_.notify_all();
+}
+
+int64_t PrefetchPipeline::submitted() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return static_cast<int64_t>(batches_.size());
+}
+
+int64_t PrefetchPipeline::position() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return handed_;
+}
+
+bool PrefetchPipeline::take(int64_t& batch, at::Tensor& indices) {
   const int64_t nslots = static_cast<int64_t>(slots_.size());
-  while (true) {
-    const int64_t b = next_batch_.fetch_add(1);
-    if (b >= size()) return;
+  std::unique_lock<std::mutex> lock(mutex_);
+  cv_.wait(lock, [&] { return stop_ || finished_ || next_batch_ < static_cast<int64_t>(batches_.size()); });
+  if (stop_ || next_batch_ >= static_cast<int64_t>(batches_.size())) return false;
+  batch = next_batch_++;
+  indices = std::move(batches_[batch]);  // the queue keeps no reference once a worker has it
+  cv_.wait(lock, [&] { return stop_ || released_ > batch - nslots + 1; });
+  return !stop_;
+}
+
+void PrefetchPipeline::worker_loop(int64_t worker) {
+  const int64_t nslots = static_cast<int64_t>(slots_.size());
+  int64_t b = 0;
+  at::Tensor idx;
+  while (take(b, idx)) {
     Slot& slot = *slots_[b % nslots];
-    {
-      std::unique_lock<std::mutex> lock(mutex_);
-      cv_.wait(lock, [&] { return stop_ || released_ > b - nslots + 1; });
-      if (stop_) return;
-    }
+    const int64_t n = idx.size(0);
     try {
-      const bool device = !options_.device.is_cpu();
-      if (held_elsewhere(device ? slot.device : slot.host)) allocate(slot, !device, device);
-#ifdef FASTDDP_WITH_CUDA
-      if (direct_) {
-        c10::cuda::CUDAStreamGuard on_side_stream(*stream);  // gather_on_device uses it
-        slot.released->block(*stream);
-        gather_on_device(slot, b);
-        slot.copied->record(*stream);
-        // idx_host is rewritten for batch b + slots: the copy out of it must be over by then.
-        slot.copied->synchronize();
+      prepare(slot, n);
+      if (direct()) {
+        stage_->gather(*slot.dev, idx, worker);
       } else {
-        fill(slot, b);
+        fill(slot, idx);
+        if (stage_) stage_->upload(*slot.dev, slot.host, n, worker);
       }
-      if (stream && !direct_) {
-        c10::cuda::CUDAGuard guard(options_.device);
-        // The side stream waits until the consumer's stream is done with this device slot.
-        slot.released->block(*stream);
-        const int64_t n = batches_[b].size(0);
-        for (size_t i = 0; i < sources_.size(); ++i) {
-          const size_t bytes = static_cast<size_t>(n) * slot.host[i].stride(0) * slot.host[i].element_size();
-          if (bytes == 0) continue;
-          C10_CUDA_CHECK(cudaMemcpyAsync(slot.device[i].data_ptr(), slot.host[i].data_ptr(), bytes,
-                                         cudaMemcpyHostToDevice, stream->stream()));
-        }
-        slot.copied->record(*stream);
-        // The staging buffer is refilled only for batch b + slots; by then this copy must be
-        // over, so wait here (off the consumer's path) rather than there.
-        slot.copied->synchronize();
-      }
-#else
-      fill(slot, b);
-#endif
     } catch (...) {
       std::lock_guard<std::mutex> lock(mutex_);
       if (!error_) error_ = std::current_exception();
@@ -190,50 +133,32 @@ void PrefetchPipeline::worker_loop() {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       slot.batch = b;
+      slot.rows = n;
       slot.ready = true;
     }
     cv_.notify_all();
   }
 }
 
-void PrefetchPipeline::check_indices(int64_t batch) const {
-  const at::Tensor& idx = batches_[batch];
-  const int64_t n = idx.size(0);
-  const int64_t* ids = idx.data_ptr<int64_t>();
-  const int64_t rows = sources_[0].size(0);
-  for (int64_t i = 0; i < n; ++i) {
-    TORCH_CHECK(ids[i] >= 0 && ids[i] < rows, "PrefetchLoader: index ", ids[i], " in batch ", batch,
-                " is out of range for a dataset of ", rows, " samples");
+void PrefetchPipeline::prepare(Slot& slot, int64_t rows) {
+  if (!direct() && (slot.capacity < rows || held_elsewhere(slot.host))) {
+    const int64_t capacity = std::max(rows, slot.capacity);
+    slot.host.clear();
+    for (const auto& s : sources_) {
+      auto shape = s.sizes().vec();
+      shape[0] = capacity;
+      slot.host.push_back(at::empty(shape, s.options().pinned_memory(options_.pin_memory)));
+    }
+    slot.capacity = capacity;
+  }
+  if (stage_ && (!slot.dev || slot.dev->capacity < rows || held_elsewhere(slot.dev->buffers))) {
+    slot.dev = stage_->allocate(std::max(rows, slot.dev ? slot.dev->capacity : 0));
   }
 }
 
-void PrefetchPipeline::gather_on_device(Slot& slot, int64_t batch) {
-#ifdef FASTDDP_WITH_CUDA
-  const at::Tensor& idx = batches_[batch];
-  const int64_t n = idx.size(0);
-  if (n == 0) return;
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(options_.device.index()).stream();
-  std::memcpy(slot.idx_host.data_ptr(), idx.data_ptr(), static_cast<size_t>(n) * sizeof(int64_t));
-  C10_CUDA_CHECK(cudaMemcpyAsync(slot.idx_device.data_ptr(), slot.idx_host.data_ptr(),
-                                 static_cast<size_t>(n) * sizeof(int64_t), cudaMemcpyHostToDevice, stream));
-  const int64_t rows = sources_[0].size(0);
-  for (size_t s = 0; s < sources_.size(); ++s) {
-    const auto& src = sources_[s];
-    const size_t row_bytes = static_cast<size_t>(src.numel() / std::max<int64_t>(rows, 1)) * src.element_size();
-    cuda::gather_rows(mapped_[s], slot.idx_device.data_ptr<int64_t>(), n, row_bytes,
-                      slot.device[s].data_ptr(), stream);
-  }
-#else
-  (void)slot;
-  (void)batch;
-  TORCH_CHECK(false, "PrefetchLoader: the device gather needs a CUDA build");
-#endif
-}
-
-void PrefetchPipeline::fill(Slot& slot, int64_t batch) {
-  const at::Tensor& idx = batches_[batch];
-  const int64_t n = idx.size(0);
-  const int64_t* ids = idx.data_ptr<int64_t>();
+void PrefetchPipeline::fill(Slot& slot, const at::Tensor& indices) {
+  const int64_t n = indices.size(0);
+  const int64_t* ids = indices.data_ptr<int64_t>();
   const int64_t rows = sources_[0].size(0);
   for (size_t s = 0; s < sources_.size(); ++s) {
     const auto& src = sources_[s];
@@ -246,37 +171,27 @@ void PrefetchPipeline::fill(Slot& slot, int64_t batch) {
 
 std::vector<at::Tensor> PrefetchPipeline::next() {
   const int64_t nslots = static_cast<int64_t>(slots_.size());
-  const bool device = !options_.device.is_cpu();
   std::unique_lock<std::mutex> lock(mutex_);
   if (handed_ > released_) {
     // The caller moved on from the batch handed out last: its slot may be refilled.
     Slot& prev = *slots_[(handed_ - 1) % nslots];
     prev.ready = false;
-#ifdef FASTDDP_WITH_CUDA
-    if (device) {
-      c10::cuda::CUDAGuard guard(options_.device);
-      prev.released->record(c10::cuda::getCurrentCUDAStream(options_.device.index()));
-    }
-#endif
+    if (stage_ && prev.dev) stage_->release(*prev.dev);
     released_ = handed_;
     cv_.notify_all();
   }
-  if (handed_ >= size()) return {};
+  if (handed_ >= static_cast<int64_t>(batches_.size())) {
+    TORCH_CHECK(finished_, "PrefetchLoader: next() with no batch submitted (submit one, or call finish())");
+    return {};
+  }
   const int64_t b = handed_++;
   Slot& slot = *slots_[b % nslots];
   cv_.wait(lock, [&] { return error_ || (slot.ready && slot.batch == b); });
   if (error_) std::rethrow_exception(error_);
-  const int64_t n = batches_[b].size(0);
   std::vector<at::Tensor> out;
-  for (size_t i = 0; i < sources_.size(); ++i) {
-    out.push_back((device ? slot.device[i] : slot.host[i]).narrow(0, 0, n));
-  }
-#ifdef FASTDDP_WITH_CUDA
-  if (device) {
-    c10::cuda::CUDAGuard guard(options_.device);
-    slot.copied->block(c10::cuda::getCurrentCUDAStream(options_.device.index()));
-  }
-#endif
+  const auto& buffers = stage_ ? slot.dev->buffers : slot.host;
+  for (const auto& t : buffers) out.push_back(t.narrow(0, 0, slot.rows));
+  if (stage_) stage_->wait_ready(*slot.dev);
   return out;
 }
 

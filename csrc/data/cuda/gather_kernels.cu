@@ -1,4 +1,4 @@
-#include "data/gather.h"
+#include "data/cuda/gather.h"
 
 #include <c10/cuda/CUDAException.h>
 #include <c10/util/Exception.h>

@@ -1,0 +1,201 @@
+"""One pass over the data: the iterator ``iter(PrefetchLoader)`` returns, over either the native
+pipeline (C++ threads gathering rows of tensors) or torch's own DataLoader machinery (any other
+dataset, collation or worker set-up), delivering batches on the loader's device."""
+
+from __future__ import annotations
+
+import collections
+import warnings
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch.utils._pytree import tree_map_only
+from torch.utils.data import DataLoader
+
+from .._ext import C
+from .plan import PlanEntry, SkippingSampler, draw_base_seed, replaying, to_entry
+from .sources import Sources
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """Every tensor of a (nested) batch on ``device``, copied asynchronously."""
+    if device.type == "cpu":
+        return batch
+    return tree_map_only(torch.Tensor, lambda t: t.to(device, non_blocking=True), batch)
+
+
+def pin(batch: Any) -> Any:
+    return tree_map_only(torch.Tensor, lambda t: t.pin_memory(), batch)
+
+
+def add_note(exc: BaseException, note: str) -> None:
+    """Attach ``note`` to the exception's report (Python >= 3.11; a no-op before)."""
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+
+
+@dataclass
+class Replay:
+    """Where a resumed pass starts: batches already delivered, and the random state its pass
+    started from (see :func:`plan.replaying`)."""
+
+    skip: int = 0
+    rng_state: Optional[torch.Tensor] = None
+    generator_state: Optional[torch.Tensor] = None
+
+
+@dataclass
+class NativeSettings:
+    """How a native pass runs (the loader decides, see ``PrefetchLoader._native_settings``)."""
+
+    tensors: list[torch.Tensor]            # gathered from (pinned or device copies as configured)
+    resident: bool                         # tensors live on the device: gather there
+    threads: int
+    ring: int                              # ring slots of the C++ pipeline
+    pin: bool                              # page-locked staging
+    device: torch.device
+    start_reads: int                       # batches read from the plan when the pass starts
+    first_next_reads: int                  # batches read at the first next()
+
+
+class NativePass:
+    """Reads the plan as DataLoader would (see plan.py) and has C++ threads gather each batch's
+    rows; a batch the gather cannot take (an index DataLoader would refuse) is read through the
+    dataset in Python when its turn comes, so it fails, at that batch, as DataLoader fails."""
+
+    def __init__(self, index_sampler: Any, sources: Sources, settings: NativeSettings) -> None:
+        self.index_sampler, self.sources, self.s = index_sampler, sources, settings
+        self.rows = len(settings.tensors[0])
+        self.pipe: Any = None
+        self.entries: collections.deque[PlanEntry] = collections.deque()
+        self.it: Any = None
+        self.read = 0
+        self.exhausted = False
+        self.started = False
+        self.direct: Optional[bool] = None
+
+    def start(self, generator: Optional[torch.Generator], draw_seed: bool, replay: Replay) -> None:
+        self.close()
+        self.entries.clear()
+        self.read, self.exhausted, self.started = 0, False, False
+        if not self.s.resident:
+            opts = C.PipelineOptions()
+            opts.num_workers, opts.prefetch = self.s.threads, self.s.ring
+            opts.pin_memory, opts.device = self.s.pin, str(self.s.device)
+            self.pipe = C.PrefetchPipeline([t.contiguous() for t in self.s.tensors], opts)
+            self.direct = bool(self.pipe.direct)
+        with replaying(replay.rng_state, generator, replay.generator_state):
+            self.it = iter(self.index_sampler)  # DataLoader's order: the sampler, then the seed
+            if draw_seed:
+                draw_base_seed(generator)
+            for _ in range(replay.skip):
+                if next(self.it, None) is None:
+                    break
+            self._read(self.s.start_reads)
+
+    def _read(self, count: int) -> None:
+        for _ in range(count):
+            if self.exhausted:
+                return
+            try:
+                batch = next(self.it)
+            except StopIteration:
+                self.exhausted = True
+                if self.pipe is not None:
+                    self.pipe.finish()
+                return
+            entry = to_entry(self.read, batch, self.rows)
+            self.read += 1
+            self.entries.append(entry)
+            if entry.indices is not None and self.pipe is not None:
+                self.pipe.submit(entry.indices)
+
+    def next(self) -> Any:
+        if not self.started:
+            self.started = True
+            self._read(self.s.first_next_reads)
+        self._read(1)
+        if not self.entries:
+            self.close()
+            raise StopIteration
+        entry = self.entries.popleft()
+        if entry.indices is None:
+            try:
+                batch = self.sources.fetch(entry.raw)
+            except Exception as exc:
+                add_note(exc, f"PrefetchLoader: raised reading batch {entry.number} (indices {entry.raw!r})")
+                raise
+            return to_device(pin(batch) if self.s.pin and self.s.device.type == "cpu" else batch,
+                             self.s.device)
+        if self.s.resident:
+            idx = entry.indices.to(self.s.device, non_blocking=True)
+            return self.sources.wrap([t.index_select(0, idx) for t in self.s.tensors])
+        return self.sources.wrap(self.pipe.next())
+
+    def close(self) -> None:
+        if self.pipe is not None:
+            self.pipe.close()
+            self.pipe = None
+
+
+class TorchPass:
+    """A pass of torch's own DataLoader built with the loader's arguments: the dataset's
+    samples, collation, worker processes, seeds and ``get_worker_info()`` are DataLoader's."""
+
+    def __init__(self, runner: DataLoader, skipper: Optional[SkippingSampler], device: torch.device) -> None:
+        self.runner, self.skipper, self.device = runner, skipper, device
+        self.it: Any = None
+        self.delivered = 0
+        self.direct: Optional[bool] = None
+
+    def start(self, generator: Optional[torch.Generator], draw_seed: bool, replay: Replay) -> None:
+        del draw_seed  # the runner draws its own, as DataLoader does
+        if self.skipper is not None:
+            self.skipper.skip = replay.skip
+        with replaying(replay.rng_state, generator, replay.generator_state):
+            self.it = iter(self.runner)
+            if self.skipper is not None and self.skipper.current is not None:
+                self.skipper.current.prime()
+        self.delivered = 0
+        if self.skipper is None:  # a stream: the delivered batches are read again and dropped
+            for _ in range(replay.skip):
+                if next(self.it, None) is None:
+                    break
+
+    def next(self) -> Any:
+        try:
+            batch = next(self.it)
+        except StopIteration:
+            raise
+        except Exception as exc:
+            add_note(exc, f"PrefetchLoader: raised reading batch {self.delivered}")
+            self.delivered += 1
+            raise
+        self.delivered += 1
+        return to_device(batch, self.device)
+
+    def close(self) -> None:
+        self.it = None
+
+
+def build_runner(loader: Any, dataset: Any, iterable: bool) -> tuple[DataLoader, Optional[SkippingSampler]]:
+    """torch's DataLoader over ``dataset`` with the loader's current arguments; its index
+    sampler wrapped so that a resumed pass skips the delivered batches without reading them."""
+    workers = loader.num_workers
+    kwargs: dict[str, Any] = dict(
+        num_workers=workers, collate_fn=loader.collate_fn, pin_memory=loader.pin_memory,
+        timeout=loader.timeout, worker_init_fn=loader.worker_init_fn, generator=loader.generator,
+        pin_memory_device=loader.pin_memory_device, in_order=loader.in_order)
+    if workers > 0:  # DataLoader refuses these without workers, and ignores them once set
+        kwargs.update(prefetch_factor=loader.prefetch_factor, persistent_workers=loader.persistent_workers,
+                      multiprocessing_context=loader.multiprocessing_context)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # its warnings are given when our own loader is made
+        if iterable:
+            return DataLoader(dataset, batch_size=loader.batch_size, drop_last=loader.drop_last, **kwargs), None
+        if loader.batch_sampler is not None:
+            skipper = SkippingSampler(loader.batch_sampler)
+            return DataLoader(dataset, batch_sampler=skipper, **kwargs), skipper
+        skipper = SkippingSampler(loader.sampler)
+        return DataLoader(dataset, batch_size=None, sampler=skipper, **kwargs), skipper

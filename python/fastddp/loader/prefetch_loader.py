@@ -1,0 +1,312 @@
+"""``fastddp.PrefetchLoader``: DataLoader's behaviour, with whole batches of tensor datasets
+gathered by C++ threads into pinned rings and delivered on the device."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any, Optional, Union
+
+import torch
+from torch.utils.data import default_collate
+
+from .iterator import LoaderHooks, LoaderIterator
+from .passes import NativePass, NativeSettings, Replay, TorchPass, build_runner
+from .plan import reads_ahead_unobserved
+from .settings import check_extras, check_own_form, make_spec, prepare_tensors, start_warnings
+from .shuffle import EpochShuffle
+from .sources import classify
+
+# DataLoader's attributes, mirrored so that code reading them keeps working.
+_DATALOADER_ATTRS = ("num_workers", "prefetch_factor", "pin_memory", "pin_memory_device", "timeout",
+                     "worker_init_fn", "multiprocessing_context", "in_order", "batch_size", "drop_last",
+                     "sampler", "batch_sampler", "generator", "collate_fn", "persistent_workers")
+# Set once, as DataLoader's: a new value would not match the batches already planned.
+_LOCKED = ("batch_size", "batch_sampler", "sampler", "drop_last", "dataset", "persistent_workers")
+
+
+class PrefetchLoader:
+    """Drop-in for :class:`torch.utils.data.DataLoader`; ``device=`` delivers batches there.
+
+    Every DataLoader argument means what it means to DataLoader, with the same defaults, the
+    same errors and the same draws from the global (or the given) generator: each iterator
+    draws DataLoader's base seed, ``shuffle=True`` is DataLoader's ``RandomSampler``, and the
+    sampler is read at the moments DataLoader reads it. Batches, their types, ``len()``, the
+    exceptions a bad sample or index raises (at its batch; the next ``next()`` continues) are
+    DataLoader's.
+
+    How batches are made:
+
+    * a :class:`~torch.utils.data.TensorDataset` (or PrefetchLoader's own forms, read as its
+      columns: a tuple or dict of tensors, ``.npy`` paths, memory-mapped; see
+      docs/compatibility.md) with the default collation:
+      C++ threads gather each batch's rows into a ring of (pinned) slots and, for a CUDA
+      ``device``, copy them there on a side stream. ``num_workers`` threads (two when it is 0:
+      no Python runs in them, so nothing of DataLoader's main-process loading changes).
+    * anything else (a Python ``Dataset``, an ``IterableDataset``, a ``collate_fn``,
+      ``worker_init_fn``, ``timeout``, ``multiprocessing_context``, ``batch_size=None``):
+      torch's own DataLoader machinery with these arguments, so samples, collation, worker
+      processes, their seeds and ``get_worker_info()`` are DataLoader's; batches are then moved
+      to ``device``.
+
+    PrefetchLoader's own arguments (keyword-only):
+        device: where batches are delivered (``"cuda:0"``; None keeps them on the host).
+        prefetch: ring slots of the native gather (default ``prefetch_factor * num_workers``
+            with workers, else 4).
+        device_resident: keep the tensors on ``device`` and gather each batch there;
+            ``"auto"`` does so when they fit in ``resident_max_bytes``.
+        pin_dataset: copy the tensors once into page-locked memory (CUDA ``device``): the GPU
+            then gathers rows straight from host memory (the *direct* transfer).
+        seed: with ``shuffle=True``, the order of a pass is the permutation of
+            ``seed + epoch`` (``set_epoch``; a pass without one takes the next epoch) and draws
+            nothing from the global generator for it; None (default) is DataLoader's shuffle.
+
+    ``set_epoch`` reaches the sampler (or the batch sampler, or its sampler);
+    ``state_dict``/``load_state_dict`` resume mid-epoch: the resumed pass redraws the saved
+    pass's order from the random state that pass started from and skips the delivered batches.
+    Batches of the native gather live in ring slots refilled ``prefetch`` batches later unless
+    you still hold them (they then stay yours), so keeping a batch is always safe.
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: Optional[int] = 1,
+        shuffle: Optional[bool] = None,
+        sampler: Any = None,
+        batch_sampler: Any = None,
+        num_workers: int = 0,
+        collate_fn: Optional[Callable[[list[Any]], Any]] = None,
+        pin_memory: bool = False,
+        drop_last: bool = False,
+        timeout: float = 0,
+        worker_init_fn: Optional[Callable[[int], None]] = None,
+        multiprocessing_context: Any = None,
+        generator: Optional[torch.Generator] = None,
+        *,
+        prefetch_factor: Optional[int] = None,
+        persistent_workers: bool = False,
+        pin_memory_device: str = "",
+        in_order: bool = True,
+        device: Union[str, torch.device, None] = None,
+        prefetch: Optional[int] = None,
+        device_resident: Union[bool, str] = False,
+        resident_max_bytes: int = 2 << 30,
+        pin_dataset: bool = False,
+        seed: Optional[int] = None,
+    ) -> None:
+        src = classify(dataset)
+        if src.own_form:
+            check_own_form(batch_size=batch_size, collate_fn=collate_fn, worker_init_fn=worker_init_fn,
+                           timeout=timeout, multiprocessing_context=multiprocessing_context)
+        if seed is not None:
+            if not shuffle or sampler is not None or batch_sampler is not None or src.kind == "iterable":
+                raise ValueError("PrefetchLoader: seed= orders shuffle=True over a map-style dataset "
+                                 "without a sampler; drop it, or pass shuffle=True")
+            sampler, shuffle = EpochShuffle(src.dataset, seed), None
+        spec = make_spec(src.dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn,
+                         pin_memory, drop_last, timeout, worker_init_fn, multiprocessing_context, generator,
+                         prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
+                         pin_memory_device=pin_memory_device, in_order=in_order)
+        for name in _DATALOADER_ATTRS:
+            setattr(self, name, getattr(spec, name))
+        self.dataset = dataset
+        self._src = src
+        self.device, self.prefetch = check_extras(device, prefetch, prefetch_factor, num_workers, generator)
+        self._tensor_options = (device_resident, resident_max_bytes, pin_dataset)
+        self._tensors: Optional[tuple[tuple[int, ...], list[torch.Tensor], bool]] = None
+        if pin_dataset or device_resident:
+            if not src.gatherable or (pin_dataset and self.device.type != "cuda"):
+                raise ValueError("PrefetchLoader: pin_dataset needs tensors or .npy arrays and a CUDA "
+                                 f"device (got a {src.kind} dataset, device {self.device})" if pin_dataset
+                                 else "PrefetchLoader: device_resident needs tensors or .npy arrays")
+            self._prepared()
+        self._epoch = 0
+        self._position = 0  # batches delivered in the current pass
+        self._replay = Replay()
+        self._pass_state: tuple[Optional[torch.Tensor], Optional[torch.Tensor]] = (None, None)
+        self._iterable_len_reported: Optional[int] = None
+        self._sampler_states: Optional[dict[str, Any]] = None
+        self._iterator: Optional[LoaderIterator] = None
+        self._direct: Optional[bool] = None
+        self._initialized = True
+
+    def __setattr__(self, attr: str, value: Any) -> None:
+        if self.__dict__.get("_initialized") and attr in _LOCKED:
+            raise ValueError(f"{attr} attribute should not be set after {type(self).__name__} is initialized")
+        super().__setattr__(attr, value)
+
+    # ------------------------------------------------------------------ what a pass does
+    def _native(self) -> bool:
+        """Whether a pass gathers natively (else torch's DataLoader machinery reads it)."""
+        native = (self._src.gatherable and self.batch_sampler is not None and self.collate_fn is default_collate
+                  and self.worker_init_fn is None and self.timeout == 0
+                  and (self.multiprocessing_context is None or self.num_workers == 0))
+        if not native and self._src.own_form:
+            raise ValueError("PrefetchLoader: tensors and .npy paths are batched by gathering rows, with "
+                             "the default collation and no worker set-up; wrap them in a TensorDataset "
+                             "to use collate_fn, worker_init_fn, timeout or multiprocessing_context")
+        return native
+
+    def _prepared(self) -> tuple[list[torch.Tensor], bool]:
+        """The tensors rows are gathered from (pinned or device copies as configured), made
+        again when a TensorDataset's tensors were replaced; and whether they are on the device."""
+        current = self._src.tensors()
+        key = tuple(id(t) for t in current)
+        if self._tensors is None or self._tensors[0] != key:
+            resident, max_bytes, pin_dataset = self._tensor_options
+            tensors, on_device = prepare_tensors(current, self.device, resident, max_bytes, pin_dataset)
+            self._tensors = (key, tensors, on_device)
+        return self._tensors[1], self._tensors[2]
+
+    def _native_settings(self) -> NativeSettings:
+        tensors, resident = self._prepared()
+        workers = self.num_workers
+        if workers > 0:  # DataLoader's workers are handed prefetch_factor batches each at once
+            factor = 2 if self.prefetch_factor is None else self.prefetch_factor  # DataLoader's default
+            start, first = factor * workers, 0
+        else:  # DataLoader reads one batch per next(); reading ahead is safe for known samplers
+            start, first = 0, (self.prefetch - 1 if reads_ahead_unobserved(self.batch_sampler) else 0)
+        pin = (self.pin_memory and torch.accelerator.is_available()) or self.device.type == "cuda"
+        return NativeSettings(tensors=tensors, resident=resident, threads=workers or 2, ring=self.prefetch,
+                              pin=pin, device=self.device, start_reads=start, first_next_reads=first)
+
+    def _start(self, pass_: Any, draw_seed: bool) -> None:
+        replay, self._replay = self._replay, Replay()
+        if replay.skip:
+            self._pass_state = (replay.rng_state, replay.generator_state)
+        else:
+            self._pass_state = (torch.random.get_rng_state() if self.generator is None else None,
+                                self.generator.get_state() if self.generator is not None else None)
+        self._position = replay.skip
+        # The samplers' states as the pass found them: the pass reads them ahead of delivery,
+        # and a resumed pass skips the delivered batches itself.
+        self._sampler_states = self._current_sampler_states()
+        pass_.start(self.generator, draw_seed, replay)
+        if pass_.direct is not None:
+            self._direct = pass_.direct
+
+    def _new_iterator(self) -> LoaderIterator:
+        if self._native():
+            start_warnings(self.pin_memory, self.pin_memory_device)
+            pass_: Any = NativePass(self.batch_sampler, self._src, self._native_settings())
+        else:
+            pass_ = TorchPass(*build_runner(self, self._src.dataset, self._src.kind == "iterable"), self.device)
+        self._start(pass_, True)
+        hooks = LoaderHooks(restart=self._start, on_batch=self._batch_delivered,
+                            len_reported=lambda: self._iterable_len_reported, length=self._iterator_len,
+                            num_workers=lambda: self.num_workers, dataset=self.dataset)
+        return LoaderIterator(pass_, hooks)
+
+    def _batch_delivered(self) -> None:
+        self._position += 1
+
+    def __iter__(self) -> Iterator[Any]:
+        if self.persistent_workers and self.num_workers > 0:  # one iterator, reset per pass
+            if self._iterator is None:
+                self._iterator = self._new_iterator()
+            else:
+                self._iterator.reset()
+            return self._iterator
+        return self._new_iterator()
+
+    def __len__(self) -> int:
+        if self._src.kind == "iterable":  # DataLoader's rule: the stream's len(), in batches
+            length = self._iterable_len_reported = len(self.dataset)
+            if self.batch_size is not None:
+                length = length // self.batch_size if self.drop_last else -(-length // self.batch_size)
+            return length
+        return len(self._index_sampler)
+
+    @property
+    def _auto_collation(self) -> bool:
+        """DataLoader's name: whether samples are collated into batches (a batch sampler exists)."""
+        return self.batch_sampler is not None
+
+    @property
+    def _index_sampler(self) -> Any:
+        """DataLoader's name: the sampler each step reads (the batch sampler when batching)."""
+        return self.batch_sampler if self._auto_collation else self.sampler
+
+    def _iterator_len(self) -> int:
+        """len() of an iterator, as DataLoader's: the index sampler's length; an
+        IterableDataset's iterator has none (its sampler is endless)."""
+        if self._src.kind == "iterable":
+            raise TypeError("object of type '_InfiniteConstantSampler' has no len()")
+        return len(self)
+
+    @property
+    def transfer(self) -> str:
+        """How batches are made: ``"resident"`` (gathered on the device from a copy there),
+        ``"direct"`` (the GPU gathers from page-locked host memory), ``"staged"`` (C++ threads
+        gather into pinned slots, then a side-stream copy), ``"host"`` (C++ threads, CPU
+        batches), ``"generic"`` (torch's DataLoader machinery over a map-style dataset) or
+        ``"iterable"`` (the same over an IterableDataset)."""
+        if self._src.kind == "iterable":
+            return "iterable"
+        if not self._native():
+            return "generic"
+        tensors, resident = self._prepared()
+        if resident:
+            return "resident"
+        if self.device.type != "cuda":
+            return "host"
+        if self._direct is not None:  # the C++ pipeline's own decision, once one was built
+            return "direct" if self._direct else "staged"
+        return "direct" if all(t.is_pinned() for t in tensors) else "staged"
+
+    # ------------------------------------------------------------------ epochs and resuming
+    @property
+    def epoch(self) -> int:
+        return self.sampler.epoch if isinstance(self.sampler, EpochShuffle) else self._epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch; forwarded to the sampler's ``set_epoch`` (or the batch sampler's,
+        or the ``set_epoch`` of the sampler inside a batch sampler)."""
+        if int(epoch) != self.epoch:
+            self._replay = Replay()
+        self._epoch = int(epoch)
+        inner = getattr(self.batch_sampler, "sampler", None)
+        bs = self.batch_sampler if hasattr(self.batch_sampler, "set_epoch") else inner
+        for s in {id(self.sampler): self.sampler, id(bs): bs}.values():
+            if s is not None and hasattr(s, "set_epoch"):
+                s.set_epoch(epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Epoch, batches delivered in the current pass, the random state that pass started
+        from (the global generator's, or the given generator's), and the samplers' states."""
+        state: dict[str, Any] = {"epoch": self.epoch, "batches_done": self._position}
+        state.update(self._sampler_states if self._sampler_states is not None else self._current_sampler_states())
+        rng_state, generator_state = self._pass_state
+        if generator_state is not None:
+            state["generator_state"] = generator_state.clone()
+        elif rng_state is not None:
+            state["rng_state"] = rng_state.clone()
+        return state
+
+    def _current_sampler_states(self) -> dict[str, Any]:
+        return {name: getattr(self, name).state_dict() for name in ("sampler", "batch_sampler")
+                if hasattr(getattr(self, name), "state_dict")}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume: the next pass redraws the saved pass's order and starts after the last batch
+        delivered before ``state_dict``."""
+        for name in ("sampler", "batch_sampler"):
+            obj = getattr(self, name)
+            if obj is not None and name in state and hasattr(obj, "load_state_dict"):
+                obj.load_state_dict(state[name])
+        done = int(state["batches_done"])
+        unbounded = self._src.kind == "iterable" and not hasattr(self.dataset, "__len__")
+        upper = None if unbounded else len(self)
+        if done < 0 or (upper is not None and done > upper):
+            raise ValueError(f"PrefetchLoader.load_state_dict: batches_done {done} outside "
+                             f"[0, {'unbounded' if upper is None else upper}]")
+        if "generator_state" in state and self.generator is None:
+            raise ValueError("PrefetchLoader.load_state_dict: the state was saved from a loader with a "
+                             "generator; pass generator=torch.Generator() to this one too")
+        self.set_epoch(int(state["epoch"]))
+        if done:
+            self._replay = Replay(skip=done, rng_state=state.get("rng_state"),
+                                  generator_state=state.get("generator_state"))
+
+
+__all__ = ["PrefetchLoader"]

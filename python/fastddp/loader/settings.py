@@ -1,0 +1,75 @@
+"""Argument checking for PrefetchLoader: DataLoader's arguments are checked by DataLoader itself
+(the same exception types and messages, prefixed with PrefetchLoader); PrefetchLoader's own are
+checked here."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Optional, Union
+
+import torch
+from torch.utils.data import DataLoader
+
+
+def make_spec(dataset: Any, *args: Any, **kwargs: Any) -> DataLoader:
+    """A DataLoader made with the caller's arguments: it checks them, resolves the defaults
+    (sampler, batch sampler, collation) and is the reference for the loader's attributes."""
+    try:
+        return DataLoader(dataset, *args, **kwargs)
+    except (ValueError, TypeError) as exc:
+        raise type(exc)(f"PrefetchLoader: {exc}") from None  # DataLoader's words, as its tests match them
+
+
+def check_own_form(**given: Any) -> None:
+    """Tensors and .npy paths (PrefetchLoader's own forms, not Datasets) are gathered by rows:
+    the arguments that need samples read through Python are refused, naming the fix."""
+    defaults = {"collate_fn": None, "worker_init_fn": None, "timeout": 0, "multiprocessing_context": None}
+    if given.pop("batch_size") is None:
+        raise ValueError("PrefetchLoader: batch_size=None (DataLoader's unbatched mode) needs a Dataset; "
+                         "wrap the tensors in a TensorDataset, or pass batch_size=N")
+    for name, value in given.items():
+        if value is not defaults[name] and value != defaults[name]:
+            raise ValueError(f"PrefetchLoader: {name}={value!r} needs a map-style Dataset whose samples "
+                             "Python reads; tensors and .npy paths are batched by gathering rows. Wrap "
+                             f"them in a TensorDataset to use {name}, or drop it")
+
+
+def check_extras(device: Union[str, torch.device, None], prefetch: Optional[int],
+                 prefetch_factor: Optional[int], num_workers: int,
+                 generator: Optional[torch.Generator]) -> tuple[torch.device, int]:
+    """PrefetchLoader's own arguments: the device (usable here) and the ring size."""
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"PrefetchLoader: generator must be a torch.Generator, got {type(generator).__name__}")
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"PrefetchLoader: device {dev} requested but CUDA is not available; use "
+                         "device=None for CPU batches")
+    if prefetch is None:
+        prefetch = (prefetch_factor or 2) * num_workers if num_workers > 0 else 4
+        prefetch = max(1, prefetch)
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
+        raise ValueError(f"PrefetchLoader: prefetch must be an integer >= 1, got {prefetch!r}")
+    return dev, prefetch
+
+
+def prepare_tensors(tensors: list[torch.Tensor], device: torch.device, resident: Union[bool, str],
+                    max_bytes: int, pin_dataset: bool) -> tuple[list[torch.Tensor], bool]:
+    """The tensors a native pass gathers from: copies on ``device`` (``resident``, when they fit
+    for ``"auto"``), page-locked copies (``pin_dataset``), or the tensors themselves."""
+    if resident:
+        size = sum(t.numel() * t.element_size() for t in tensors)
+        if resident is True or (resident == "auto" and size <= max_bytes):
+            return [t.to(device) for t in tensors], True
+    if pin_dataset:
+        return [t if t.is_pinned() else t.contiguous().pin_memory() for t in tensors], False
+    return [t.contiguous() for t in tensors], False
+
+
+def start_warnings(pin_memory: bool, pin_memory_device: str) -> None:
+    """The warnings DataLoader's iterator gives when it is created (native passes)."""
+    if pin_memory and pin_memory_device:
+        warnings.warn("pin_memory_device is deprecated, the current accelerator will be used as the "
+                      f"device,ignore pin_memory_device='{pin_memory_device}'.", stacklevel=4)
+    if pin_memory and not torch.accelerator.is_available():
+        warnings.warn("'pin_memory' argument is set as true but no accelerator is found, then device "
+                      "pinned memory won't be used.", stacklevel=4)

@@ -1,0 +1,135 @@
+"""What a dataset is to PrefetchLoader: tensors whose rows C++ threads can gather (a
+``TensorDataset``, or PrefetchLoader's own forms: a tuple/list/dict of tensors, ``.npy``
+paths), or a Python dataset that torch's DataLoader machinery reads."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, IterableDataset, TensorDataset, default_collate
+
+
+class Columns(Dataset):
+    """PrefetchLoader's own dataset forms seen as a map-style Dataset: sample ``i`` is the
+    tuple of row ``i`` of every tensor (what ``TensorDataset`` gives)."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        self.tensors = tuple(tensors)
+
+    def __getitem__(self, index: Any) -> tuple[torch.Tensor, ...]:
+        return tuple(t[index] for t in self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors[0])
+
+
+@dataclass
+class Sources:
+    """``kind``: ``"tensors"``/``"npy"`` (PrefetchLoader's forms: a tensor, a tuple or dict of
+    tensors, ``.npy`` paths; always gathered natively),
+    ``"dataset"`` (a map-style Dataset; ``gatherable`` when it is a plain TensorDataset) or
+    ``"iterable"``. ``dataset`` is what the DataLoader machinery indexes."""
+
+    kind: str
+    dataset: Any
+    keys: Optional[list[str]] = None
+    single: bool = False  # one tensor given bare, yielded bare
+
+    @property
+    def own_form(self) -> bool:
+        return self.kind in ("tensors", "npy")
+
+    @property
+    def gatherable(self) -> bool:
+        """Rows can be gathered natively with the result DataLoader's default collation gives."""
+        return self.own_form or is_plain_tensor_dataset(self.dataset)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors rows are gathered from, read now (a TensorDataset's may be replaced)."""
+        return list(self.dataset.tensors)
+
+    def wrap(self, columns: Sequence[torch.Tensor]) -> Any:
+        """One batch from its per-tensor columns, in the form DataLoader (or, for our own
+        forms, PrefetchLoader) yields: a list for a TensorDataset, as ``default_collate`` makes
+        of tuple samples; the input's form otherwise."""
+        if not self.own_form:
+            return list(columns)
+        if self.keys is not None:
+            return dict(zip(self.keys, columns))
+        return columns[0] if self.single else tuple(columns)
+
+    def fetch(self, indices: list[Any]) -> Any:
+        """One batch read sample by sample, exactly as DataLoader's fetcher reads it (so an
+        index DataLoader refuses raises what indexing the dataset raises)."""
+        samples = [self.dataset[i] for i in indices]
+        batch = default_collate(samples)
+        return self.wrap(batch) if self.own_form else batch
+
+
+def is_plain_tensor_dataset(dataset: Any) -> bool:
+    """A TensorDataset whose samples are TensorDataset's own rows (a subclass that overrides
+    how samples are read goes through Python, as with DataLoader)."""
+    cls = type(dataset)
+    return (isinstance(dataset, TensorDataset) and cls.__getitem__ is TensorDataset.__getitem__
+            and getattr(cls, "__getitems__", None) is None and len(dataset.tensors) > 0)
+
+
+def _load_npy(paths: list[Any]) -> list[torch.Tensor]:
+    arrays = []
+    for p in paths:
+        if not str(p).endswith(".npy"):
+            raise ValueError(f"PrefetchLoader: {p} is not a .npy file; pass tensors, .npy "
+                             "paths or a torch Dataset")
+        arr = np.load(p, mmap_mode="r")  # memory-mapped: rows are read straight into the gather
+        if not arr.flags.c_contiguous:
+            raise ValueError(f"PrefetchLoader: {p} is not C-contiguous (Fortran order); "
+                             "re-save it with np.save(path, np.ascontiguousarray(a))")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # read-only mmap: we never write
+            arrays.append(torch.from_numpy(arr))
+    return arrays
+
+
+def _check_rows(tensors: list[torch.Tensor]) -> None:
+    n = len(tensors[0]) if tensors[0].dim() else 0
+    for i, s in enumerate(tensors):
+        if s.dim() == 0 or len(s) != n:
+            raise ValueError(f"PrefetchLoader: tensor {i} has shape {tuple(s.shape)}; every "
+                             f"tensor needs the same first dimension ({n})")
+
+
+def classify(dataset: Any) -> Sources:
+    """The :class:`Sources` of ``dataset``; a TypeError names what can be loaded."""
+    if isinstance(dataset, IterableDataset):
+        return Sources("iterable", dataset)
+    if isinstance(dataset, Dataset):
+        return Sources("dataset", dataset)
+    if isinstance(dataset, torch.Tensor):
+        _check_rows([dataset])
+        return Sources("tensors", Columns([dataset]), single=True)
+    if isinstance(dataset, Mapping) and dataset and all(isinstance(v, torch.Tensor) for v in dataset.values()):
+        _check_rows(list(dataset.values()))
+        return Sources("tensors", Columns(list(dataset.values())), keys=list(dataset.keys()))
+    # A tuple of tensors is columns (TensorDataset(*t)); a list of tensors stays what DataLoader
+    # reads it as: a sequence of samples.
+    if isinstance(dataset, tuple) and dataset and all(isinstance(v, torch.Tensor) for v in dataset):
+        _check_rows(list(dataset))
+        return Sources("tensors", Columns(list(dataset)), single=len(dataset) == 1)
+    if isinstance(dataset, (str, os.PathLike)) or (
+            isinstance(dataset, (tuple, list)) and dataset
+            and all(isinstance(v, (str, os.PathLike)) for v in dataset)):
+        paths = [dataset] if isinstance(dataset, (str, os.PathLike)) else list(dataset)
+        arrays = _load_npy(paths)
+        _check_rows(arrays)
+        return Sources("npy", Columns(arrays), single=isinstance(dataset, (str, os.PathLike)))
+    if hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__"):
+        return Sources("dataset", dataset)
+    raise TypeError(f"PrefetchLoader: cannot load from {type(dataset).__name__}; pass a "
+                    "TensorDataset, a tuple/dict of tensors, .npy paths, a map-style Dataset or "
+                    "an IterableDataset")
