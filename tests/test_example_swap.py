@@ -55,9 +55,5 @@ def test_ddp_sampler_and_scaler_swapped(results) -> None:
     _assert_same_run(results["stock"], results["ddp+sampler+scaler"])
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "fastddp.PrefetchLoader does not draw DataLoader's per-iterator base seed from the global "
-    "generator (torch.empty((), dtype=torch.int64).random_() in each iter()), so the dropout masks "
-    "and every loss differ from the first step; issue 23 item 2, the PrefetchLoader's work"))
 def test_all_four_swapped(results) -> None:
     _assert_same_run(results["stock"], results["all"])
