@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import numbers
 import os
 import warnings
 from collections.abc import Callable, Iterator
@@ -115,6 +116,20 @@ def _refuse_unsupported(delay_all_reduce_named_params: Any, param_to_hook_all_re
             "DDPWrapper: skip_all_reduce_unused_params=True is not supported; unused parameters are "
             "reduced as zero contributions (find_unused_parameters=True), or, with a fixed set of used "
             "parameters, static_graph=True skips the per-iteration search for them.")
+
+
+def _bucket_cap(bucket_cap_mb: Any) -> float:
+    """``bucket_cap_mb`` as torch DDP takes it: a real number of MiB, 0 giving each parameter
+    a bucket of its own. A string is refused with torch's exception type (``ValueError``; torch
+    fails converting ``"25" * 2**20`` to int). A negative cap, which torch takes as 0, is refused
+    as the mistake it is."""
+    if isinstance(bucket_cap_mb, (str, bytes)) or not isinstance(bucket_cap_mb, numbers.Real):
+        raise ValueError(f"DDPWrapper: bucket_cap_mb must be a number of MiB (e.g. 25), got "
+                         f"{type(bucket_cap_mb).__name__} {bucket_cap_mb!r}")
+    if not bucket_cap_mb >= 0 or bucket_cap_mb == float("inf"):
+        raise ValueError(f"DDPWrapper: bucket_cap_mb must be a finite number >= 0 (0: one parameter per "
+                         f"bucket), got {bucket_cap_mb}")
+    return float(bucket_cap_mb)
 
 
 def _resolve_group(process_group: Optional[dist.ProcessGroup], device_mesh: Any) -> dist.ProcessGroup:
@@ -250,9 +265,7 @@ class DDPWrapper(nn.Module, Joinable):
                             skip_all_reduce_unused_params)
         if comm_dtype not in (None, torch.float16, torch.bfloat16, torch.float32):
             raise ValueError(f"DDPWrapper: comm_dtype must be torch.bfloat16, torch.float16 or None, got {comm_dtype}")
-        bucket_cap_mb = 25.0 if bucket_cap_mb is None else float(bucket_cap_mb)
-        if bucket_cap_mb <= 0:
-            raise ValueError(f"DDPWrapper: bucket_cap_mb must be > 0, got {bucket_cap_mb}")
+        bucket_cap_mb = 25.0 if bucket_cap_mb is None else _bucket_cap(bucket_cap_mb)
         caps = [float(c) for c in bucket_cap_mb_list] if bucket_cap_mb_list else None
         if caps is not None:
             if min(caps) <= 0:
@@ -466,23 +479,25 @@ class DDPWrapper(nn.Module, Joinable):
                                  "DistributedDataParallel for sparse gradients.")
 
     def _verify_across_ranks(self, named: list[tuple[str, nn.Parameter]]) -> None:
+        """torch DDP's check that every rank built the same model: the same number of
+        parameters and, for each, the same full shape, dtype and requires_grad (two all-gathers:
+        the count and widest rank, then one row per parameter)."""
         if self.world_size == 1:
             return
         device = named[0][1].device if dist.get_backend(self.process_group) == "nccl" else torch.device("cpu")
-        meta = [[p.numel(), p.dim(), *list(p.shape)[:4], int(p.requires_grad), _dtype_code(p.dtype)]
-                for _, p in named]
-        width = 8
-        local = torch.tensor([len(meta)] + [v for row in meta for v in (row + [0] * width)[:width]],
-                             dtype=torch.int64, device=device)
-        sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(self.world_size)]
-        dist.all_gather(sizes, torch.tensor([local.numel()], device=device), group=self.process_group)
-        counts = [int(s) for s in sizes]
+        header = torch.tensor([len(named), max(p.dim() for _, p in named)], dtype=torch.int64, device=device)
+        headers = [torch.zeros_like(header) for _ in range(self.world_size)]
+        dist.all_gather(headers, header, group=self.process_group)
+        counts = [int(h[0]) for h in headers]
         if len(set(counts)) > 1:
             raise RuntimeError("DDPWrapper: ranks have different numbers of parameters: "
-                               + ", ".join(f"rank {r}: {(c - 1) // width}" for r, c in enumerate(counts)))
+                               + ", ".join(f"rank {r}: {c}" for r, c in enumerate(counts)))
+        width = _META_FIELDS + max(int(h[1]) for h in headers)
+        local = torch.tensor([v for _, p in named for v in _param_meta(p, width)], dtype=torch.int64,
+                             device=device)
         gathered = [torch.zeros_like(local) for _ in range(self.world_size)]
         dist.all_gather(gathered, local, group=self.process_group)
-        rows = [g[1:].view(-1, width).cpu() for g in gathered]
+        rows = [g.view(-1, width).cpu() for g in gathered]
         for i, (name, _param) in enumerate(named):
             for r in range(self.world_size):
                 if not torch.equal(rows[r][i], rows[0][i]):
@@ -866,10 +881,19 @@ def _dtype_code(dtype: torch.dtype) -> int:
     return _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
 
 
+_META_FIELDS = 4  # numel, ndim, requires_grad, dtype code; the full shape follows
+
+
+def _param_meta(p: torch.Tensor, width: int) -> list[int]:
+    """One parameter's row of the cross-rank model check, zero-padded to ``width``."""
+    row = [p.numel(), p.dim(), int(p.requires_grad), _dtype_code(p.dtype), *p.shape]
+    return row + [0] * (width - len(row))
+
+
 def _describe(row: torch.Tensor) -> str:
-    numel, ndim = int(row[0]), int(row[1])
-    shape = tuple(int(v) for v in row[2:2 + min(ndim, 4)])
-    code = int(row[7])
+    """A row of :func:`_param_meta` as the mismatch message shows it."""
+    numel, ndim, _requires_grad, code = (int(v) for v in row[:_META_FIELDS])
+    shape = tuple(int(v) for v in row[_META_FIELDS:_META_FIELDS + ndim])
     dtype = _DTYPES[code] if code < len(_DTYPES) else "other"
     return f"shape {shape} ({numel} elements), dtype {dtype}"
 
