@@ -9,11 +9,32 @@ from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 
 
 def hook_name(hook: Any) -> str:
     """How messages and bucket_report() name a communication hook."""
     return getattr(hook, "__qualname__", repr(hook))
+
+
+def check_annotations(hook: Any, name: str) -> None:
+    """torch DDP's check of a hook's annotations, with its exception type (ValueError): an
+    annotated ``bucket`` must be ``dist.GradBucket``, an annotated return type
+    ``torch.futures.Future[torch.Tensor]`` (compared as torch compares them)."""
+    if not callable(hook):
+        return  # refused with TypeError where the hook is registered
+    try:
+        sig = inspect.signature(hook)
+    except (TypeError, ValueError):  # no signature to inspect (a builtin): let the call decide
+        return
+    bucket = sig.parameters.get("bucket")
+    if bucket is not None and bucket.annotation not in (inspect.Parameter.empty, dist.GradBucket):
+        raise ValueError(f"DDPWrapper.register_comm_hook: {name}'s bucket argument is annotated "
+                         f"{bucket.annotation!r}; torch DDP requires dist.GradBucket (or no annotation).")
+    if sig.return_annotation not in (inspect.Signature.empty, torch.futures.Future[torch.Tensor]):
+        raise ValueError(f"DDPWrapper.register_comm_hook: {name} is annotated to return "
+                         f"{sig.return_annotation!r}; a hook returns torch.futures.Future[torch.Tensor] "
+                         "(annotate it so, or leave the annotation out), as torch DDP requires.")
 
 
 class CommHooks:
@@ -43,6 +64,7 @@ class CommHooks:
             default_hooks.bf16_compress_hook: torch.bfloat16,
         }
         name = hook_name(hook)
+        check_annotations(hook, name)
         if self._comm_hook is not None:
             raise RuntimeError("DDPWrapper.register_comm_hook can only be called once (as in torch DDP); "
                                f"{hook_name(self._comm_hook)} is registered already.")
