@@ -24,6 +24,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import fastddp
+from fastddp._ext import C
 from fastddp.train import lost_peer_message
 
 from .distributed import run_distributed
@@ -220,14 +221,15 @@ def _grad_stats(rank: int, world_size: int, shm: bool, comm_dtype) -> list:
     torch.manual_seed(0)
     model = fastddp.DDPWrapper(nn.Sequential(nn.Linear(300, 200), nn.Linear(200, 7)), bucket_cap_mb=0.1,
                                shm_allreduce=shm, comm_dtype=comm_dtype)
-    model._reducer.set_grad_stats(True)
+    visitor = C.amp_bucket_stats()
+    model.register_bucket_visitor(visitor)
     g = torch.Generator().manual_seed(rank)
     out = []
     for step in range(4):
         model.zero_grad()
         poison = float("nan") if (step == 3 and rank == 1) else 1.0
         (model(torch.randn(5, 300, generator=g)).square().sum() * poison).backward()
-        stats = model._reducer.take_grad_stats()
+        stats = C.amp_take_bucket_stats(visitor)
         expected = sum(float(b.double().square().sum()) for b in model.bucket_buffers())
         out.append((model.transport, len(model.bucket_buffers()), float(stats), expected))
     return out

@@ -1,6 +1,7 @@
 #include "amp/amp.h"
 
 #include "amp/multi_tensor.h"
+#include "amp/scale_update.h"
 #include "common/checks.h"
 #include "common/cpu_kernels.h"
 
@@ -143,21 +144,8 @@ void update_scale_(at::Tensor& scale, at::Tensor& growth_tracker, const at::Tens
 #endif
     return;
   }
-  float* s = scale.data_ptr<float>();
-  int32_t* tracker = growth_tracker.data_ptr<int32_t>();
-  if (found_inf.data_ptr<float>()[0] != 0.f) {
-    s[0] = static_cast<float>(static_cast<double>(s[0]) * backoff_factor);
-    tracker[0] = 0;
-  } else {
-    const int32_t successful = tracker[0] + 1;
-    if (successful == growth_interval) {
-      const float grown = static_cast<float>(static_cast<double>(s[0]) * growth_factor);
-      if (std::isfinite(grown)) s[0] = grown;
-      tracker[0] = 0;
-    } else {
-      tracker[0] = successful;
-    }
-  }
+  update_loss_scale(scale.data_ptr<float>(), growth_tracker.data_ptr<int32_t>(), found_inf.data_ptr<float>()[0],
+                    growth_factor, backoff_factor, growth_interval);
 }
 
 }  // namespace fastddp::amp

@@ -1,4 +1,5 @@
 #include "amp/amp.h"
+#include "amp/bucket_stats.h"
 #include "bindings/registry.h"
 
 namespace py = pybind11;
@@ -20,6 +21,24 @@ void bind_amp(py::module_& m) {
         py::arg("found_inf"), py::arg("growth_factor"), py::arg("backoff_factor"), py::arg("growth_interval"),
         "torch's loss-scale update rule (backoff on found_inf, growth every growth_interval clean steps).",
         py::call_guard<py::gil_scoped_release>());
+  // The statistics visitor is handed to Python as the reducer's BucketVisitor, which is what
+  // DDPWrapper.register_bucket_visitor takes; amp_take_bucket_stats reads it back.
+  m.def(
+      "amp_bucket_stats",
+      []() -> std::shared_ptr<fastddp::reducer::BucketVisitor> { return std::make_shared<fastddp::amp::BucketStats>(); },
+      "A BucketVisitor that sums the squares of a DDPWrapper's reduced buckets as each reduction completes.");
+  m.def(
+      "amp_take_bucket_stats",
+      [](const std::shared_ptr<fastddp::reducer::BucketVisitor>& visitor) -> std::optional<at::Tensor> {
+        auto stats = std::dynamic_pointer_cast<fastddp::amp::BucketStats>(visitor);
+        TORCH_CHECK(stats, "amp_take_bucket_stats: the visitor was not made by amp_bucket_stats()");
+        auto t = stats->take();
+        if (!t.defined()) return std::nullopt;
+        return t;
+      },
+      py::arg("visitor"),
+      "The float64[1] sum of squares of the last reduced backward, once; None if not fresh.",
+      py::call_guard<py::gil_scoped_release>());
 }
 
 }  // namespace

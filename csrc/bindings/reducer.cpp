@@ -1,4 +1,5 @@
 #include "bindings/registry.h"
+#include "reducer/layout.h"
 #include "reducer/reducer.h"
 
 #include <torch/csrc/distributed/c10d/python_comm_hook.h>
@@ -8,17 +9,40 @@ namespace py = pybind11;
 
 namespace {
 
+void bind_options(py::module_& m) {
+  py::class_<fastddp::reducer::BucketVisitor, std::shared_ptr<fastddp::reducer::BucketVisitor>>(
+      m, "BucketVisitor",
+      "Sees each flat gradient bucket once its reduced values are final (csrc/reducer/bucket_visitor.h); "
+      "made by the capability that consumes the buckets, e.g. amp_bucket_stats().");
+  using fastddp::reducer::ReducerOptions;
+  py::class_<ReducerOptions>(m, "ReducerOptions",
+                             "Everything that configures a Reducer, by name (see csrc/reducer/options.h).")
+      .def(py::init<>())
+      .def_readwrite("gradient_as_bucket_view", &ReducerOptions::gradient_as_bucket_view)
+      .def_readwrite("find_unused_parameters", &ReducerOptions::find_unused_parameters)
+      .def_readwrite("static_graph", &ReducerOptions::static_graph)
+      .def_readwrite("comm_dtype", &ReducerOptions::comm_dtype)
+      .def_readwrite("bucket_cap_mb", &ReducerOptions::bucket_cap_mb)
+      .def_readwrite("first_bucket_mb", &ReducerOptions::first_bucket_mb)
+      .def_readwrite("bucket_caps_mb", &ReducerOptions::bucket_caps_mb)
+      .def_readwrite("shm_allreduce", &ReducerOptions::shm_allreduce)
+      .def_readwrite("shm_timeout_s", &ReducerOptions::shm_timeout_s)
+      .def_readwrite("shm_broadcast_bytes", &ReducerOptions::shm_broadcast_bytes)
+      .def_readwrite("batch_copies", &ReducerOptions::batch_copies)
+      .def_readwrite("single_rank_passthrough", &ReducerOptions::single_rank_passthrough);
+  m.def("plan_buckets", &fastddp::reducer::plan_buckets, py::arg("params"), py::arg("order"), py::arg("options"),
+        "Bucket indices filled in `order`, grouped by (device, dtype), within the options' caps.");
+}
+
 // Every method that takes the reducer's mutex releases the GIL first: with a Python comm hook
 // the end of backward waits, holding the mutex, for Futures whose callbacks need the GIL.
 void bind_reducer(py::module_& m) {
+  bind_options(m);
   py::class_<fastddp::reducer::Reducer, std::shared_ptr<fastddp::reducer::Reducer>>(
       m, "Reducer", "Bucketed gradient all-reduce overlapped with backward (DDPWrapper's core).")
       .def(py::init([](std::vector<at::Tensor> params, std::vector<std::string> names,
-                       std::vector<std::vector<int64_t>> buckets,
-                       const c10::intrusive_ptr<c10d::ProcessGroup>& pg, bool grad_as_view, bool find_unused,
-                       bool static_graph, std::optional<at::ScalarType> comm_dtype, std::optional<bool> shm,
-                       double shm_timeout_s, int64_t shm_broadcast_bytes, std::optional<bool> batch_copies,
-                       bool single_rank_passthrough, const py::object& comm_hook_state, const py::object& comm_hook) {
+                       const c10::intrusive_ptr<c10d::ProcessGroup>& pg, const fastddp::reducer::ReducerOptions& options,
+                       const py::object& comm_hook_state, const py::object& comm_hook) {
              // torch's own adapter for Python hooks: it builds the dist.GradBucket, calls
              // hook(state, bucket) under the GIL and unpacks the Future's value.
              std::unique_ptr<c10d::CommHookInterface> hook;
@@ -29,19 +53,15 @@ void bind_reducer(py::module_& m) {
              }
              // Construction may run collectives (the shared-memory handshake): no GIL meanwhile.
              py::gil_scoped_release release;
-             auto r = std::make_shared<fastddp::reducer::Reducer>(std::move(params), std::move(names), buckets, pg,
-                                                                  grad_as_view, find_unused, static_graph,
-                                                                  comm_dtype, shm, shm_timeout_s, shm_broadcast_bytes,
-                                                                  batch_copies, single_rank_passthrough,
+             auto r = std::make_shared<fastddp::reducer::Reducer>(std::move(params), std::move(names), pg, options,
                                                                   std::move(hook));
              r->register_hooks();
              return r;
            }),
-           py::arg("params"), py::arg("names"), py::arg("buckets"), py::arg("process_group"),
-           py::arg("gradient_as_bucket_view"), py::arg("find_unused_parameters"), py::arg("static_graph"),
-           py::arg("comm_dtype"), py::arg("shm_allreduce") = py::none(), py::arg("shm_timeout_s") = 1800.0, py::arg("shm_broadcast_bytes") = 0,
-           py::arg("batch_copies") = py::none(), py::arg("single_rank_passthrough") = true,
+           py::arg("params"), py::arg("names"), py::arg("process_group"), py::arg("options"),
            py::arg("comm_hook_state") = py::none(), py::arg("comm_hook") = py::none())
+      .def_static("packed_bytes", &fastddp::reducer::packed_bytes, py::arg("tensors"),
+                  "Bytes the tensors take packed in shared memory, each at a 64-byte aligned offset.")
       .def("broadcast_buffers", &fastddp::reducer::Reducer::broadcast_buffers, py::arg("tensors"),
            "Shared-memory transport: copy group rank 0's tensors into every rank's (True); else False.",
            py::call_guard<py::gil_scoped_release>())
@@ -67,23 +87,16 @@ void bind_reducer(py::module_& m) {
       .def("shadow_reduction", &fastddp::reducer::Reducer::shadow_reduction,
            "join(): issue one reduced backward's collectives with zero gradients.",
            py::call_guard<py::gil_scoped_release>())
-      .def("set_grad_stats", &fastddp::reducer::Reducer::set_grad_stats, py::arg("enabled"),
-           "Accumulate the buckets' sum of squares as each all-reduce completes (for GradScaler).",
-           py::call_guard<py::gil_scoped_release>())
-      .def("take_grad_stats",
-           [](fastddp::reducer::Reducer& r) -> std::optional<at::Tensor> {
-             auto t = r.take_grad_stats();
-             if (!t.defined()) return std::nullopt;
-             return t;
-           },
-           "The float64[1] sum of squares of the last reduced backward, once; None if not fresh.",
+      .def("add_bucket_visitor", &fastddp::reducer::Reducer::add_bucket_visitor, py::arg("visitor"),
+           "Register a visitor of every bucket once its reduced values are final (e.g. GradScaler's statistics).",
            py::call_guard<py::gil_scoped_release>())
       .def("arrival_order", &fastddp::reducer::Reducer::arrival_order,
            "Gradient arrival order (parameter indices) of the first reduced backward.",
            py::call_guard<py::gil_scoped_release>())
-      .def("rebuild_buckets", &fastddp::reducer::Reducer::rebuild_buckets, py::arg("buckets"),
-           "Replace the buckets; existing gradients move into the new buffers.",
+      .def("rebuild_buckets_in_arrival_order", &fastddp::reducer::Reducer::rebuild_buckets_in_arrival_order,
+           "Re-plan the buckets in group rank 0's gradient arrival order (a collective); True if they changed.",
            py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("options", &fastddp::reducer::Reducer::options, "The ReducerOptions it was built with.")
       .def("bucket_indices", &fastddp::reducer::Reducer::bucket_indices, "Parameter indices of each bucket.")
       .def("bucket_shm", &fastddp::reducer::Reducer::bucket_shm,
            "Per bucket: True when it is reduced through shared memory.", py::call_guard<py::gil_scoped_release>())

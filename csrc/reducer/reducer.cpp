@@ -1,6 +1,6 @@
 #include "reducer/reducer.h"
 
-#include "amp/amp.h"
+#include "reducer/layout.h"
 
 #include <ATen/ops/_foreach_copy.h>
 #include <ATen/ops/empty.h>
@@ -35,32 +35,30 @@ class NodeReachedHook : public torch::autograd::FunctionPreHook {
 }  // namespace
 
 Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
-                 const std::vector<std::vector<int64_t>>& bucket_indices,
-                 c10::intrusive_ptr<c10d::ProcessGroup> process_group, bool gradient_as_bucket_view,
-                 bool find_unused_parameters, bool static_graph, std::optional<at::ScalarType> comm_dtype,
-                 std::optional<bool> shm_allreduce, double shm_timeout_s,
-                 int64_t shm_broadcast_bytes, std::optional<bool> batch_copies,
-                 bool single_rank_passthrough, std::unique_ptr<c10d::CommHookInterface> comm_hook)
+                 c10::intrusive_ptr<c10d::ProcessGroup> process_group, const ReducerOptions& options,
+                 std::unique_ptr<c10d::CommHookInterface> comm_hook)
     : params_(std::move(params)),
       names_(std::move(names)),
       process_group_(std::move(process_group)),
-      gradient_as_bucket_view_(gradient_as_bucket_view),
-      find_unused_(find_unused_parameters),
-      static_graph_(static_graph),
-      comm_dtype_(comm_dtype),
+      options_(options),
+      gradient_as_bucket_view_(options.gradient_as_bucket_view),
+      find_unused_(options.find_unused_parameters),
+      static_graph_(options.static_graph),
+      comm_dtype_(options.comm_dtype),
       comm_hook_(std::move(comm_hook)) {
   TORCH_CHECK(process_group_, "DDPWrapper: process group is null");
   TORCH_CHECK(names_.size() == params_.size(), "DDPWrapper: ", params_.size(), " parameters but ",
               names_.size(), " names");
+  const auto& shm_allreduce = options_.shm_allreduce;
   TORCH_CHECK(!comm_hook_ || (!comm_dtype_ && !shm_allreduce), "DDPWrapper: a communication hook does its "
               "own reduction; it cannot be combined with comm_dtype (got ", comm_dtype_ ? c10::toString(*comm_dtype_) : "None",
               ") or the shared-memory transport (shm_allreduce=", shm_allreduce ? (*shm_allreduce ? "True" : "False") : "None",
               ")");
   inv_world_ = 1.0 / static_cast<double>(process_group_->getSize());
-  passthrough_ = single_rank_passthrough && process_group_->getSize() == 1 && !comm_dtype_ && !comm_hook_;
+  passthrough_ = options_.single_rank_passthrough && process_group_->getSize() == 1 && !comm_dtype_ && !comm_hook_;
   bool any_cuda = false;
   for (const auto& p : params_) any_cuda = any_cuda || p.is_cuda();
-  batch_copies_ = batch_copies.value_or(any_cuda);
+  batch_copies_ = options_.batch_copies.value_or(any_cuda);
   // A 0-dim CPU double multiplies tensors of any device/dtype without promoting them.
   inv_world_tensor_ = at::scalar_tensor(inv_world_, at::TensorOptions().dtype(at::kDouble));
   const int64_t n = static_cast<int64_t>(params_.size());
@@ -72,119 +70,19 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
     // Collective over the group: every rank of a CPU model takes part (the caller decides that
     // from the parameters' device, the same on every rank) and says whether it wants shared
     // memory, so all agree on the transport.
-    TORCH_CHECK(shm_timeout_s > 0, "DDPWrapper: shared-memory all-reduce timeout must be > 0 s, got ", shm_timeout_s);
-    bool cpu = true;
-    int64_t arena = 64;  // each bucket's wire buffer is 64-byte aligned: room for one pad per parameter
-    for (const auto& p : params_) {
-      cpu = cpu && p.device().is_cpu();
-      const auto wire = comm_dtype_ ? *comm_dtype_ : p.scalar_type();
-      arena += p.numel() * static_cast<int64_t>(c10::elementSize(wire)) + 64;
-    }
-    TORCH_CHECK(cpu, "DDPWrapper: shared-memory all-reduce is for CPU parameters");
-    const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(shm_timeout_s * 1000.0));
-    shm_ = ShmAllreduce::create(process_group_, *shm_allreduce, arena, shm_broadcast_bytes, timeout, &transport_note_);
+    TORCH_CHECK(options_.shm_timeout_s > 0, "DDPWrapper: shared-memory all-reduce timeout must be > 0 s, got ",
+                options_.shm_timeout_s);
+    TORCH_CHECK(options_.shm_broadcast_bytes >= 0, "DDPWrapper: shm_broadcast_bytes must be >= 0, got ",
+                options_.shm_broadcast_bytes);
+    for (const auto& p : params_)
+      TORCH_CHECK(p.device().is_cpu(), "DDPWrapper: shared-memory all-reduce is for CPU parameters, got ", p.device());
+    const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(options_.shm_timeout_s * 1000.0));
+    shm_ = ShmAllreduce::create(process_group_, *shm_allreduce, shm_arena_bytes(), options_.shm_broadcast_bytes,
+                                timeout, &transport_note_);
   } else {
     transport_note_ = "not a multi-process CPU model";
   }
-  install_buckets_locked(bucket_indices);
-}
-
-void Reducer::install_buckets_locked(const std::vector<std::vector<int64_t>>& bucket_indices) {
-  const int64_t n = static_cast<int64_t>(params_.size());
-  if (shm_ && !buckets_.empty()) {
-    // The new buffers reuse the arena the old ones occupy: take the gradients out first.
-    for (auto& p : params_) {
-      auto& grad = p.mutable_grad();
-      if (grad.defined()) grad = grad.clone();
-    }
-  }
-  int64_t arena_offset = 0;
-  std::vector<int64_t> param_bucket(n, -1);
-  std::vector<int64_t> param_slot(n, -1);
-  std::vector<Bucket> buckets;
-  for (const auto& indices : bucket_indices) {
-    TORCH_CHECK(!indices.empty(), "DDPWrapper: empty bucket");
-    Bucket bucket;
-    int64_t total = 0;
-    TORCH_CHECK(indices.front() >= 0 && indices.front() < n, "DDPWrapper: bucket names parameter ",
-                indices.front(), " of ", n);
-    const auto& first = params_[indices.front()];
-    for (int64_t i : indices) {
-      TORCH_CHECK(i >= 0 && i < n, "DDPWrapper: bucket names parameter ", i, " of ", n);
-      TORCH_CHECK(param_bucket[i] == -1, "DDPWrapper: parameter ", names_[i], " is in two buckets");
-      const auto& p = params_[i];
-      TORCH_CHECK(p.device() == first.device() && p.scalar_type() == first.scalar_type(),
-                  "DDPWrapper: bucket mixes ", first.device(), "/", first.scalar_type(), " with ", names_[i], " on ",
-                  p.device(), "/", p.scalar_type());
-      param_bucket[i] = static_cast<int64_t>(buckets.size());
-      param_slot[i] = static_cast<int64_t>(bucket.params.size());
-      bucket.params.push_back(i);
-      bucket.offsets.push_back(total);
-      total += p.numel();
-    }
-    const bool compress = comm_dtype_ && *comm_dtype_ != first.scalar_type();
-    // Shared memory sums in fp32/fp64 and rounds once. An uncompressed bf16/fp16 bucket goes
-    // through the process group instead, so its rounding (and the training that depends on
-    // it) stays exactly torch DDP's.
-    const auto dtype = first.scalar_type();
-    bucket.shm = shm_ && (compress || dtype == at::kFloat || dtype == at::kDouble);
-    if (bucket.shm) {
-      const auto wire = compress ? *comm_dtype_ : first.scalar_type();
-      auto shared = shm_->arena_tensor(arena_offset, total, wire);
-      arena_offset += (total * static_cast<int64_t>(c10::elementSize(wire)) + 63) / 64 * 64;
-      if (compress) {
-        bucket.buffer = at::zeros({total}, first.options().requires_grad(false));
-        bucket.comm = shared;
-      } else {
-        bucket.buffer = shared;
-      }
-    } else if (passthrough_) {
-      // Nothing is ever copied into it: a shape-only (meta) tensor keeps the layout for
-      // bucket_report() without holding a second copy of every gradient.
-      bucket.buffer = at::empty({total}, first.options().device(at::kMeta).requires_grad(false));
-    } else {
-      bucket.buffer = at::zeros({total}, first.options().requires_grad(false));
-      if (compress) bucket.comm = at::empty({total}, first.options().dtype(*comm_dtype_).requires_grad(false));
-    }
-    buckets.push_back(std::move(bucket));
-  }
-  for (int64_t i = 0; i < n; ++i)
-    TORCH_CHECK(param_bucket[i] >= 0, "DDPWrapper: parameter ", names_[i], " is in no bucket");
-  buckets_ = std::move(buckets);
-  param_bucket_ = std::move(param_bucket);
-  param_slot_ = std::move(param_slot);
-  // Each parameter's view is made once per bucket layout, not per gradient. A dense parameter's
-  // view takes the parameter's strides (a channels_last weight gets a channels_last gradient),
-  // as autograd's gradient layout contract and torch DDP do; any other parameter gets a
-  // row-major view, which is also what autograd gives it.
-  views_.clear();
-  for (int64_t i = 0; i < n; ++i) {
-    const auto& bucket = buckets_[param_bucket_[i]];
-    const auto& p = params_[i];
-    const int64_t offset = bucket.offsets[param_slot_[i]];
-    views_.push_back(p.is_non_overlapping_and_dense()
-                         ? bucket.buffer.as_strided(p.sizes(), p.strides(), bucket.buffer.storage_offset() + offset)
-                         : bucket.buffer.narrow(0, offset, p.numel()).view(p.sizes()));
-  }
-
-  if (gradient_as_bucket_view_ && !passthrough_) {
-    // Existing gradients (possibly views of the previous buffers, which stay alive until
-    // the copy is done) move into the new buckets, so backward accumulates into them.
-    for (int64_t i = 0; i < n; ++i) {
-      auto& grad = params_[i].mutable_grad();
-      if (grad.defined()) {
-        auto view = bucket_view(i);
-        view.copy_(grad);
-        grad = view;
-      }
-    }
-  }
-}
-
-void Reducer::rebuild_buckets(const std::vector<std::vector<int64_t>>& bucket_indices) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  TORCH_CHECK(!callback_queued_, "DDPWrapper: cannot rebuild buckets while a backward pass is reducing");
-  install_buckets_locked(bucket_indices);
+  install_buckets_locked(plan_buckets(params_, registration_order_reversed(n), options_));
 }
 
 std::vector<int64_t> Reducer::arrival_order() const {
@@ -243,7 +141,7 @@ void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs, bool 
   }
   hooks_seen_ = false;
   expect_sync_ = sync;
-  if (sync) grad_stats_ = at::Tensor();  // stats from an earlier backward must not be reused
+  if (sync) invalidate_visitors_locked();  // what visitors took from an earlier backward is stale
   callback_queued_ = false;
   next_launch_ = 0;
   std::fill(ready_.begin(), ready_.end(), 0);
@@ -369,9 +267,9 @@ void Reducer::mark_ready(int64_t index) {
   if (grad.defined()) locally_used_[index] = 1;
   if (!expect_sync_) {
     // no_sync(), or a backward not preceded by a forward: the gradients change after the last
-    // reduction, so its statistics are stale, and a new gradient (after zero_grad(set_to_none))
-    // lives outside the buckets.
-    grad_stats_ = at::Tensor();
+    // reduction, so what visitors computed from it is stale, and a new gradient (after
+    // zero_grad(set_to_none)) lives outside the buckets.
+    invalidate_visitors_locked();
     if (grad.defined() && !grad.is_alias_of(bucket_view(index))) buckets_hold_grads_ = false;
     return;
   }
@@ -438,7 +336,7 @@ void Reducer::launch_ready_buckets_locked() {
       bucket.work.reset();
       continue;
     }
-    bucket.squares_in_work = bucket.shm && grad_stats_enabled_;
+    bucket.squares_in_work = bucket.shm && visitors_want_squares_locked();
     bucket.work = allreduce_wire_locked(bucket, bucket.squares_in_work);
   }
 }
@@ -577,10 +475,9 @@ void Reducer::finalize_backward() {
   }
   // Usage is counted from one reduction to the next, no_sync() iterations in between included.
   std::fill(locally_used_.begin(), locally_used_.end(), 0);
-  at::Tensor stats;
-  if (grad_stats_enabled_ && !buckets_.empty()) {
-    stats = at::zeros({1}, buckets_[0].buffer.options().dtype(at::kDouble));
-  }
+  const bool visiting = !visitors_.empty() && !buckets_.empty();
+  if (visiting)
+    for (const auto& v : visitors_) v->begin(buckets_[0].buffer);
   for (int64_t index = 0; index < static_cast<int64_t>(buckets_.size()); ++index) {
     auto& bucket = buckets_[index];
     std::optional<double> fused_squares;  // the reduction already summed this bucket's squares
@@ -605,15 +502,12 @@ void Reducer::finalize_backward() {
       bucket.buffer.mul_(reduction_scale_);
       if (fused_squares) *fused_squares *= reduction_scale_ * reduction_scale_;
     }
-    if (!stats.defined()) continue;
-    if (fused_squares) {
-      stats.data_ptr<double>()[0] += *fused_squares;
-    } else {
-      // Read this bucket for the AMP check while the later buckets are still on the wire.
-      fastddp::amp::accumulate_stats_({bucket.buffer}, stats);
-    }
+    // The bucket is final: visitors read it while the later buckets are still on the wire.
+    if (visiting)
+      for (const auto& v : visitors_) v->visit(index, bucket.buffer, fused_squares);
   }
-  grad_stats_ = stats;
+  if (visiting)
+    for (const auto& v : visitors_) v->end();
   reduction_scale_ = 1.0;
   const int32_t* gu = global_used.defined() ? global_used.data_ptr<int32_t>() : nullptr;
   for (int64_t i = 0; i < static_cast<int64_t>(params_.size()); ++i) {
@@ -672,22 +566,20 @@ std::vector<at::Tensor> Reducer::bucket_buffers() const {
   return out;
 }
 
-void Reducer::set_grad_stats(bool enabled) {
+void Reducer::add_bucket_visitor(std::shared_ptr<BucketVisitor> visitor) {
+  TORCH_CHECK(visitor, "DDPWrapper: the bucket visitor is null");
   std::lock_guard<std::mutex> lock(mutex_);
-  for (const auto& b : buckets_) {
-    TORCH_CHECK(!enabled || b.buffer.device() == buckets_[0].buffer.device(),
-                "DDPWrapper: gradient statistics need every bucket on one device; found ", b.buffer.device(),
-                " and ", buckets_[0].buffer.device());
-  }
-  grad_stats_enabled_ = enabled;
-  grad_stats_ = at::Tensor();
+  visitors_.push_back(std::move(visitor));
 }
 
-at::Tensor Reducer::take_grad_stats() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  at::Tensor out = grad_stats_;
-  grad_stats_ = at::Tensor();
-  return out;
+void Reducer::invalidate_visitors_locked() {
+  for (const auto& v : visitors_) v->invalidate();
+}
+
+bool Reducer::visitors_want_squares_locked() const {
+  for (const auto& v : visitors_)
+    if (v->wants_sum_of_squares()) return true;
+  return false;
 }
 
 std::vector<std::vector<int64_t>> Reducer::bucket_indices() const {
@@ -705,6 +597,10 @@ std::vector<double> Reducer::bucket_allreduce_ms() const {
 
 bool Reducer::broadcast_buffers(const std::vector<at::Tensor>& tensors) {
   if (!shm_) return false;
+  for (const auto& t : tensors)
+    if (!t.device().is_cpu() || t.layout() != at::kStrided) return false;
+  // Buffers a forward replaced by larger ones no longer fit the room reserved at construction.
+  if (packed_bytes(tensors) > shm_->broadcast_bytes()) return false;
   shm_->broadcast_from_root(tensors);
   return true;
 }

@@ -4,6 +4,8 @@
 // reductions at the end of backward.
 #pragma once
 
+#include "reducer/bucket_visitor.h"
+#include "reducer/options.h"
 #include "reducer/shm_allreduce.h"
 
 #include <ATen/core/Tensor.h>
@@ -35,8 +37,8 @@ struct Bucket {
   c10::intrusive_ptr<c10d::Work> work;
   // With a communication hook: the hook's Future for this bucket (instead of `work`).
   c10::intrusive_ptr<c10::ivalue::Future> hook_future;
-  // The shared-memory reduction also summed the squares of the result (a ShmWork): the AMP
-  // statistics of this bucket come with it instead of from another pass.
+  // The shared-memory reduction also summed the squares of the result (a ShmWork), for the
+  // visitors that want them, instead of another pass over the bucket.
   bool squares_in_work = false;
   std::chrono::steady_clock::time_point launched;
   double last_allreduce_ms = -1;  // launch to completion seen by the waiting thread
@@ -44,13 +46,11 @@ struct Bucket {
 
 class Reducer : public std::enable_shared_from_this<Reducer> {
  public:
+  // Plans the initial buckets from `options` (reverse registration order). With
+  // options.shm_allreduce set this is a collective over the group (the shared-memory handshake).
   Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
-          const std::vector<std::vector<int64_t>>& bucket_indices,
-          c10::intrusive_ptr<c10d::ProcessGroup> process_group, bool gradient_as_bucket_view,
-          bool find_unused_parameters, bool static_graph, std::optional<at::ScalarType> comm_dtype,
-          std::optional<bool> shm_allreduce = std::nullopt, double shm_timeout_s = 1800.0,
-          int64_t shm_broadcast_bytes = 0, std::optional<bool> batch_copies = std::nullopt,
-          bool single_rank_passthrough = true, std::unique_ptr<c10d::CommHookInterface> comm_hook = nullptr);
+          c10::intrusive_ptr<c10d::ProcessGroup> process_group, const ReducerOptions& options,
+          std::unique_ptr<c10d::CommHookInterface> comm_hook = nullptr);
 
   // torch DDP's register_comm_hook contract: each full bucket, in index order, is handed to the
   // hook as a c10d::GradBucket holding the undivided local sum of gradients; the hook returns
@@ -67,6 +67,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // backward (no_sync(), a second backward) put a gradient anywhere else. The buffers can then
   // stand in for the gradients.
   bool grads_in_buckets() const { return buckets_hold_grads_; }
+  const ReducerOptions& options() const { return options_; }
   bool batch_copies() const { return batch_copies_; }
 
   // "shm" when the buckets are reduced through shared memory (co-located CPU ranks), else
@@ -75,7 +76,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   std::string transport_note() const { return transport_note_; }
 
   // With the shared-memory transport: copies group rank 0's `tensors` (module buffers) into
-  // every rank's and returns true; false (nothing done) on the c10d transport.
+  // every rank's and returns true; false (nothing done) on the c10d transport, or when the
+  // tensors are not strided CPU ones or no longer fit options().shm_broadcast_bytes.
   bool broadcast_buffers(const std::vector<at::Tensor>& tensors);
 
   // Installs the AccumulateGrad post hooks; called once right after construction, when
@@ -102,22 +104,26 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // were ready before backward, i.e. unused ones, are not in it).
   std::vector<int64_t> arrival_order() const;
 
-  // Replaces the buckets (e.g. by arrival order, agreed across ranks by the caller); existing
-  // gradients move into the new buffers. Not allowed while a backward is reducing.
-  void rebuild_buckets(const std::vector<std::vector<int64_t>>& bucket_indices);
+  // torch DDP's rebuild after the first reduced backward: re-plans the buckets in the order the
+  // gradients arrived (group rank 0's order, broadcast over the group so every rank builds
+  // the same buckets; parameters that never arrived follow in reverse registration order).
+  // A collective; every rank calls it in the same iteration. Existing gradients move into the
+  // new buffers; not allowed while a backward is reducing. Returns whether the layout changed.
+  bool rebuild_buckets_in_arrival_order();
 
-  // With grad stats on, the end of every reduced backward also accumulates the sum of squares
-  // of each bucket (fastddp::amp::accumulate_stats_) right after that bucket's all-reduce
-  // completes, overlapping the later buckets' communication. take_grad_stats() hands the
-  // float64[1] result over once (undefined when no reduced backward produced one since).
-  void set_grad_stats(bool enabled);
-  at::Tensor take_grad_stats();
+  // Registers a visitor that sees every bucket of each reduced backward once its values are
+  // final (see bucket_visitor.h), in bucket order, as the reductions complete.
+  void add_bucket_visitor(std::shared_ptr<BucketVisitor> visitor);
+
   std::vector<std::vector<int64_t>> bucket_indices() const;
   std::vector<double> bucket_allreduce_ms() const;
   std::vector<bool> bucket_shm() const;  // per bucket: reduced through shared memory
 
  private:
   void install_buckets_locked(const std::vector<std::vector<int64_t>>& bucket_indices);
+  // Bytes of shared memory every rank's gradient buckets need, in the widest layout any plan
+  // can give them (each bucket aligned, so at most one pad per parameter).
+  int64_t shm_arena_bytes() const;
   void mark_ready(int64_t index);
   void mark_unused_locked(int64_t index);
   // Moves the parameter's .grad into its bucket slot divided by the world size (zero if None).
@@ -138,6 +144,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void queue_finalize_locked();  // end-of-backward callback on the current graph task
   const at::Tensor& bucket_view(int64_t index) const { return views_[index]; }
   bool reduce_avg_locked();
+  void invalidate_visitors_locked();
+  bool visitors_want_squares_locked() const;
 
   using NodePtr = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
 
@@ -148,6 +156,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   std::vector<int64_t> param_slot_;       // parameter -> position inside its bucket
   std::vector<NodePtr> grad_accumulators_;  // kept alive so our hooks stay installed
   c10::intrusive_ptr<c10d::ProcessGroup> process_group_;
+  ReducerOptions options_;
   bool gradient_as_bucket_view_;
   bool passthrough_ = false;
   // One multi-tensor copy per bucket (at::_foreach_copy_) instead of a copy per gradient: on
@@ -185,9 +194,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   std::vector<int64_t> arrival_;
   bool record_arrival_ = true;
   double reduction_scale_ = 1.0;  // set_reduction_scale(), for the next reduction only
-  bool grad_stats_enabled_ = false;
   bool buckets_hold_grads_ = false;  // see grads_in_buckets()
-  at::Tensor grad_stats_;  // defined while a fresh result waits to be taken
+  std::vector<std::shared_ptr<BucketVisitor>> visitors_;
 };
 
 }  // namespace fastddp::reducer

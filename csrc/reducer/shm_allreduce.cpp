@@ -1,4 +1,5 @@
 #include "reducer/shm_allreduce.h"
+#include "reducer/layout.h"
 
 #include "common/cpu_kernels.h"
 
@@ -263,7 +264,7 @@ std::shared_ptr<ShmAllreduce> ShmAllreduce::create(const c10::intrusive_ptr<c10d
   // 2. Rank 0 creates and sizes the segment (fallocate: a too small /dev/shm fails here, not
   //    later with SIGBUS) and broadcasts its name; every rank maps it and registers itself.
   const int64_t header_bytes = round_up(64 + world * kSlotBytes, kPage);
-  const int64_t broadcast_offset = round_up(arena_bytes, 64);
+  const int64_t broadcast_offset = aligned_bytes(arena_bytes);
   const int64_t stride = round_up(broadcast_offset + broadcast_bytes, kPage);
   const int64_t size = header_bytes + world * stride;
   std::string error;
@@ -414,7 +415,7 @@ void ShmAllreduce::broadcast_from_root(const std::vector<at::Tensor>& tensors) {
   for (const auto& t : tensors) {
     TORCH_CHECK(t.device().is_cpu() && t.layout() == at::kStrided, "DDPWrapper: shared-memory broadcast needs "
                 "strided CPU tensors, got ", t.device(), " ", t.layout());
-    bytes += round_up(t.numel() * static_cast<int64_t>(t.element_size()), 64);
+    bytes += aligned_bytes(t.numel() * static_cast<int64_t>(t.element_size()));
   }
   TORCH_CHECK(bytes <= broadcast_bytes_, "DDPWrapper: module buffers of ", bytes, " bytes do not fit the ",
               broadcast_bytes_, " bytes reserved for them at construction (were buffers replaced by larger ones?)");
@@ -520,7 +521,7 @@ void ShmAllreduce::execute_broadcast(const Task& task) {
       } else {
         at::from_blob(region + pos, t.sizes(), t.options()).copy_(t);
       }
-      pos += round_up(n, 64);
+      pos += aligned_bytes(n);
     }
     publish(kReady, task.seq);
     return;
@@ -534,7 +535,7 @@ void ShmAllreduce::execute_broadcast(const Task& task) {
     } else {
       t.copy_(at::from_blob(region + pos, t.sizes(), t.options()));
     }
-    pos += round_up(n, 64);
+    pos += aligned_bytes(n);
   }
   publish(kDone, task.seq);
 }

@@ -3,6 +3,7 @@ the scale update fused in C++/CUDA, with no host sync on the fused-optimizer pat
 
 from __future__ import annotations
 
+import weakref
 from collections import defaultdict
 from typing import Any, Optional
 
@@ -42,6 +43,33 @@ def _check_growth_interval(value: Any) -> None:
 
 class _SparseGradients(TypeError):
     """An optimizer holds sparse gradients: unscale_/step then run torch's own code."""
+
+
+# One statistics visitor per DDPWrapper, shared by every scaler that steps it (the reduction
+# computes the statistics once; the first consumer of a backward takes them).
+_BUCKET_STATS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _bucket_stats(ddp: Any) -> Any:
+    """The statistics visitor on ``ddp``'s reduction, registered on first use: it sums the
+    squares of each reduced bucket while the later buckets are still on the wire."""
+    visitor = _BUCKET_STATS.get(ddp)
+    if visitor is None:
+        devices = {b.device for b in ddp.bucket_buffers()}
+        if len(devices) > 1:
+            raise ValueError("GradScaler.step(ddp=...): the wrapper's gradient buckets are on several devices "
+                             f"({', '.join(sorted(map(str, devices)))}); pass grads=... instead")
+        visitor = C.amp_bucket_stats()
+        ddp.register_bucket_visitor(visitor)
+        _BUCKET_STATS[ddp] = visitor
+    return visitor
+
+
+def _take_reduced_stats(ddp: Any) -> Optional[torch.Tensor]:
+    """The float64[1] sum of squares of ``ddp``'s last reduced backward, once; None when no
+    fresh one exists (nothing reduced since, or the gradients changed after it)."""
+    visitor = _BUCKET_STATS.get(ddp)
+    return None if visitor is None else C.amp_take_bucket_stats(visitor)
 
 
 class GradScaler(torch.amp.GradScaler):
@@ -122,8 +150,8 @@ class GradScaler(torch.amp.GradScaler):
     @staticmethod
     def _stats(grads: list[torch.Tensor], device: torch.device, ddp: Any = None) -> torch.Tensor:
         if ddp is not None:
-            # Computed by the reducer bucket by bucket as the all-reduces completed.
-            stats = ddp._reducer.take_grad_stats()
+            # Computed bucket by bucket as the all-reduces completed (see _bucket_stats).
+            stats = _take_reduced_stats(ddp)
             if stats is not None:
                 return stats
         stats = torch.zeros(1, dtype=torch.float64, device=device)
@@ -133,19 +161,18 @@ class GradScaler(torch.amp.GradScaler):
 
     def _ddp_grads(self, optimizer: torch.optim.Optimizer, ddp: Any, unscaling: bool = True) -> list[torch.Tensor]:
         """The flat bucket buffers of ``ddp`` (checked once to hold exactly the optimizer's
-        parameters), and switch on the reducer's overlapped gradient statistics."""
+        parameters), with the statistics visitor registered on ``ddp``'s reduction."""
         key = (id(optimizer), id(ddp))
         if key not in self._ddp_checked:
             ours = {id(p) for g in optimizer.param_groups for p in g["params"] if p.requires_grad}
-            theirs = {id(p) for p in ddp._params}  # the reduced ones (not the ignored)
-            if ours != theirs:
+            if ours != {id(p) for p in ddp.reduced_parameters()}:
                 raise ValueError("GradScaler.step(ddp=...): the optimizer must hold exactly the "
                                  "DDPWrapper's trainable parameters; pass grads=... or no ddp for "
                                  "optimizers that hold a subset")
-            ddp._reducer.set_grad_stats(True)
+            _bucket_stats(ddp)
             self._ddp_checked.add(key)
-        if ddp._reducer.grads_in_buckets:  # not in a world of one, where .grad is autograd's
-            buffers = ddp.bucket_buffers()
+        buffers = ddp.reduced_gradients()  # None in a world of one, where .grad is autograd's
+        if buffers is not None:
             if unscaling and any(b.dtype == torch.float16 for b in buffers):
                 raise ValueError(FP16_GRADS)
             return buffers

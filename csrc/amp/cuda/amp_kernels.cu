@@ -1,5 +1,6 @@
 #include "amp/amp.h"
 #include "amp/cuda/multi_tensor_apply.cuh"
+#include "amp/scale_update.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/ops/empty.h>
@@ -112,21 +113,9 @@ __global__ void finalize_kernel(const double* __restrict__ stats, const float* _
   inv_coef[0] = 1.0f / c;
 }
 
-__global__ void update_scale_kernel(float* scale, int* tracker, const float* found_inf, double growth,
-                                    double backoff, int interval) {
-  if (*found_inf != 0.f) {
-    *scale = static_cast<float>(static_cast<double>(*scale) * backoff);
-    *tracker = 0;
-  } else {
-    const int successful = *tracker + 1;
-    if (successful == interval) {
-      const float grown = static_cast<float>(static_cast<double>(*scale) * growth);
-      if (isfinite(grown)) *scale = grown;
-      *tracker = 0;
-    } else {
-      *tracker = successful;
-    }
-  }
+__global__ void update_scale_kernel(float* scale, int32_t* tracker, const float* found_inf, double growth,
+                                    double backoff, int64_t interval) {
+  update_loss_scale(scale, tracker, *found_inf, growth, backoff, interval);
 }
 
 // Kernels run per dtype: group the list by dtype, keeping each group's order.
@@ -182,8 +171,8 @@ void update_scale_(at::Tensor& scale, at::Tensor& growth_tracker, const at::Tens
                    double growth_factor, double backoff_factor, int64_t growth_interval) {
   c10::cuda::CUDAGuard guard(scale.device());
   update_scale_kernel<<<1, 1, 0, c10::cuda::getCurrentCUDAStream()>>>(
-      scale.data_ptr<float>(), growth_tracker.data_ptr<int>(), found_inf.data_ptr<float>(), growth_factor,
-      backoff_factor, static_cast<int>(growth_interval));
+      scale.data_ptr<float>(), growth_tracker.data_ptr<int32_t>(), found_inf.data_ptr<float>(), growth_factor,
+      backoff_factor, growth_interval);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -1,0 +1,142 @@
+// The Reducer's bucket layout: planning (layout.h's rules), placing the flat buffers (in the
+// shared arena, aligned, or in ordinary memory) and the rebuild in gradient arrival order.
+#include "reducer/layout.h"
+#include "reducer/reducer.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/tensor.h>
+#include <ATen/ops/zeros.h>
+
+namespace fastddp::reducer {
+
+int64_t Reducer::shm_arena_bytes() const {
+  // Any plan places each bucket at an aligned offset: at most one pad per parameter (a bucket
+  // holds at least one), plus the alignment of the arena itself.
+  int64_t bytes = kBufferAlignment;
+  for (const auto& p : params_) {
+    const auto wire = comm_dtype_ ? *comm_dtype_ : p.scalar_type();
+    bytes += p.numel() * static_cast<int64_t>(c10::elementSize(wire)) + kBufferAlignment;
+  }
+  return bytes;
+}
+
+void Reducer::install_buckets_locked(const std::vector<std::vector<int64_t>>& bucket_indices) {
+  const int64_t n = static_cast<int64_t>(params_.size());
+  if (shm_ && !buckets_.empty()) {
+    // The new buffers reuse the arena the old ones occupy: take the gradients out first.
+    for (auto& p : params_) {
+      auto& grad = p.mutable_grad();
+      if (grad.defined()) grad = grad.clone();
+    }
+  }
+  int64_t arena_offset = 0;
+  std::vector<int64_t> param_bucket(n, -1);
+  std::vector<int64_t> param_slot(n, -1);
+  std::vector<Bucket> buckets;
+  for (const auto& indices : bucket_indices) {
+    TORCH_CHECK(!indices.empty(), "DDPWrapper: empty bucket");
+    Bucket bucket;
+    int64_t total = 0;
+    TORCH_CHECK(indices.front() >= 0 && indices.front() < n, "DDPWrapper: bucket names parameter ",
+                indices.front(), " of ", n);
+    const auto& first = params_[indices.front()];
+    for (int64_t i : indices) {
+      TORCH_CHECK(i >= 0 && i < n, "DDPWrapper: bucket names parameter ", i, " of ", n);
+      TORCH_CHECK(param_bucket[i] == -1, "DDPWrapper: parameter ", names_[i], " is in two buckets");
+      const auto& p = params_[i];
+      TORCH_CHECK(p.device() == first.device() && p.scalar_type() == first.scalar_type(),
+                  "DDPWrapper: bucket mixes ", first.device(), "/", first.scalar_type(), " with ", names_[i], " on ",
+                  p.device(), "/", p.scalar_type());
+      param_bucket[i] = static_cast<int64_t>(buckets.size());
+      param_slot[i] = static_cast<int64_t>(bucket.params.size());
+      bucket.params.push_back(i);
+      bucket.offsets.push_back(total);
+      total += p.numel();
+    }
+    const bool compress = comm_dtype_ && *comm_dtype_ != first.scalar_type();
+    // Shared memory sums in fp32/fp64 and rounds once. An uncompressed bf16/fp16 bucket goes
+    // through the process group instead, so its rounding (and the training that depends on
+    // it) stays exactly torch DDP's.
+    const auto dtype = first.scalar_type();
+    bucket.shm = shm_ && (compress || dtype == at::kFloat || dtype == at::kDouble);
+    if (bucket.shm) {
+      const auto wire = compress ? *comm_dtype_ : first.scalar_type();
+      auto shared = shm_->arena_tensor(arena_offset, total, wire);
+      arena_offset += aligned_bytes(total * static_cast<int64_t>(c10::elementSize(wire)));
+      if (compress) {
+        bucket.buffer = at::zeros({total}, first.options().requires_grad(false));
+        bucket.comm = shared;
+      } else {
+        bucket.buffer = shared;
+      }
+    } else if (passthrough_) {
+      // Nothing is ever copied into it: a shape-only (meta) tensor keeps the layout for
+      // bucket_report() without holding a second copy of every gradient.
+      bucket.buffer = at::empty({total}, first.options().device(at::kMeta).requires_grad(false));
+    } else {
+      bucket.buffer = at::zeros({total}, first.options().requires_grad(false));
+      if (compress) bucket.comm = at::empty({total}, first.options().dtype(*comm_dtype_).requires_grad(false));
+    }
+    buckets.push_back(std::move(bucket));
+  }
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(param_bucket[i] >= 0, "DDPWrapper: parameter ", names_[i], " is in no bucket");
+  buckets_ = std::move(buckets);
+  param_bucket_ = std::move(param_bucket);
+  param_slot_ = std::move(param_slot);
+  // Each parameter's view is made once per bucket layout, not per gradient. A dense parameter's
+  // view takes the parameter's strides (a channels_last weight gets a channels_last gradient),
+  // as autograd's gradient layout contract and torch DDP do; any other parameter gets a
+  // row-major view, which is also what autograd gives it.
+  views_.clear();
+  for (int64_t i = 0; i < n; ++i) {
+    const auto& bucket = buckets_[param_bucket_[i]];
+    const auto& p = params_[i];
+    const int64_t offset = bucket.offsets[param_slot_[i]];
+    views_.push_back(p.is_non_overlapping_and_dense()
+                         ? bucket.buffer.as_strided(p.sizes(), p.strides(), bucket.buffer.storage_offset() + offset)
+                         : bucket.buffer.narrow(0, offset, p.numel()).view(p.sizes()));
+  }
+
+  if (gradient_as_bucket_view_ && !passthrough_) {
+    // Existing gradients (possibly views of the previous buffers, which stay alive until
+    // the copy is done) move into the new buckets, so backward accumulates into them.
+    for (int64_t i = 0; i < n; ++i) {
+      auto& grad = params_[i].mutable_grad();
+      if (grad.defined()) {
+        auto view = bucket_view(i);
+        view.copy_(grad);
+        grad = view;
+      }
+    }
+  }
+}
+
+bool Reducer::rebuild_buckets_in_arrival_order() {
+  const int64_t n = static_cast<int64_t>(params_.size());
+  std::vector<int64_t> order = arrival_order();
+  std::vector<char> seen(params_.size(), 0);
+  for (int64_t i : order) seen[i] = 1;
+  for (int64_t i = n - 1; i >= 0; --i)
+    if (!seen[i]) order.push_back(i);
+  if (process_group_->getSize() > 1) {
+    // Group rank 0's order, so every rank plans the same buckets and issues the same collectives.
+    const auto device = params_[buckets_.at(0).params.at(0)].device();
+    std::vector<at::Tensor> agreed{at::tensor(order, at::TensorOptions().dtype(at::kLong)).to(device)};
+    c10d::BroadcastOptions opts;
+    opts.rootRank = 0;
+    process_group_->broadcast(agreed, opts)->wait();
+    const auto host = agreed[0].cpu();
+    order.assign(host.data_ptr<int64_t>(), host.data_ptr<int64_t>() + n);
+  }
+  auto planned = plan_buckets(params_, order, options_);
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(!callback_queued_, "DDPWrapper: cannot rebuild buckets while a backward pass is reducing");
+  bool same = planned.size() == buckets_.size();
+  for (size_t b = 0; same && b < planned.size(); ++b) same = planned[b] == buckets_[b].params;
+  if (same) return false;
+  install_buckets_locked(planned);
+  return true;
+}
+
+}  // namespace fastddp::reducer

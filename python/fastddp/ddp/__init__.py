@@ -1,0 +1,20 @@
+"""``fastddp.ddp``: DDPWrapper, the drop-in for ``torch.nn.parallel.DistributedDataParallel`` on
+a C++ reducer (bucketed all-reduce through c10d or shared memory, overlapped with backward).
+
+Its parts: ``wrapper`` (the Module face), ``buckets`` (the reducer's configuration and bucket
+reports), ``comm_hooks``, ``join`` (uneven inputs), ``checks`` (argument checks and cross-rank
+diagnostics), ``inputs`` (input moves and output search)."""
+
+from __future__ import annotations
+
+from .buckets import FIRST_BUCKET_MB, assign_buckets
+
+# the module's private names from before the split, which code and tests import
+from .checks import env_flag as _env_flag  # noqa: F401
+from .inputs import to_device as _to_device  # noqa: F401
+from .wrapper import DDPWrapper
+
+# Pickles (torch.save(model), deepcopy) name the class by the package, as before it was split.
+DDPWrapper.__module__ = __name__
+
+__all__ = ["FIRST_BUCKET_MB", "DDPWrapper", "assign_buckets"]

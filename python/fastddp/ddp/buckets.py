@@ -1,0 +1,184 @@
+"""DDPWrapper's gradient buckets. The C++ reducer owns the layout (planning, 64-byte
+alignment in shared memory, the rebuild in arrival order); this module configures it with a
+:class:`fastddp._C.ReducerOptions` and reports on it."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any, Optional
+
+import torch
+
+from .._ext import C
+from .checks import env_flag
+from .comm_hooks import hook_name
+
+FIRST_BUCKET_MB = 1.0  # a small first bucket so communication starts early in backward
+
+
+def _bucket_options(bucket_cap_mb: float, first_bucket_mb: float, caps_mb: Optional[list[float]]) -> Any:
+    options = C.ReducerOptions()
+    options.bucket_cap_mb = float(bucket_cap_mb)
+    options.first_bucket_mb = float(first_bucket_mb)
+    options.bucket_caps_mb = [float(c) for c in caps_mb or ()]
+    return options
+
+
+def assign_buckets(params: list[torch.Tensor], bucket_cap_mb: float,
+                   first_bucket_mb: float = FIRST_BUCKET_MB,
+                   order: Optional[list[int]] = None,
+                   caps_mb: Optional[list[float]] = None) -> list[list[int]]:
+    """The reducer's bucket plan: indices filled in ``order`` (default: reverse registration
+    order, as gradients of the last layers arrive first), grouped by (device, dtype), at most
+    ``bucket_cap_mb`` each, the first one smaller. With ``caps_mb`` (torch DDP's
+    ``bucket_cap_mb_list``) the k-th bucket of each (device, dtype) holds at most
+    ``caps_mb[k]`` MiB (the last entry for the rest) and there is no smaller first bucket."""
+    order = list(reversed(range(len(params)))) if order is None else list(order)
+    return C.plan_buckets(list(params), order, _bucket_options(bucket_cap_mb, first_bucket_mb, caps_mb))
+
+
+class Buckets:
+    """DDPWrapper's reducer construction and bucket reports (a part of the wrapper: it reads
+    the wrapper's settings and owns ``_reducer``)."""
+
+    def _reducer_options(self) -> Any:
+        options = _bucket_options(self._bucket_cap_mb, FIRST_BUCKET_MB, self._bucket_caps_mb)
+        options.gradient_as_bucket_view = self.gradient_as_bucket_view
+        options.find_unused_parameters = self.find_unused_parameters
+        options.static_graph = self.static_graph
+        options.comm_dtype = self.comm_dtype
+        # a Python hook reduces through its own collectives; a copy (deepcopy / unpickled)
+        # does no set-up collective
+        options.shm_allreduce = (None if self._python_hook is not None or self._is_copy
+                                 else self._shm_wish(self._params, self._shm_requested))
+        options.shm_timeout_s = self._timeout_s()
+        options.shm_broadcast_bytes = self._buffer_bytes()
+        options.batch_copies = True if self.batched_grad_copy else env_flag("FASTDDP_BATCH_GRAD_COPIES")
+        options.single_rank_passthrough = env_flag("FASTDDP_WORLD1_PASSTHROUGH") is not False
+        return options
+
+    def _build_reducer(self) -> None:
+        """(Re)creates the C++ reducer from this wrapper's settings (a collective when the
+        ranks negotiate shared memory)."""
+        state, hook = self._python_hook if self._python_hook is not None else (None, None)
+        self._reducer = C.Reducer(self._params, self._param_names, self.process_group, self._reducer_options(),
+                                  comm_hook_state=state, comm_hook=hook)
+        for visitor in self._bucket_visitors:  # a replaced reducer keeps them
+            self._reducer.add_bucket_visitor(visitor)
+        requested = self._shm_requested
+        note = self._reducer.transport_note
+        own_failure = note.startswith(("shm_open", "reserving", "segment", "mmap", "cannot"))
+        if requested is None and self._reducer.transport != "shm" and (
+                own_failure or (self.rank == 0 and note.startswith("rank "))):
+            # Wanted and possible in principle, but the mapping failed: the failing rank (and
+            # rank 0) say so.
+            warnings.warn(f"DDPWrapper: all-reducing through the process group, not shared memory: {note}",
+                          RuntimeWarning, stacklevel=3)
+        if requested and self._reducer.transport != "shm":
+            raise RuntimeError(f"DDPWrapper: shm_allreduce=True but the ranks cannot all-reduce through shared "
+                               f"memory: {note}. Pass shm_allreduce=None to fall back to the process "
+                               "group's backend.")
+
+    def _replace_reducer(self) -> None:
+        """A new reducer for changed settings (hook, comm_dtype, static_graph), before the first
+        backward, so on the initial buckets. Every rank makes the same call, so the set-up
+        collective of a new reducer matches."""
+        self._build_reducer()
+
+    def _shm_wish(self, params: list[torch.Tensor], requested: Optional[bool]) -> Optional[bool]:
+        """None: no shared-memory handshake (one process, or not a CPU model). Otherwise this
+        rank's wish, agreed with the other ranks' in the handshake."""
+        if self.world_size == 1 or any(p.device.type != "cpu" for p in params):
+            if requested:
+                raise ValueError("DDPWrapper: shm_allreduce=True needs CPU parameters and more than one "
+                                 f"process (world size {self.world_size}, devices "
+                                 f"{sorted({str(p.device) for p in params})})")
+            return None
+        if requested is not None:
+            return bool(requested)
+        return os.environ.get("FASTDDP_SHM_ALLREDUCE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+    def _buffer_bytes(self) -> int:
+        """Room for the per-forward buffer broadcast in the shared-memory arena (CPU buffers,
+        packed by the reducer's alignment rule)."""
+        if not self.broadcast_buffers or any(b.device.type != "cpu" for b in self._module_buffers):
+            return 0
+        return C.Reducer.packed_bytes(self._module_buffers)
+
+    def _timeout_s(self) -> float:
+        """The process group's timeout (a shared-memory wait for a live peer gives up after it)."""
+        try:
+            return self.process_group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+        except (AttributeError, RuntimeError):
+            return 1800.0
+
+    def _rebuild_buckets(self) -> None:
+        """Once, after the first reduced backward: the reducer re-buckets in the order gradients
+        actually arrived (group rank 0's order, so every rank issues the same collectives)."""
+        self._buckets_rebuilt = True
+        self._reducer.rebuild_buckets_in_arrival_order()
+
+    @property
+    def transport(self) -> str:
+        """``"shm"`` when the buckets are reduced through shared memory, else ``"c10d"``."""
+        return self._reducer.transport
+
+    def bucket_buffers(self) -> list[torch.Tensor]:
+        """The tensors that hold the averaged gradients after backward, e.g. for
+        :class:`fastddp.GradScaler`'s ``grads=``: the flat bucket buffers (``param.grad`` are
+        views into them with ``gradient_as_bucket_view=True``), or, in a world of one where
+        nothing is bucketed (see the class documentation), the parameters' ``.grad`` tensors
+        themselves (those that exist)."""
+        if self._reducer.passthrough:
+            return [p.grad for p in self._params if p.grad is not None]
+        return self._reducer.bucket_buffers()
+
+    def reduced_parameters(self) -> list[torch.nn.Parameter]:
+        """The parameters whose gradients this wrapper reduces (those that require a gradient
+        and are not ignored), in registration order."""
+        return list(self._params)
+
+    def reduced_gradients(self) -> Optional[list[torch.Tensor]]:
+        """The flat bucket buffers when they hold the reduced gradients now (``param.grad`` are
+        views into them: ``gradient_as_bucket_view=True``, not a world of one, and no backward
+        since the last reduced one put a gradient elsewhere), so that a consumer such as
+        :class:`fastddp.GradScaler` can work on a few flat tensors; else None (use the
+        parameters' ``.grad``)."""
+        return self._reducer.bucket_buffers() if self._reducer.grads_in_buckets else None
+
+    def register_bucket_visitor(self, visitor: Any) -> None:
+        """Registers a post-reduction visitor (a ``fastddp._C.BucketVisitor``, e.g. the one
+        :class:`fastddp.GradScaler` makes for its inf/NaN check and norm): in every reduced
+        backward it sees each flat bucket as soon as that bucket's reduced values are final,
+        while the later buckets are still being reduced. It stays registered for the
+        wrapper's life."""
+        if not isinstance(visitor, C.BucketVisitor):
+            raise TypeError(f"DDPWrapper.register_bucket_visitor: expected a fastddp._C.BucketVisitor (e.g. "
+                            f"fastddp._C.amp_bucket_stats()), got {type(visitor).__name__}")
+        self._reducer.add_bucket_visitor(visitor)
+        self._bucket_visitors.append(visitor)
+
+    def bucket_report(self) -> dict[str, Any]:
+        """Bucket sizes, which parameter sits in which bucket, and the last measured
+        all-reduce time of each bucket (launch to completion, ms; None before any; 0 in a
+        world of one, where no collective is issued)."""
+        indices = self._reducer.bucket_indices()
+        times = self._reducer.bucket_allreduce_ms()
+        shm = self._reducer.bucket_shm()
+        buckets = []
+        for b, (idx, buf) in enumerate(zip(indices, self._reducer.bucket_buffers())):
+            buckets.append({
+                "index": b, "bytes": buf.numel() * buf.element_size(), "numel": buf.numel(),
+                "dtype": str(buf.dtype), "device": str(self._params[idx[0]].device),
+                "params": [self._param_names[i] for i in idx],
+                "allreduce_ms": times[b] if times[b] >= 0 else None,
+                "transport": "shm" if shm[b] else "c10d",
+            })
+        return {"world_size": self.world_size, "bucket_cap_mb": self._bucket_cap_mb,
+                "transport": self._reducer.transport, "transport_note": self._reducer.transport_note,
+                "first_bucket_mb": FIRST_BUCKET_MB, "comm_dtype": str(self.comm_dtype),
+                "passthrough": self._reducer.passthrough, "batch_copies": self._reducer.batch_copies,
+                "comm_hook": None if self._comm_hook is None else hook_name(self._comm_hook),
+                "buckets": buckets,
+                "param_to_bucket": {self._param_names[i]: b for b, idx in enumerate(indices) for i in idx}}

@@ -1,0 +1,183 @@
+"""DDPWrapper's argument checks and cross-rank diagnostics: options the reducer does not
+implement, bucket caps, the process group, devices, sparse layers, and torch DDP's check that
+every rank built the same model. Each refusal names the argument and the fix."""
+
+from __future__ import annotations
+
+import numbers
+import os
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def refuse_unsupported(delay_all_reduce_named_params: Any, param_to_hook_all_reduce: Any,
+                        mixed_precision: Any, skip_all_reduce_unused_params: bool) -> None:
+    """torch DDP constructor options the C++ reducer does not implement: one clear error each,
+    before anything is communicated, instead of a silently different training."""
+    if delay_all_reduce_named_params is not None or param_to_hook_all_reduce is not None:
+        raise NotImplementedError(
+            "DDPWrapper: delay_all_reduce_named_params / param_to_hook_all_reduce are not supported "
+            "(every parameter that requires a gradient is bucketed and reduced during backward). "
+            "Leave them unset, or use torch's DistributedDataParallel for delayed all-reduces.")
+    if mixed_precision is not None:
+        raise NotImplementedError(
+            "DDPWrapper: mixed_precision (torch DDP's private _MixedPrecision) is not supported. Train "
+            "under torch.autocast with fastddp.GradScaler, and pass comm_dtype=torch.bfloat16 (or "
+            "torch.float16) to all-reduce the gradients in low precision.")
+    if skip_all_reduce_unused_params:
+        raise NotImplementedError(
+            "DDPWrapper: skip_all_reduce_unused_params=True is not supported; unused parameters are "
+            "reduced as zero contributions (find_unused_parameters=True), or, with a fixed set of used "
+            "parameters, static_graph=True skips the per-iteration search for them.")
+
+
+def bucket_cap(bucket_cap_mb: Any) -> float:
+    """``bucket_cap_mb`` as torch DDP takes it: a real number of MiB, 0 giving each parameter
+    a bucket of its own. A string is refused with torch's exception type (``ValueError``; torch
+    fails converting ``"25" * 2**20`` to int). A negative cap, which torch takes as 0, is refused
+    as the mistake it is."""
+    if isinstance(bucket_cap_mb, (str, bytes)) or not isinstance(bucket_cap_mb, numbers.Real):
+        raise ValueError(f"DDPWrapper: bucket_cap_mb must be a number of MiB (e.g. 25), got "
+                         f"{type(bucket_cap_mb).__name__} {bucket_cap_mb!r}")
+    if not bucket_cap_mb >= 0 or bucket_cap_mb == float("inf"):
+        raise ValueError(f"DDPWrapper: bucket_cap_mb must be a finite number >= 0 (0: one parameter per "
+                         f"bucket), got {bucket_cap_mb}")
+    return float(bucket_cap_mb)
+
+
+def resolve_group(process_group: Optional[dist.ProcessGroup], device_mesh: Any) -> dist.ProcessGroup:
+    """torch DDP's rule: the given process group, or the group of a 1-D ``device_mesh``, or
+    the default group; not both."""
+    if device_mesh is None:
+        return process_group if process_group is not None else dist.group.WORLD
+    if process_group is not None:
+        raise ValueError("DDPWrapper: cannot specify both process_group and device_mesh; pass one of them.")
+    if device_mesh.ndim != 1:
+        raise ValueError(f"DDPWrapper: only a 1-D device_mesh is supported, got {device_mesh} "
+                         f"({device_mesh.ndim} dimensions); slice the data-parallel dimension, e.g. "
+                         "mesh['dp'].")
+    return device_mesh.get_group(mesh_dim=0)
+
+
+
+def bucket_caps(bucket_cap_mb_list: Optional[list[float]]) -> Optional[list[float]]:
+    """torch DDP's ``bucket_cap_mb_list`` as floats (None when not given); entries must be > 0."""
+    caps = [float(c) for c in bucket_cap_mb_list] if bucket_cap_mb_list else None
+    if caps is not None and min(caps) <= 0:
+        raise ValueError(f"DDPWrapper: every bucket_cap_mb_list entry must be > 0, got {bucket_cap_mb_list}")
+    return caps
+
+
+def check_comm_dtype(comm_dtype: Optional[torch.dtype]) -> None:
+    if comm_dtype not in (None, torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"DDPWrapper: comm_dtype must be torch.bfloat16, torch.float16 or None, got {comm_dtype}")
+
+
+def check_lazy(module: nn.Module) -> None:
+    lazy = [n for n, p in module.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
+    if lazy:
+        raise RuntimeError(f"DDPWrapper: parameter {lazy[0]!r} is not initialised yet (a lazy module such as "
+                           "nn.LazyLinear); run one forward pass with a sample batch before wrapping the model.")
+
+
+def input_device(named: list[tuple[str, nn.Parameter]], device_ids: Any) -> Optional[torch.device]:
+    """The device forward moves the inputs to (``device_ids``' one device, which must hold every
+    parameter), or None; a module spread over several GPUs is refused."""
+    devices = {p.device for _, p in named}
+    if device_ids:
+        if len(device_ids) != 1:
+            raise ValueError(f"DDPWrapper: device_ids must name one device per process, got {device_ids}")
+        want = torch.device("cuda", device_ids[0]) if isinstance(device_ids[0], int) else torch.device(device_ids[0])
+        wrong = [n for n, p in named if p.device != want]
+        if wrong:
+            raise ValueError(f"DDPWrapper: device_ids={device_ids} but parameter {wrong[0]!r} is on "
+                             f"{dict(named)[wrong[0]].device}; move the module with "
+                             f"module.to({str(want)!r}) before wrapping it")
+        return want
+    if len(devices) > 1 and any(d.type == "cuda" for d in devices):
+        raise ValueError(f"DDPWrapper: module spans devices {sorted(map(str, devices))}; "
+                         "multi-device modules need device_ids=None and are not supported")
+    return None
+
+
+def check_dense(module: nn.Module, world_size: int) -> None:
+    """Sparse gradients cannot go into the flat buckets: say so before training starts
+    (a world of one reduces nothing, so it does not mind)."""
+    if world_size == 1:
+        return
+    for name, sub in module.named_modules():
+        if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse and sub.weight.requires_grad:
+            raise ValueError(f"DDPWrapper: {name or 'the module'} is {type(sub).__name__}(sparse=True), whose "
+                             "sparse gradients the reducer cannot all-reduce (it reduces dense flat "
+                             "buckets). Use sparse=False for that layer, or torch's "
+                             "DistributedDataParallel for sparse gradients.")
+
+
+def verify_across_ranks(named: list[tuple[str, nn.Parameter]], group: dist.ProcessGroup, world_size: int) -> None:
+    """torch DDP's check that every rank built the same model: the same number of
+    parameters and, for each, the same full shape, dtype and requires_grad (two all-gathers:
+    the count and widest rank, then one row per parameter)."""
+    if world_size == 1:
+        return
+    device = named[0][1].device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    header = torch.tensor([len(named), max(p.dim() for _, p in named)], dtype=torch.int64, device=device)
+    headers = [torch.zeros_like(header) for _ in range(world_size)]
+    dist.all_gather(headers, header, group=group)
+    counts = [int(h[0]) for h in headers]
+    if len(set(counts)) > 1:
+        raise RuntimeError("DDPWrapper: ranks have different numbers of parameters: "
+                           + ", ".join(f"rank {r}: {c}" for r, c in enumerate(counts)))
+    width = _META_FIELDS + max(int(h[1]) for h in headers)
+    local = torch.tensor([v for _, p in named for v in _param_meta(p, width)], dtype=torch.int64, device=device)
+    gathered = [torch.zeros_like(local) for _ in range(world_size)]
+    dist.all_gather(gathered, local, group=group)
+    rows = [g.view(-1, width).cpu() for g in gathered]
+    for i, (name, _param) in enumerate(named):
+        for r in range(world_size):
+            if not torch.equal(rows[r][i], rows[0][i]):
+                raise RuntimeError(
+                    f"DDPWrapper: parameter {i} ({name!r}) differs between ranks: rank 0 has "
+                    f"{_describe(rows[0][i])}, rank {r} has {_describe(rows[r][i])}. Every rank "
+                    "must build the same model.")
+
+
+def env_flag(name: str) -> Optional[bool]:
+    """An on/off environment setting: None when unset or ``auto``."""
+    value = os.environ.get(name, "").strip().lower()
+    if value in ("", "auto"):
+        return None
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name}={os.environ[name]!r} is not understood; set it to 1, 0 or auto (or unset it)")
+
+
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+           torch.uint8, torch.int8, torch.bool, torch.complex64]
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    return _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
+
+
+_META_FIELDS = 4  # numel, ndim, requires_grad, dtype code; the full shape follows
+
+
+def _param_meta(p: torch.Tensor, width: int) -> list[int]:
+    """One parameter's row of the cross-rank model check, zero-padded to ``width``."""
+    row = [p.numel(), p.dim(), int(p.requires_grad), _dtype_code(p.dtype), *p.shape]
+    return row + [0] * (width - len(row))
+
+
+def _describe(row: torch.Tensor) -> str:
+    """A row of :func:`_param_meta` as the mismatch message shows it."""
+    numel, ndim, _requires_grad, code = (int(v) for v in row[:_META_FIELDS])
+    shape = tuple(int(v) for v in row[_META_FIELDS:_META_FIELDS + ndim])
+    dtype = _DTYPES[code] if code < len(_DTYPES) else "other"
+    return f"shape {shape} ({numel} elements), dtype {dtype}"
+
+

@@ -1,0 +1,138 @@
+"""torch DDP's communication hooks on DDPWrapper: torch's built-in hooks map onto the C++
+reducer (``comm_dtype``), any other hook runs per bucket through torch's Python hook adapter."""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from collections.abc import Callable
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+
+def hook_name(hook: Any) -> str:
+    """How messages and bucket_report() name a communication hook."""
+    return getattr(hook, "__qualname__", repr(hook))
+
+
+def check_annotations(hook: Any, name: str) -> None:
+    """torch DDP's check of a hook's annotations, with its exception type (ValueError): an
+    annotated ``bucket`` must be ``dist.GradBucket``, an annotated return type
+    ``torch.futures.Future[torch.Tensor]`` (compared as torch compares them)."""
+    if not callable(hook):
+        return  # refused with TypeError where the hook is registered
+    try:
+        sig = inspect.signature(hook)
+    except (TypeError, ValueError):  # no signature to inspect (a builtin): let the call decide
+        return
+    bucket = sig.parameters.get("bucket")
+    if bucket is not None and bucket.annotation not in (inspect.Parameter.empty, dist.GradBucket):
+        raise ValueError(f"DDPWrapper.register_comm_hook: {name}'s bucket argument is annotated "
+                         f"{bucket.annotation!r}; torch DDP requires dist.GradBucket (or no annotation).")
+    if sig.return_annotation not in (inspect.Signature.empty, torch.futures.Future[torch.Tensor]):
+        raise ValueError(f"DDPWrapper.register_comm_hook: {name} is annotated to return "
+                         f"{sig.return_annotation!r}; a hook returns torch.futures.Future[torch.Tensor] "
+                         "(annotate it so, or leave the annotation out), as torch DDP requires.")
+
+
+class CommHooks:
+    """DDPWrapper's ``register_comm_hook`` family (a part of the wrapper: it reads and sets the
+    wrapper's hook, ``comm_dtype`` and reducer)."""
+
+    _comm_hook: Optional[Callable]
+    _python_hook: Optional[tuple[object, Callable]]
+
+    def register_comm_hook(self, state: object, hook: Callable) -> None:
+        """torch DDP's communication hook: ``hook(state, bucket) -> torch.futures.Future`` is
+        called for each full gradient bucket (a :class:`torch.distributed.GradBucket` holding
+        the local, undivided sum of the gradients) and the Future's value, the reduced flat
+        tensor, replaces the bucket: PowerSGD, custom compression, or any other hook written
+        for torch DDP. Like torch, only once and before the first backward; the hook runs in
+        every reduced backward, in a world of one too, and replaces the shared-memory transport.
+
+        torch's ``default_hooks.allreduce_hook`` (what the reducer does anyway),
+        ``fp16_compress_hook`` and ``bf16_compress_hook`` (the same as ``comm_dtype=
+        torch.float16`` / ``torch.bfloat16``) run in C++ instead of Python, with the
+        shared-memory transport kept."""
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        known: dict[Callable, Optional[torch.dtype]] = {
+            default_hooks.allreduce_hook: None,
+            default_hooks.fp16_compress_hook: torch.float16,
+            default_hooks.bf16_compress_hook: torch.bfloat16,
+        }
+        name = hook_name(hook)
+        check_annotations(hook, name)
+        if self._comm_hook is not None:
+            raise RuntimeError("DDPWrapper.register_comm_hook can only be called once (as in torch DDP); "
+                               f"{hook_name(self._comm_hook)} is registered already.")
+        if self._reducer.arrival_order():
+            raise RuntimeError("DDPWrapper.register_comm_hook must be called before the first backward "
+                               "pass (as in torch DDP); register it right after wrapping the model.")
+        if not any(hook is k for k in known):
+            self._register_python_hook(state, hook, name)
+            return
+        if state is not None and state is not self.process_group:
+            raise ValueError("DDPWrapper.register_comm_hook: state must be None or this wrapper's process "
+                             f"group for {name} (the built-in hooks reduce over the wrapper's group), got "
+                             f"{type(state).__name__}.")
+        dtype = known[hook]
+        if dtype is not None and self.comm_dtype not in (None, dtype):
+            raise ValueError(f"DDPWrapper.register_comm_hook: {name} conflicts with comm_dtype={self.comm_dtype} "
+                             "given to the constructor; use one of the two.")
+        self._comm_hook = hook
+        if dtype is not None and dtype != self.comm_dtype:
+            self.comm_dtype = dtype
+            self._replace_reducer()
+
+    def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
+        """torch DDP's C++ built-in hooks (``dist.BuiltinCommHookType``): ``ALLREDUCE`` is what
+        the reducer does anyway, ``FP16_COMPRESS`` is ``comm_dtype=torch.float16``."""
+        kind = getattr(comm_hook_type, "name", str(comm_hook_type))
+        hooks = {"ALLREDUCE": "allreduce_hook", "FP16_COMPRESS": "fp16_compress_hook"}
+        if kind not in hooks:
+            raise ValueError(f"DDPWrapper._register_builtin_comm_hook: unknown hook type {comm_hook_type!r}; "
+                             "expected dist.BuiltinCommHookType.ALLREDUCE or FP16_COMPRESS.")
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        self.register_comm_hook(None, getattr(default_hooks, hooks[kind]))
+
+    def _set_static_graph(self) -> None:
+        """torch DDP's late switch to ``static_graph=True`` (prefer the constructor argument):
+        after construction, before the first backward, on every rank."""
+        if self.static_graph:
+            warnings.warn("DDPWrapper._set_static_graph: static_graph is True already; nothing to do.",
+                          stacklevel=2)
+            return
+        if self._reducer.arrival_order():
+            raise RuntimeError("DDPWrapper._set_static_graph() must be called before the first backward pass "
+                               "(as in torch DDP); better, pass static_graph=True to the constructor.")
+        self.static_graph = True
+        self._replace_reducer()
+
+    def _register_python_hook(self, state: object, hook: Callable, name: str) -> None:
+        """A hook the reducer calls per bucket through torch's Python hook adapter."""
+        if not callable(hook):
+            raise TypeError(f"DDPWrapper.register_comm_hook: the hook must be callable as hook(state, bucket), "
+                            f"got {type(hook).__name__}.")
+        try:
+            inspect.signature(hook).bind(state, None)
+        except TypeError as exc:
+            raise TypeError(f"DDPWrapper.register_comm_hook: {name} must take two arguments, (state, bucket), "
+                            f"as torch DDP calls it: {exc}") from None
+        except ValueError:  # no signature to inspect (a builtin): let the call decide
+            pass
+        if self.comm_dtype is not None:
+            raise ValueError(f"DDPWrapper.register_comm_hook: {name} does its own reduction and cannot be "
+                             f"combined with comm_dtype={self.comm_dtype} given to the constructor; compress "
+                             "inside the hook (e.g. fp16_compress_wrapper) or drop comm_dtype.")
+        if self._shm_requested:
+            raise ValueError(f"DDPWrapper.register_comm_hook: {name} does its own reduction and cannot run on "
+                             "the shared-memory transport requested with shm_allreduce=True; pass "
+                             "shm_allreduce=None (the default).")
+        self._comm_hook = hook
+        self._python_hook = (state, hook)
+        self._replace_reducer()
+

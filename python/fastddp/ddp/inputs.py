@@ -1,0 +1,44 @@
+"""What DDPWrapper's forward does with the module's inputs and outputs, as torch DDP: moves
+input tensors to ``device_ids``' device, and finds the output tensors where the
+unused-parameter search starts."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def find_tensors(obj: Any) -> list[torch.Tensor]:
+    """The tensors in a forward's output (nested lists, tuples, dicts and dataclasses, as torch
+    DDP searches them), where find_unused_parameters starts its graph walk."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for o in obj for t in find_tensors(o)]
+    if isinstance(obj, dict):
+        return [t for o in obj.values() for t in find_tensors(o)]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return [t for f in dataclasses.fields(obj) for t in find_tensors(getattr(obj, f.name))]
+    return []
+
+
+def to_device(obj: Any, device: torch.device) -> Any:
+    """``obj`` with its tensors on ``device``, as torch DDP's forward moves the inputs of a
+    module wrapped with ``device_ids``: tensors (and packed sequences) inside tuples, named
+    tuples, lists and dicts; anything else as it is. Copies from pinned memory do not block."""
+    if isinstance(obj, torch.Tensor):
+        return obj if obj.device == device else obj.to(device, non_blocking=True)
+    if isinstance(obj, nn.utils.rnn.PackedSequence):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a named tuple keeps its type
+        return type(obj)(*(to_device(o, device) for o in obj))
+    if isinstance(obj, tuple):
+        return tuple(to_device(o, device) for o in obj)
+    if isinstance(obj, list):
+        return [to_device(o, device) for o in obj]
+    if isinstance(obj, dict):
+        return type(obj)((k, to_device(v, device)) for k, v in obj.items())
+    return obj

@@ -1,0 +1,369 @@
+"""``fastddp.DDPWrapper``: the Module face of the drop-in for
+``torch.nn.parallel.DistributedDataParallel`` (constructor, forward, ``no_sync``, pickling). Its
+parts live beside it: argument checks (checks.py), the reducer and its buckets (buckets.py),
+communication hooks (comm_hooks.py) and uneven inputs (join.py)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.algorithms.join import Join, Joinable
+
+from . import checks
+from .buckets import Buckets
+from .comm_hooks import CommHooks
+from .inputs import find_tensors, to_device
+from .join import UnevenInputs
+
+
+class DDPWrapper(Buckets, CommHooks, UnevenInputs, nn.Module, Joinable):
+    """Distributed data parallelism with the constructor and behaviour of
+    :class:`torch.nn.parallel.DistributedDataParallel`.
+
+    Replace ``DistributedDataParallel(model, device_ids=[rank])`` with
+    ``DDPWrapper(model, device_ids=[rank])``. ``.module``, ``.no_sync()``, ``forward`` and the
+    ``state_dict`` keys (``module.``-prefixed) are the same, so checkpoints move between the two.
+
+    Extras: ``shm_allreduce`` (default None = auto): when every rank of the group runs on this
+    host with CPU parameters, the gradient buckets live in one shared-memory mapping and each
+    rank sums its slice of every bucket straight from the others' memory instead of sending it
+    through gloo's TCP loopback (fp32/fp64 buckets and compressed ones; an uncompressed
+    bf16/fp16 bucket stays on the process group so its rounding is torch DDP's), and the
+    per-forward buffer broadcast copies rank 0's buffers through the same mapping. Set
+    ``FASTDDP_SHM_ALLREDUCE=0`` or pass False to use the process group's backend, True to
+    require shared memory. :attr:`transport` says which one is in use.
+    ``comm_dtype=torch.bfloat16|torch.float16`` all-reduces the gradients in that dtype
+    (they are divided by the world size before the cast, so the sum cannot overflow, and are
+    copied back into the parameters' dtype); :meth:`bucket_report`; :meth:`bucket_buffers`
+    (the flat gradient buffers, for :class:`fastddp.GradScaler`'s ``grads=``).
+    :meth:`register_comm_hook` takes any torch DDP communication hook (PowerSGD, custom Python
+    hooks: called per bucket through torch's own hook adapter); torch's ``allreduce_hook``,
+    ``fp16_compress_hook`` and ``bf16_compress_hook`` run in C++ (mapped onto ``comm_dtype``).
+
+    ``gradient_as_bucket_view`` defaults to True: ``param.grad`` is a view into its bucket, so
+    gradients are never copied when they accumulate in place (``zero_grad(set_to_none=False)``).
+    After ``zero_grad(set_to_none=True)`` each new gradient is copied into its bucket; on a GPU
+    the copies of a bucket are made with one multi-tensor copy once the bucket is full
+    (``FASTDDP_BATCH_GRAD_COPIES=0|1`` forces one copy per gradient / batched copies).
+
+    In a world of one (and no ``comm_dtype``) there is nothing to reduce: the gradients stay
+    where autograd put them, as without the wrapper, and no bucket memory is allocated (the
+    checks of unused or twice-ready parameters still apply). ``FASTDDP_WORLD1_PASSTHROUGH=0`` keeps
+    the bucketed path there too (e.g. to measure it).
+
+    After the first reduced backward the buckets are rebuilt once in the order gradients
+    arrived (rank 0's order, broadcast), as torch DDP does.
+
+    Uneven inputs: ``with model.join():`` (or ``torch.distributed.algorithms.Join([model,
+    ...])``) as with torch DDP. A rank that runs out of data stands in for the others'
+    collectives (buffer broadcasts, bucket all-reduces with zero gradients, the unused-parameter
+    map) until every rank is done; the gradients are divided by the initial world size (or
+    by the ranks still training, ``divide_by_initial_world_size=False``), and at the end every
+    rank gets the parameters and buffers of the last rank to finish. Inside the block each
+    forward issues two small extra collectives (torch DDP's protocol does the same) and
+    buffers are broadcast from the highest rank still training.
+
+    With ``device_ids``, forward moves input tensors (inside tuples, lists, dicts and named
+    tuples) to that device, as torch DDP does. ``output_device``, ``dim`` and
+    ``check_reduction`` are accepted for compatibility and have no effect (one device per
+    process, as torch DDP recommends). torch DDP's newer options work
+    as there: ``init_sync=False`` (no verification or broadcast at construction),
+    ``forward_sync_buffers`` (2.13+'s name for ``broadcast_buffers``; given, buffers are still
+    synced at construction; ``broadcast_buffers=False`` skips that too), ``device_mesh`` (1-D,
+    instead of ``process_group``), ``bucket_cap_mb_list`` (the k-th bucket of each dtype holds at
+    most the k-th size, in the order the buckets are reduced) and ``batched_grad_copy`` (forces
+    the batched copies described below). ``delay_all_reduce_named_params``,
+    ``param_to_hook_all_reduce``, ``mixed_precision`` and ``skip_all_reduce_unused_params`` are
+    refused with a message. ``comm_dtype`` and ``shm_allreduce`` are keyword-only.
+    Parameters and buffers named by torch DDP's ``_set_params_and_buffers_to_ignore_for_model``
+    stay rank-local (neither reduced nor broadcast); ``_set_static_graph()``,
+    ``_register_builtin_comm_hook`` and ``will_sync_module_buffers()`` behave as torch DDP's.
+    ``torch.distributed.checkpoint.state_dict.get_state_dict`` drops torch DDP's ``module.``
+    prefix by the wrapper's type: pass ``model.module`` to get the same keys as torch DDP.
+    ``copy.deepcopy(model)`` and ``torch.save(model)`` work as with torch DDP (default process
+    group only); the copy rebuilds its reducer without any collective, on the process group's
+    transport, so a copy made on one rank (an EMA model) cannot hang the others.
+
+    Buffers (``broadcast_buffers=True``) are broadcast from rank 0 before a forward exactly when
+    torch DDP does it: when the forward before it was a reducing one (grad enabled, outside
+    ``no_sync``), and before the first. So evaluation forwards after the first one, the first
+    training forward after them and ``no_sync`` micro-steps after the first use each rank's own
+    statistics, as under torch DDP (:attr:`require_forward_param_sync`).
+
+    ``static_graph=True`` behaves as in torch DDP: the first iteration reduces everything at the
+    end of backward and records which parameters are used and how many times each one's
+    gradient arrives (reentrant backward passes, e.g. ``torch.utils.checkpoint`` with
+    ``use_reentrant=True`` on shared layers, reach a parameter several times); later iterations
+    reduce each bucket as soon as its parameters got that many gradients, without searching the
+    graph for unused parameters. Every iteration must use the same parameters the same number
+    of times. Without it, a parameter reached twice in one backward is reported as an error.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        device_ids: Optional[list[int | torch.device]] = None,
+        output_device: Optional[int | torch.device] = None,
+        dim: int = 0,
+        broadcast_buffers: Optional[bool] = None,
+        init_sync: bool = True,
+        process_group: Optional[dist.ProcessGroup] = None,
+        bucket_cap_mb: Optional[float] = None,
+        find_unused_parameters: bool = False,
+        check_reduction: bool = False,
+        gradient_as_bucket_view: bool = True,
+        static_graph: bool = False,
+        delay_all_reduce_named_params: Optional[list[tuple[str, nn.Parameter]]] = None,
+        param_to_hook_all_reduce: Optional[nn.Parameter] = None,
+        mixed_precision: Optional[Any] = None,
+        device_mesh: Optional[Any] = None,
+        skip_all_reduce_unused_params: bool = False,
+        bucket_cap_mb_list: Optional[list[float]] = None,
+        batched_grad_copy: bool = False,
+        forward_sync_buffers: Optional[bool] = None,
+        *,
+        comm_dtype: Optional[torch.dtype] = None,
+        shm_allreduce: Optional[bool] = None,
+    ) -> None:
+        super().__init__()
+        Joinable.__init__(self)
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("DDPWrapper: the default process group is not initialised. Call "
+                               "torch.distributed.init_process_group(...) first (torchrun sets "
+                               "up the environment for it).")
+        checks.refuse_unsupported(delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision,
+                                  skip_all_reduce_unused_params)
+        checks.check_comm_dtype(comm_dtype)
+        caps = checks.bucket_caps(bucket_cap_mb_list)
+        # as torch DDP: the list replaces bucket_cap_mb
+        bucket_cap_mb = max(caps) if caps else 25.0 if bucket_cap_mb is None else checks.bucket_cap(bucket_cap_mb)
+        self.module = module
+        self.device_ids = device_ids
+        self.output_device = output_device
+        self.dim = dim
+        # torch DDP (2.13+): forward_sync_buffers replaces broadcast_buffers; given, it decides
+        # only the per-forward sync and the buffers are synced at construction anyway; else
+        # broadcast_buffers (default True) decides both.
+        if forward_sync_buffers is not None:
+            self.broadcast_buffers = bool(forward_sync_buffers)
+            init_sync_buffers = True
+        else:
+            self.broadcast_buffers = True if broadcast_buffers is None else bool(broadcast_buffers)
+            init_sync_buffers = self.broadcast_buffers
+        self.find_unused_parameters = find_unused_parameters
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.static_graph = static_graph
+        self.comm_dtype = comm_dtype
+        self.process_group = checks.resolve_group(process_group, device_mesh)
+        self.device_mesh = device_mesh
+        self.batched_grad_copy = batched_grad_copy
+        self.require_backward_grad_sync = True
+        # torch DDP's rule for the per-forward buffer sync: a forward syncs the buffers only when
+        # the forward before it was a reducing one (grad enabled, outside no_sync); the first does
+        self.require_forward_param_sync = True
+        self.world_size = dist.get_world_size(self.process_group)
+        self.rank = dist.get_rank(self.process_group)
+
+        checks.check_lazy(module)
+        # torch DDP's hook for parameters and buffers that stay rank-local (set with
+        # DistributedDataParallel._set_params_and_buffers_to_ignore_for_model or by hand)
+        self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        named = [(n, p) for n, p in module.named_parameters()
+                 if p.requires_grad and n not in self.parameters_to_ignore]
+        if not named:
+            raise RuntimeError("DDPWrapper: the module has no parameter that requires a gradient")
+        self._input_device = checks.input_device(named, device_ids)  # forward moves the inputs there
+        checks.check_dense(module, self.world_size)
+        if init_sync:
+            checks.verify_across_ranks(named, self.process_group, self.world_size)
+            self._sync_module_states(init_sync_buffers)
+        self._param_names = [n for n, _ in named]
+        self._params = [p for _, p in named]
+        self._module_buffers = self._synced_buffers()  # broadcast from rank 0 before forwards
+        self._buckets_rebuilt = False
+        self._bucket_caps_mb = caps
+        self._bucket_cap_mb = bucket_cap_mb
+        # torch DDP's descriptive attributes, which code written for it reads
+        self.bucket_bytes_cap = int(bucket_cap_mb * 1024 * 1024)
+        self.is_multi_device_module = len({p.device for p in self._params}) > 1
+        self.device_type = self._params[0].device.type
+        self.device = self._params[0].device
+        self.mixed_precision = None
+        self._shm_requested = shm_allreduce
+        self._comm_hook: Optional[Callable] = None
+        self._python_hook: Optional[tuple[object, Callable]] = None  # (state, hook) run per bucket
+        self._is_copy = False  # made by deepcopy / unpickling (see __setstate__)
+        self._divide_by_initial_world_size = True  # join()'s setting
+        self._bucket_visitors: list[Any] = []  # see register_bucket_visitor
+        self._build_reducer()
+
+    def _current_buffers(self) -> list[torch.Tensor]:
+        """The module's buffers now: a forward may have replaced one (``self.avg = self.avg *
+        0.9 + ...`` rebinds the name to a new tensor), and the broadcast must reach the tensor
+        the module uses, as torch DDP re-reads them before each broadcast."""
+        self._module_buffers = self._synced_buffers()
+        return self._module_buffers
+
+    def _synced_params(self) -> list[torch.Tensor]:
+        """The module's parameters that are kept equal across ranks (all but the ignored)."""
+        return [p.data for n, p in self.module.named_parameters() if n not in self.parameters_to_ignore]
+
+    def _synced_buffers(self) -> list[torch.Tensor]:
+        """The module's buffers that are broadcast from rank 0 (all but the ignored)."""
+        return [b for n, b in self.module.named_buffers() if n not in self.parameters_to_ignore]
+
+    @staticmethod
+    def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, params_and_buffers_to_ignore: Any) -> None:
+        """torch DDP's (private, widely used) switch: the named parameters and buffers of
+        ``module`` (fully qualified names) are neither reduced nor broadcast; call it before
+        wrapping. Works for both wrappers, as both read the same attribute."""
+        module._ddp_params_and_buffers_to_ignore = params_and_buffers_to_ignore
+
+    def to_kwargs(self, inputs: tuple, kwargs: Optional[dict], device_id: int) -> tuple[tuple, tuple]:
+        """torch DDP's (kept for compatibility) input move: ``((inputs,), (kwargs,))`` with their
+        tensors on device ``device_id`` of the parameters' device type."""
+        device = torch.device(self._params[0].device.type, device_id)
+        return (to_device(tuple(inputs), device),), (to_device(dict(kwargs or {}), device),)
+
+    def scatter(self, inputs: tuple, kwargs: Optional[dict], device_ids: list[int]) -> tuple[tuple, tuple]:
+        """torch DDP's (kept for compatibility) scatter of inputs over ``device_ids`` along ``dim``."""
+        from torch.nn.parallel.scatter_gather import scatter_kwargs
+
+        return scatter_kwargs(inputs, kwargs, device_ids, dim=self.dim)
+
+    def gather(self, outputs: Any, output_device: int | torch.device) -> Any:
+        """torch DDP's (kept for compatibility) gather of outputs on ``output_device`` along ``dim``."""
+        from torch.nn.parallel.scatter_gather import gather
+
+        return gather(outputs, output_device, dim=self.dim)
+
+    def will_sync_module_buffers(self) -> bool:
+        """Whether the next forward syncs the module's buffers (torch DDP's rule: buffer sync
+        on, buffers to sync, and the last forward a reducing one; a world of one then has
+        nothing to send)."""
+        return self.require_forward_param_sync and self.broadcast_buffers and bool(self._module_buffers)
+
+    @torch.no_grad()
+    def _sync_module_states(self, buffers: bool = True) -> None:
+        """Broadcast parameters (and buffers) from rank 0 (one collective per dtype/device)."""
+        if self.world_size == 1:
+            return
+        tensors = self._synced_params() + (self._synced_buffers() if buffers else [])
+        self._broadcast_coalesced(tensors)
+
+    def _broadcast_coalesced(self, tensors: list[torch.Tensor], src: int = 0) -> None:
+        """Broadcast ``tensors`` from group rank ``src``, one collective per (device, dtype)."""
+        groups: dict[tuple, list[torch.Tensor]] = {}
+        for t in tensors:
+            groups.setdefault((t.device, t.dtype), []).append(t)
+        for group in groups.values():
+            flat = _flatten_dense_tensors(group)
+            dist.broadcast(flat, src=dist.get_global_rank(self.process_group, src)
+                           if self.process_group is not dist.group.WORLD else src,
+                           group=self.process_group)
+            for t, synced in zip(group, _unflatten_dense_tensors(flat, group)):
+                t.copy_(synced)
+
+    # ------------------------------------------------------------------ pickling / deepcopy
+    def __getstate__(self) -> dict[str, Any]:
+        """``copy.deepcopy(model)`` and ``torch.save(model)`` as with torch DDP: everything but
+        the process group and the C++ reducer, which the copy rebuilds. Like torch, only for a
+        wrapper on the default process group."""
+        if not dist.is_initialized() or self.process_group is not dist.group.WORLD:
+            raise RuntimeError("DDPWrapper: pickling or deep-copying is supported only for a wrapper on the "
+                               "default process group (as with torch DDP); this one was built with "
+                               "process_group= or device_mesh=. Copy or save ddp.module (or its state_dict()) "
+                               "instead.")
+        state = dict(self.__dict__)
+        for name in ("process_group", "_reducer", "device_mesh", "_bucket_visitors"):
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("DDPWrapper: unpickling a wrapper needs the default process group; call "
+                               "torch.distributed.init_process_group(...) before torch.load / deepcopy.")
+        super().__setstate__(state)
+        self.process_group = dist.group.WORLD
+        self.device_mesh = None
+        self.world_size = dist.get_world_size()
+        self.rank = dist.get_rank()
+        # A copy is often made on one rank only (an EMA or evaluation model): its reducer must
+        # not negotiate shared memory, a collective the other ranks would never join.
+        self._shm_requested = None
+        self._is_copy = True
+        self._bucket_visitors = []  # the copy's consumers register their own
+        self._build_reducer()
+
+    # ------------------------------------------------------------------ forward / no_sync
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if self._input_device is not None:
+            inputs, kwargs = to_device(inputs, self._input_device), to_device(kwargs, self._input_device)
+        grad_enabled = torch.is_grad_enabled()
+        # torch DDP rebuilds the buckets once, before the first forward after a reduced backward
+        rebuild = (grad_enabled and not self._buckets_rebuilt and self.require_backward_grad_sync
+                   and not self._reducer.passthrough and bool(self._reducer.arrival_order()))
+        buffers_from = 0
+        sync_buffers = self._syncs_buffers() and self.require_forward_param_sync
+        if self._join_config.enable:
+            # Inside join(): tell the joined ranks what to stand in for this iteration.
+            work = Join.notify_join_context(self)
+            sync = grad_enabled and self.require_backward_grad_sync
+            _, rebuild, n_active, buffers_from, sync_buffers = self._join_agree(
+                sync, rebuild, active=True, sync_buffers=sync_buffers)
+            if work is not None:
+                work.wait()
+            if sync and not self._divide_by_initial_world_size and n_active < self.world_size \
+                    and self._python_hook is None:
+                # average over the ranks still training instead of the initial world size (a
+                # Python hook does its own division, as under torch DDP)
+                self._reducer.set_reduction_scale(self.world_size / n_active)
+        if rebuild:
+            self._rebuild_buckets()
+        if sync_buffers:
+            buffers = self._current_buffers()
+            with torch.no_grad():
+                if self._join_config.enable:  # rank 0 may have joined with stale buffers
+                    self._broadcast_coalesced(buffers, src=buffers_from)
+                # co-located CPU ranks copy rank 0's buffers through shared memory (while they
+                # fit the room reserved at construction); else c10d
+                elif not self._reducer.broadcast_buffers(buffers):
+                    self._broadcast_coalesced(buffers)
+        output = self.module(*inputs, **kwargs)
+        self.require_forward_param_sync = grad_enabled and self.require_backward_grad_sync
+        if grad_enabled:
+            sync = self.require_backward_grad_sync
+            # find_unused_parameters walks the graph from the outputs; static_graph hooks them
+            # in its first iteration to reduce at the end of the outermost backward.
+            wants_outputs = sync and (self.find_unused_parameters or self.static_graph)
+            self._reducer.prepare_for_backward(find_tensors(output) if wants_outputs else [], sync)
+        return output
+
+    def _syncs_buffers(self) -> bool:
+        return self.broadcast_buffers and self.world_size > 1 and bool(self._module_buffers)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally; the first backward after the block reduces the sum."""
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
+
+    @property
+    def forward_sync_buffers(self) -> bool:
+        """Whether buffers are broadcast from rank 0 before a forward (torch DDP 2.13+'s
+        name for ``broadcast_buffers``)."""
+        return self.broadcast_buffers
+
+    @forward_sync_buffers.setter
+    def forward_sync_buffers(self, value: bool) -> None:
+        self.broadcast_buffers = bool(value)

@@ -1,0 +1,104 @@
+"""DDPWrapper's construction checks beside torch DDP's, one case per test: models that differ
+across ranks (full shape, dtype) and ``bucket_cap_mb`` values torch accepts or refuses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+import fastddp
+
+from .distributed import run_distributed
+
+
+def _outcome(build) -> tuple[str, str]:
+    """(exception type name, message) of ``build()``, or ("ok", "")."""
+    try:
+        build()
+    except Exception as exc:  # the type is what the tests compare
+        return type(exc).__name__, str(exc)
+    return "ok", ""
+
+
+class _Tensor6d(nn.Module):
+    """One parameter of six dimensions whose last two are swapped on odd ranks."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros((1, 1, 1, 1, 2, 3) if rank % 2 == 0 else (1, 1, 1, 1, 3, 2)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.w.sum()
+
+
+def _shape_beyond_fourth_dim(rank: int, world_size: int) -> tuple[tuple[str, str], tuple[str, str]]:
+    return (_outcome(lambda: fastddp.DDPWrapper(_Tensor6d(rank))),
+            _outcome(lambda: TorchDDP(_Tensor6d(rank))))
+
+
+def test_shapes_differing_beyond_the_fourth_dim_are_refused_as_torch_refuses() -> None:
+    for (ours, ours_msg), (ref, _) in run_distributed(_shape_beyond_fourth_dim, world_size=2):
+        assert ref == "RuntimeError"
+        assert ours == ref, ours_msg
+        assert "parameter 0 ('w') differs between ranks" in ours_msg, ours_msg
+        assert "rank 0 has shape (1, 1, 1, 1, 2, 3)" in ours_msg, ours_msg
+        assert "rank 1 has shape (1, 1, 1, 1, 3, 2)" in ours_msg, ours_msg
+
+
+def _dtype_mismatch(rank: int, world_size: int, dims: int) -> tuple[str, str]:
+    shape = (3, 2, 2, 2, 2)[:dims]
+    dtype = torch.float32 if rank == 0 else torch.float64
+    module = nn.ParameterList([nn.Parameter(torch.zeros(shape, dtype=dtype))])
+    return _outcome(lambda: fastddp.DDPWrapper(module))
+
+
+@pytest.mark.parametrize("dims", [1, 2, 5])
+def test_dtype_mismatch_names_both_dtypes(dims: int) -> None:
+    shape = str((3, 2, 2, 2, 2)[:dims])
+    for kind, msg in run_distributed(_dtype_mismatch, world_size=2, args=(dims,)):
+        assert kind == "RuntimeError", msg
+        assert f"rank 0 has shape {shape}" in msg and "dtype torch.float32" in msg, msg
+        assert "rank 1 has" in msg and "dtype torch.float64" in msg.split("rank 1 has")[1], msg
+
+
+def _zero_cap(rank: int, world_size: int) -> list[float]:
+    torch.manual_seed(0)
+    ours_m = nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 3))
+    ref_m = nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 3))
+    ref_m.load_state_dict(ours_m.state_dict())
+    ours, ref = fastddp.DDPWrapper(ours_m, bucket_cap_mb=0), TorchDDP(ref_m, bucket_cap_mb=0)
+    assert ours.bucket_bytes_cap == ref.bucket_bytes_cap == 0
+    report = ours.bucket_report()
+    assert len(report["buckets"]) == 4, report  # one parameter per bucket
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(rank))
+    ours(x).square().sum().backward()
+    ref(x).square().sum().backward()
+    for a, b in zip(ours.parameters(), ref.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
+    return [float(p.grad.sum()) for p in ours.parameters()]
+
+
+def test_bucket_cap_mb_zero_is_accepted_like_torch() -> None:
+    grads = run_distributed(_zero_cap, world_size=2)
+    assert grads[0] == grads[1]
+
+
+def _cap_outcomes(rank: int, world_size: int, cap) -> tuple[tuple[str, str], tuple[str, str]]:
+    return (_outcome(lambda: fastddp.DDPWrapper(nn.Linear(2, 2), bucket_cap_mb=cap)),
+            _outcome(lambda: TorchDDP(nn.Linear(2, 2), bucket_cap_mb=cap)))
+
+
+def test_bucket_cap_mb_string_is_refused_with_torchs_exception_type() -> None:
+    for (ours, msg), (ref, _) in run_distributed(_cap_outcomes, world_size=1, args=("25",)):
+        assert ref == "ValueError"
+        assert ours == ref and "bucket_cap_mb must be a number" in msg and "'25'" in msg, msg
+
+
+def test_negative_bucket_cap_mb_is_refused_on_purpose() -> None:
+    """torch takes a negative cap as 0 (one parameter per bucket); a negative size is a
+    mistake, refused with a message that names it."""
+    for (ours, msg), (ref, _) in run_distributed(_cap_outcomes, world_size=1, args=(-1,)):
+        assert ref == "ok"
+        assert ours == "ValueError" and "bucket_cap_mb must be a finite number >= 0" in msg, msg

@@ -1,0 +1,54 @@
+"""register_comm_hook validates a hook's annotations as torch DDP does, with torch's exception
+type, side by side with torch DDP in the same gloo group (one case per test)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+import fastddp
+
+from .distributed import run_distributed
+
+
+def _returns_int(state, bucket) -> int:
+    return 0
+
+
+def _bucket_is_tensor(state, bucket: torch.Tensor):
+    return None
+
+
+def _well_annotated(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
+# With `from __future__ import annotations` (as here) annotations are strings: the objects
+# torch compares against are set explicitly, as a hook module without that import has them.
+_returns_int.__annotations__ = {"return": int}
+_bucket_is_tensor.__annotations__ = {"bucket": torch.Tensor}
+_well_annotated.__annotations__ = {"state": object, "bucket": dist.GradBucket,
+                                   "return": torch.futures.Future[torch.Tensor]}
+HOOKS = {"returns int": _returns_int, "bucket is a tensor": _bucket_is_tensor, "well annotated": _well_annotated}
+
+
+def _register(rank: int, world_size: int, hook_key: str) -> tuple[str, str]:
+    def outcome(make):
+        try:
+            make().register_comm_hook(None, HOOKS[hook_key])
+        except Exception as exc:  # the type is what the test compares
+            return type(exc).__name__
+        return "ok"
+
+    return outcome(lambda: fastddp.DDPWrapper(nn.Linear(2, 2))), outcome(lambda: TorchDDP(nn.Linear(2, 2)))
+
+
+@pytest.mark.parametrize("hook_key", list(HOOKS))
+def test_hook_annotations_are_checked_like_torch(hook_key: str) -> None:
+    [(ours, ref)] = run_distributed(_register, world_size=1, args=(hook_key,))
+    assert ours == ref == ("ok" if hook_key == "well annotated" else "ValueError")
