@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import io
 import json
 import math
 import os
@@ -194,6 +195,57 @@ def check_save_dir(save_dir: Path) -> None:
                          "choose a writable directory") from None
 
 
+def newness(state: dict[str, Any]) -> tuple[int, bool]:
+    """Orders a run's checkpoints: by optimizer step, an epoch's end after its mid-epoch save."""
+    return int(state.get("step", -1)), bool(state.get("epoch_done"))
+
+
+def find_resume_state(args: argparse.Namespace, ctx: Context,
+                      save_dir: Path) -> tuple[dict[str, Any] | None, Path | None, str]:
+    """The checkpoint ``--resume`` asks for: ``(state, file, note for the log)``, or ``None``s.
+
+    With ``auto`` rank 0 picks the newest checkpoint in ``save_dir`` that verifies and every
+    rank loads that file; checkpoint files of which none verifies stop the run (UsageError)
+    instead of starting over."""
+    if args.resume == "none":
+        return None, None, ""
+    if args.resume != "auto":
+        path = Path(args.resume)
+        try:
+            return checkpoint.load(path), path, ""
+        except checkpoint.CheckpointError as exc:
+            raise UsageError(str(exc)) from None
+    choice: list[Any] = [None, None, ""]  # path, error, note
+    if ctx.is_main:
+        try:
+            found = checkpoint.latest(save_dir / "last.pt", key=newness)
+        except checkpoint.CheckpointError as exc:
+            choice[1] = str(exc)
+        else:
+            if found is not None:
+                choice[0] = str(found.path)
+                if found.skipped or found.path.name != "last.pt":
+                    choice[2] = (" (the newest checkpoint that verifies"
+                                 + "".join(f"; passed over {s}" for s in found.skipped) + ")")
+            elif any(f.exists() for f in checkpoint.candidates(save_dir / "last.pt")):
+                choice[2] = "unfinished"
+    if ctx.distributed:
+        dist.broadcast_object_list(choice, src=0)
+    path, error, note = choice
+    if error is not None:
+        raise UsageError(error)
+    if path is None:
+        if note:
+            log(ctx, f"note: {save_dir} holds only an unfinished first checkpoint write; "
+                     "starting from epoch 1")
+        return None, None, ""
+    try:
+        state = found.state if ctx.is_main else checkpoint.verify(path)
+    except checkpoint.CheckpointError as exc:
+        raise UsageError(str(exc)) from None
+    return state, Path(path), note
+
+
 # ----------------------------------------------------------------------------- loop
 def evaluate(model: nn.Module, loader: Any, ctx: Context, amp_ctx, loss_fn) -> dict[str, float]:
     model.eval()
@@ -309,13 +361,8 @@ def _train(args: argparse.Namespace, ctx: Context, saver: checkpoint.CheckpointW
     start_epoch, global_step, best_f1, history = 0, 0, -1.0, []
     resumed_mid_epoch = False
     partial = (0.0, 0, 0)  # this rank's (loss sum, correct, seen) of an interrupted epoch
-    resume_path = save_dir / "last.pt" if args.resume == "auto" else (
-        None if args.resume == "none" else Path(args.resume))
-    if resume_path is not None and resume_path.exists():
-        try:
-            state = checkpoint.load(resume_path)
-        except checkpoint.CheckpointError as exc:
-            raise UsageError(str(exc)) from None
+    state, resume_path, note = find_resume_state(args, ctx, save_dir)
+    if state is not None:
         if state.get("signature") != model_signature(model) or state.get("mode") != (
                 args.model or args.mode):
             raise UsageError(f"{resume_path} was written for model {state.get('mode')!r} with "
@@ -341,7 +388,7 @@ def _train(args: argparse.Namespace, ctx: Context, saver: checkpoint.CheckpointW
         else:
             log(ctx, f"note: world size changed ({state.get('world')} -> {ctx.world}); the "
                      f"interrupted epoch {start_epoch + 1} restarts from its beginning")
-        log(ctx, f"resumed from {resume_path} at epoch {start_epoch + 1}, step {global_step}")
+        log(ctx, f"resumed from {resume_path} at epoch {start_epoch + 1}, step {global_step}{note}")
 
     if ctx.is_main:
         write_config(save_dir, args, ctx, amp, amp_dtype)
@@ -456,14 +503,16 @@ def _train(args: argparse.Namespace, ctx: Context, saver: checkpoint.CheckpointW
         if writer is not None:
             for k in ("train_loss", "train_acc", "val_loss", "val_acc", "val_f1", "lr"):
                 writer.add_scalar(k.replace("_", "/", 1), row[k], epoch + 1)
+        # In this order (one writer thread keeps it): best.pt is never older than the best
+        # epoch last.pt knows, metrics.csv never newer than last.pt.
+        if ctx.is_main and is_best:
+            saver.save({"model": unwrap(model).state_dict(), "mode": args.model or args.mode,
+                        "signature": model_signature(model), "epoch": epoch,
+                        "metrics": row}, save_dir / "best.pt")
         save_state(saver, save_dir / "last.pt", ctx, args, model, optimizer, scheduler, scaler,
                    loader, epoch, global_step, best_f1, history, epoch_done=True)
         if ctx.is_main:
-            write_metrics(save_dir, history)
-            if is_best:
-                saver.save({"model": unwrap(model).state_dict(), "mode": args.model or args.mode,
-                            "signature": model_signature(model), "epoch": epoch,
-                            "metrics": row}, save_dir / "best.pt")
+            saver.write(metrics_csv(history), save_dir / "metrics.csv")
         _inject_fault("EPOCH", epoch + 1, ctx, saver)  # reliability tests: die after an epoch
 
     total = time.perf_counter() - t_start
@@ -481,7 +530,7 @@ def _train(args: argparse.Namespace, ctx: Context, saver: checkpoint.CheckpointW
         if history and not plot_curves(save_dir, history):
             log(ctx, "note: curves.png not drawn: matplotlib is not installed "
                      "(pip install matplotlib; metrics.csv holds the same numbers)")
-        (save_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        checkpoint.write_atomic(json.dumps(summary, indent=1).encode(), save_dir / "summary.json")
         gpu = monitor.summary() if monitor is not None else ""
         log(ctx, f"done: best val acc {summary['best_val_acc']:.4f} F1 {best_f1:.4f} | "
                  f"{total:.1f}s, {summary['samples_per_s']:.0f} samples/s, effective batch "
@@ -541,16 +590,16 @@ def write_config(save_dir: Path, args, ctx: Context, amp: bool, amp_dtype) -> No
     cfg.update(world_size=ctx.world, device=str(ctx.device), amp_resolved=amp,
                amp_dtype_resolved=str(amp_dtype), torch=torch.__version__,
                fastddp=fastddp.__version__, python=sys.version.split()[0])
-    (save_dir / "config.json").write_text(json.dumps(cfg, indent=1, default=str))
+    checkpoint.write_atomic(json.dumps(cfg, indent=1, default=str).encode(), save_dir / "config.json")
 
 
-def write_metrics(save_dir: Path, history: list[dict[str, Any]]) -> None:
-    tmp = save_dir / "metrics.csv.tmp"
-    with open(tmp, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(history[0]))
-        w.writeheader()
-        w.writerows(history)
-    os.replace(tmp, save_dir / "metrics.csv")
+def metrics_csv(history: list[dict[str, Any]]) -> bytes:
+    """``history`` (one dict per epoch) as the bytes of ``metrics.csv``."""
+    out = io.StringIO(newline="")
+    w = csv.DictWriter(out, fieldnames=list(history[0]))
+    w.writeheader()
+    w.writerows(history)
+    return out.getvalue().encode()
 
 
 def plot_curves(save_dir: Path, history: list[dict[str, Any]]) -> bool:
