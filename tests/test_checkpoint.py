@@ -82,8 +82,8 @@ def test_writer_error_names_the_file_and_keeps_the_previous(tmp_path, asynchrono
     saver.flush()
     # A directory where the temp file should go: the write fails with EISDIR.
     (tmp_path / "last.pt.tmp").mkdir()
-    with pytest.raises(OSError, match=r"checkpoint .*last\.pt could not be written .*previous one is "
-                                      r"intact.*free space and permissions"):
+    with pytest.raises(checkpoint.CheckpointWriteError,
+                       match=r"last\.pt could not be written .*previous one is intact\. Free space"):
         saver.save(_state(2), path)
         saver.flush()
     saver.close()  # the error was raised once; closing does not raise it again

@@ -46,6 +46,11 @@ class CheckpointError(RuntimeError):
     """No usable checkpoint (corrupt, or written by a different model)."""
 
 
+class CheckpointWriteError(OSError):
+    """A file of the run could not be written (disk full, permissions); the message names the
+    file, says the previous one is intact and what to check."""
+
+
 _EOCD = b"PK\x05\x06"  # zip end-of-central-directory record: 22 bytes + comment
 _TAG = b"fastddp-sha256:"
 _COMMENT_LEN = len(_TAG) + 64
@@ -175,7 +180,7 @@ class CheckpointWriter:
         (so a file written after a checkpoint never reaches the disk before it)."""
         self._raise_pending()
         if not self.asynchronous:
-            _write_explained(data, Path(path), keep_previous)
+            write_file(data, path, keep_previous)
             return
         if self._thread is None:
             # Not a daemon: an interpreter that exits still finishes the queued writes.
@@ -206,7 +211,7 @@ class CheckpointWriter:
                 if item is None:
                     return
                 if self._error is None:  # after a failure, queued writes are dropped
-                    _write_explained(*item)
+                    write_file(*item)
             except BaseException as exc:  # handed to the training thread by the next call
                 self._error = exc
             finally:
@@ -218,14 +223,19 @@ class CheckpointWriter:
             raise exc
 
 
-def _write_explained(data: bytes, path: Path, keep_previous: bool) -> None:
-    """:func:`write_atomic`, with an OSError that names the file and what to check."""
+def write_file(data: bytes, path: str | os.PathLike, keep_previous: bool = False) -> None:
+    """:func:`write_atomic`, raising :class:`CheckpointWriteError` (naming the file and what
+    to check) for an OSError."""
+    path = Path(path)
     try:
         write_atomic(data, path, keep_previous)
     except OSError as exc:
-        msg = (f"checkpoint {path} could not be written ({exc}); the previous one is intact. "
-               f"Check the free space and permissions of {path.parent}")
-        raise (OSError(exc.errno, msg) if exc.errno is not None else OSError(msg)) from exc
+        reason = exc.strerror or str(exc)
+        msg = (f"{path} could not be written ({reason}); any previous one is intact. Free space "
+               f"in {path.parent} or check its permissions, or choose another --save-dir, then "
+               "resume with --resume auto")
+        error = CheckpointWriteError(msg) if exc.errno is None else CheckpointWriteError(exc.errno, msg)
+        raise error from exc
 
 
 def verify(path: str | os.PathLike) -> dict[str, Any]:
@@ -330,4 +340,4 @@ def _read_tail(path: Path) -> bytes:
         f.seek(0, os.SEEK_END)
         size = f.tell()
         f.seek(max(0, size - 22 - _COMMENT_LEN))
-        return f.read()
+        return f.read(22 + _COMMENT_LEN)

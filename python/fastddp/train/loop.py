@@ -530,7 +530,7 @@ def _train(args: argparse.Namespace, ctx: Context, saver: checkpoint.CheckpointW
         if history and not plot_curves(save_dir, history):
             log(ctx, "note: curves.png not drawn: matplotlib is not installed "
                      "(pip install matplotlib; metrics.csv holds the same numbers)")
-        checkpoint.write_atomic(json.dumps(summary, indent=1).encode(), save_dir / "summary.json")
+        checkpoint.write_file(json.dumps(summary, indent=1).encode(), save_dir / "summary.json")
         gpu = monitor.summary() if monitor is not None else ""
         log(ctx, f"done: best val acc {summary['best_val_acc']:.4f} F1 {best_f1:.4f} | "
                  f"{total:.1f}s, {summary['samples_per_s']:.0f} samples/s, effective batch "
@@ -590,7 +590,7 @@ def write_config(save_dir: Path, args, ctx: Context, amp: bool, amp_dtype) -> No
     cfg.update(world_size=ctx.world, device=str(ctx.device), amp_resolved=amp,
                amp_dtype_resolved=str(amp_dtype), torch=torch.__version__,
                fastddp=fastddp.__version__, python=sys.version.split()[0])
-    checkpoint.write_atomic(json.dumps(cfg, indent=1, default=str).encode(), save_dir / "config.json")
+    checkpoint.write_file(json.dumps(cfg, indent=1, default=str).encode(), save_dir / "config.json")
 
 
 def metrics_csv(history: list[dict[str, Any]]) -> bytes:
