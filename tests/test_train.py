@@ -309,3 +309,16 @@ def test_full_disk_is_one_line_naming_the_file(tmp_path: Path) -> None:
                      f"(No space left on device); any previous one is intact. Free space in "
                      f"{save} or check its permissions, or choose another --save-dir, then "
                      "resume with --resume auto"], lines
+
+
+def test_second_run_of_a_finished_run_says_it_is_complete(tmp_path: Path) -> None:
+    args, env = tiny_data(tmp_path)
+    save = tmp_path / "run"
+    _train([*args, "--epochs", "2", "--save-dir", str(save)], env=env)
+    before = {p.name: p.read_bytes() for p in save.iterdir()}
+    again = _train([*args, "--epochs", "2", "--save-dir", str(save)], env=env)
+    out = again.stdout
+    assert f"the run in {save} is already complete (2 epochs, --epochs 2;" in out, out
+    assert "add --resume none" in out and f"Its results are in {save}" in out
+    assert "samples/s" not in out and "resumed from" not in out
+    assert {p.name: p.read_bytes() for p in save.iterdir()} == before  # nothing rewritten
