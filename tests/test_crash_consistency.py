@@ -10,8 +10,6 @@ children of a server that imported torch once, so each costs a fraction of a sec
 
 from __future__ import annotations
 
-import csv
-import multiprocessing
 import os
 import random
 import signal
@@ -21,72 +19,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastddp._net import free_port
 from fastddp.train import checkpoint
-from tests import fsfault
+from tests import trainer_runs
 
-CTX = multiprocessing.get_context("forkserver")
-# torch._dynamo (imported by the optimizers) and pyplot take seconds to import: once, here.
-CTX.set_forkserver_preload(["torch", "torch._dynamo", "matplotlib.pyplot", "fastddp.train.loop",
-                            "tests.fsfault"])
-
-TINY = '''
-import torch
-from torch.utils.data import TensorDataset
-
-def make():
-    g = torch.Generator().manual_seed(0)
-    def split(n):
-        y = torch.arange(n) % 6
-        x = torch.randn(n, 9, 128, generator=g) * 2.0 + y.view(-1, 1, 1).float() * 0.05
-        return TensorDataset(x, y)
-    return split(192), split(96)
-'''
-ARGS = ["--dataset", "tiny_har:make", "--epochs", "3", "--batch-size", "32", "--no-progress",
-        "--num-workers", "1", "--timeout", "20"]
 VALUES = ("epoch", "train_loss", "train_acc", "val_loss", "val_acc", "val_f1", "lr")
+_launch, _run, _metrics = trainer_runs.launch, trainer_runs.run, trainer_runs.metrics
 
 
 @pytest.fixture(scope="module")
 def data_path(tmp_path_factory) -> str:
-    d = tmp_path_factory.mktemp("data")
-    (d / "tiny_har.py").write_text(TINY)
-    return str(d)
-
-
-def _launch(save: Path, data_path: str, extra: list[str], exit_after: int = 0,
-            log: str | None = None, world: int = 1) -> list[multiprocessing.Process]:
-    argv = [*ARGS, "--save-dir", str(save), *extra]
-    envs = [{}]
-    if world > 1:
-        port = str(free_port())
-        argv = [*argv, "--multi-gpu", "ddp"]
-        envs = [dict(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world),
-                     LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-                for r in range(world)]
-    procs = []
-    for rank, env in enumerate(envs):
-        out = str(save.parent / f"{save.name}.rank{rank}.out")
-        p = CTX.Process(target=fsfault.run_trainer,
-                        args=(argv, out, exit_after if rank == 0 else 0, log, env, data_path))
-        p.start()
-        procs.append(p)
-    return procs
-
-
-def _run(save: Path, data_path: str, extra: list[str], exit_after: int = 0,
-         log: str | None = None, world: int = 1) -> tuple[list[int], str]:
-    procs = _launch(save, data_path, extra, exit_after, log, world)
-    for p in procs:
-        p.join(120)
-        assert p.exitcode is not None, "a training process hung"
-    out = Path(save.parent / f"{save.name}.rank0.out").read_text()
-    return [p.exitcode for p in procs], out
-
-
-def _metrics(save: Path) -> list[dict[str, str]]:
-    with open(save / "metrics.csv") as f:
-        return list(csv.DictReader(f))
+    return trainer_runs.write_data(tmp_path_factory.mktemp("data"))
 
 
 def _same_rows(got: list[dict[str, str]], want: list[dict[str, str]]) -> None:

@@ -267,6 +267,9 @@ def validate(args: argparse.Namespace, cuda_count: int) -> None:
         if local_world > usable:
             raise UsageError(f"{local_world} ranks on this node but only {usable} GPU(s) usable "
                              "with NCCL: lower --nproc_per_node or use --backend gloo")
+    if args.sync_batchnorm and args.multi_gpu == "ddp" and (cuda_count == 0 or args.backend == "gloo"):
+        raise UsageError("--sync-batchnorm needs CUDA GPUs (torch's SyncBatchNorm runs on GPUs "
+                         "only) and none is used here; drop the flag on CPU ranks")
     if args.data_dir is not None:
         root = Path(args.data_dir)
         if not root.is_dir() or not os.access(root, os.R_OK):
