@@ -139,3 +139,35 @@ def test_sigkill_at_random_instants(tmp_path, data_path, reference) -> None:
             chains += 1
             save = tmp_path / f"chain{chains}"
     print(f"{kills} kills in {runs} runs, {chains} chains finished")
+
+
+# The keys of last.pt, in both layouts.
+KEYS = {"model", "optimizer", "scheduler", "scaler", "loader", "epoch", "step", "epoch_done",
+        "best_f1", "history", "rng", "world", "mode", "signature"}
+
+
+def test_checkpoint_of_the_earlier_layout_resumes(tmp_path, data_path, reference) -> None:
+    """A run whose last.pt is a plain torch.save file with its digest in last.pt.sha256 (the
+    earlier layout) continues from it and ends as the uninterrupted run."""
+    import hashlib
+    import io
+
+    ref, _ = reference[1]
+    save = tmp_path / "run"
+    codes, out = _run(save, data_path, [], env={"FASTDDP_FAULT_KILL_AFTER_EPOCH": "1"})
+    assert codes == [-signal.SIGKILL], out
+    state = torch.load(save / "last.pt", weights_only=False)  # torch reads the new layout
+    assert set(state) == KEYS
+    for f in save.glob("last.pt*"):
+        f.unlink()
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    (save / "last.pt").write_bytes(buf.getvalue())
+    (save / "last.pt.sha256").write_text(hashlib.sha256(buf.getvalue()).hexdigest())
+    codes, out = _run(save, data_path, [])
+    assert codes == [0], out
+    assert f"resumed from {save / 'last.pt'} at epoch 2, step 6" in out, out
+    _same_rows(_metrics(save), _metrics(ref))
+    _same_best(save, ref)
+    assert set(checkpoint.verify(save / "last.pt")) == KEYS
+    assert not (save / "last.pt.sha256").exists()  # replaced by the digest inside

@@ -60,17 +60,18 @@ def write_data(directory: Path) -> str:
 
 
 def launch(save: Path, data_path: str, extra: list[str], exit_after: int = 0,
-           log: Optional[str] = None, world: int = 1,
-           base: Optional[list[str]] = None) -> list[multiprocessing.Process]:
+           log: Optional[str] = None, world: int = 1, base: Optional[list[str]] = None,
+           env: Optional[dict[str, str]] = None) -> list[multiprocessing.Process]:
     """Start the ranks of one run into ``save`` (rank r's output: ``<save>.rank<r>.out``);
     rank 0 stops after its checkpoint call ``exit_after`` (see tests/fsfault.py)."""
     argv = [*(ARGS if base is None else base), "--save-dir", str(save), *extra]
-    envs: list[dict[str, str]] = [{}]
+    envs: list[dict[str, str]] = [dict(env or {})]
     if world > 1:
         port = str(free_port())
         argv = [*argv, "--multi-gpu", "ddp"]
         envs = [dict(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world),
-                     LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+                     LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                     **(env or {}))
                 for r in range(world)]
     procs = []
     for rank, env in enumerate(envs):
@@ -83,10 +84,10 @@ def launch(save: Path, data_path: str, extra: list[str], exit_after: int = 0,
 
 
 def run(save: Path, data_path: str, extra: list[str], exit_after: int = 0,
-        log: Optional[str] = None, world: int = 1,
-        base: Optional[list[str]] = None) -> tuple[list[int], str]:
+        log: Optional[str] = None, world: int = 1, base: Optional[list[str]] = None,
+        env: Optional[dict[str, str]] = None) -> tuple[list[int], str]:
     """:func:`launch` and wait: the exit codes and rank 0's output."""
-    procs = launch(save, data_path, extra, exit_after, log, world, base)
+    procs = launch(save, data_path, extra, exit_after, log, world, base, env)
     for p in procs:
         p.join(120)
         assert p.exitcode is not None, "a training process hung"
