@@ -322,3 +322,20 @@ def test_second_run_of_a_finished_run_says_it_is_complete(tmp_path: Path) -> Non
     assert "add --resume none" in out and f"Its results are in {save}" in out
     assert "samples/s" not in out and "resumed from" not in out
     assert {p.name: p.read_bytes() for p in save.iterdir()} == before  # nothing rewritten
+
+
+def test_results_without_a_checkpoint_are_not_overwritten(tmp_path: Path) -> None:
+    args, env = tiny_data(tmp_path)
+    save = tmp_path / "run"
+    save.mkdir()
+    (save / "metrics.csv").write_text("epoch,train_loss\n1,0.5\n")
+    proc = _train([*args, "--epochs", "1", "--save-dir", str(save)], env=env, check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert (f"{save} holds the results of a run (metrics.csv) but no checkpoint (last.pt) to "
+            "continue it; start over with --resume none") in proc.stderr
+    assert (save / "metrics.csv").read_text() == "epoch,train_loss\n1,0.5\n"
+    (save / "metrics.csv").unlink()
+    (save / "best.pt").write_bytes(b"from a run killed in its first epoch")
+    proc = _train([*args, "--epochs", "1", "--save-dir", str(save)], env=env)
+    assert (f"note: {save} holds no complete checkpoint, only best.pt from a run stopped during "
+            "its first saves; starting from epoch 1") in proc.stdout

@@ -45,8 +45,8 @@ def find_resume_state(args: argparse.Namespace, ctx: Context,
                 if found.skipped or found.path.name != "last.pt":
                     choice[2] = (" (the newest checkpoint that verifies"
                                  + "".join(f"; passed over {s}" for s in found.skipped) + ")")
-            elif any(f.exists() for f in checkpoint.candidates(save_dir / "last.pt")):
-                choice[2] = "unfinished"
+            else:
+                choice[1], choice[2] = nothing_to_resume(save_dir)
     if ctx.distributed:
         dist.broadcast_object_list(choice, src=0)
     path, error, note = choice
@@ -54,8 +54,7 @@ def find_resume_state(args: argparse.Namespace, ctx: Context,
         raise UsageError(error)
     if path is None:
         if note:
-            log(ctx, f"note: {save_dir} holds only an unfinished first checkpoint write; "
-                     "starting from epoch 1")
+            log(ctx, f"note: {note}; starting from epoch 1")
         return None, None, ""
     try:
         state = found.state if ctx.is_main else checkpoint.verify(path)
@@ -64,3 +63,21 @@ def find_resume_state(args: argparse.Namespace, ctx: Context,
     return state, Path(path), note
 
 
+
+
+def nothing_to_resume(save_dir: Path) -> tuple[str | None, str]:
+    """``(error, note)`` for a ``save_dir`` without a checkpoint that verifies. The results of
+    a run (metrics.csv, summary.json: written only after its last.pt) without its checkpoint
+    are an error, not something to overwrite; a best.pt or an unfinished first write (a crash
+    during the first epoch's saves) are named in a note."""
+    results = [n for n in ("metrics.csv", "summary.json") if (save_dir / n).exists()]
+    if results:
+        return (f"{save_dir} holds the results of a run ({', '.join(results)}) but no "
+                "checkpoint (last.pt) to continue it; start over with --resume none (which "
+                "overwrites them) or choose another --save-dir"), ""
+    left = [f.name for f in checkpoint.candidates(save_dir / "last.pt") if f.exists()]
+    left += ["best.pt"] if (save_dir / "best.pt").exists() else []
+    if left:
+        return None, (f"{save_dir} holds no complete checkpoint, only {', '.join(left)} from a "
+                      "run stopped during its first saves")
+    return None, ""
