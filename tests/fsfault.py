@@ -15,6 +15,7 @@ Run as a script it wraps ``python -m fastddp.train``, e.g. under torchrun::
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import sys
 import threading
@@ -86,6 +87,8 @@ def run_trainer(argv: list[str], out: str, exit_after: int = 0, log: Optional[st
         sys.path.insert(0, path)
     torch.set_num_threads(1)
     sys.stdout = sys.stderr = open(out, "a", buffering=1)
+    # a hang shows where each thread waits, then ends the process (the test's join fails)
+    faulthandler.dump_traceback_later(90, exit=True, file=sys.stderr)
     install(exit_after, log)
     from fastddp.train import main as train_main
 

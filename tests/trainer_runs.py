@@ -86,12 +86,19 @@ def launch(save: Path, data_path: str, extra: list[str], exit_after: int = 0,
 def run(save: Path, data_path: str, extra: list[str], exit_after: int = 0,
         log: Optional[str] = None, world: int = 1, base: Optional[list[str]] = None,
         env: Optional[dict[str, str]] = None) -> tuple[list[int], str]:
-    """:func:`launch` and wait: the exit codes and rank 0's output."""
+    """:func:`launch` and wait: the exit codes and the output (rank 0's, then any other
+    rank's that is not empty, after a ``--- rank r`` line)."""
     procs = launch(save, data_path, extra, exit_after, log, world, base, env)
     for p in procs:
-        p.join(120)
-        assert p.exitcode is not None, "a training process hung"
+        p.join(120)  # a hung rank dumps its threads' stacks and exits after 90 s
     out = Path(save.parent / f"{save.name}.rank0.out").read_text()
+    for rank in range(1, world):
+        text = Path(save.parent / f"{save.name}.rank{rank}.out").read_text()
+        out += f"--- rank {rank}\n{text}" if text else ""
+    hung = [p for p in procs if p.exitcode is None]
+    for p in hung:
+        p.kill()
+    assert not hung, f"a training process hung\n{out}"
     return [p.exitcode for p in procs], out
 
 
