@@ -24,6 +24,7 @@ import fastddp
 
 from .._net import finish_collectives
 from . import checkpoint, signals
+from .epoch import end_epoch, run_epoch
 from .errors import UsageError
 from .graph import GraphedStep, hold_lr
 from .models import build_model
@@ -106,8 +107,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _train(args: argparse.Namespace, ctx: Context, saver: checkpoint.CheckpointWriter) -> dict[str, Any]:
-    from .epoch import end_epoch, run_epoch
-
     save_dir = Path(args.save_dir)
     if ctx.is_main:
         check_save_dir(save_dir)
