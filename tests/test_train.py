@@ -339,3 +339,17 @@ def test_results_without_a_checkpoint_are_not_overwritten(tmp_path: Path) -> Non
     proc = _train([*args, "--epochs", "1", "--save-dir", str(save)], env=env)
     assert (f"note: {save} holds no complete checkpoint, only best.pt from a run stopped during "
             "its first saves; starting from epoch 1") in proc.stdout
+
+
+def test_run_killed_after_its_last_checkpoint_completes_its_files(tmp_path: Path) -> None:
+    args, env = tiny_data(tmp_path)
+    save = tmp_path / "run"
+    _train([*args, "--epochs", "2", "--save-dir", str(save)], env=env)
+    want = (save / "metrics.csv").read_bytes()
+    (save / "summary.json").unlink()  # as a kill between last.pt and the files after it leaves
+    (save / "metrics.csv").write_bytes(want[: want.rindex(b"\n2,") + 1])  # epoch 1 only
+    again = _train([*args, "--epochs", "2", "--save-dir", str(save)], env=env)
+    assert "is already complete" in again.stdout and "completing metrics.csv" in again.stdout
+    assert (save / "metrics.csv").read_bytes() == want
+    summary = json.loads((save / "summary.json").read_text())
+    assert summary["final"]["epoch"] == 2 and summary["world_size"] == 1

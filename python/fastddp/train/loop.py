@@ -28,7 +28,7 @@ from .epoch import end_epoch, run_epoch
 from .errors import UsageError
 from .graph import GraphedStep, hold_lr
 from .models import build_model
-from .outputs import GpuMonitor, make_tensorboard, plot_curves, write_config
+from .outputs import GpuMonitor, make_tensorboard, metrics_csv, plot_curves, write_config
 from .resume import find_resume_state
 from .setup import (
     Context,
@@ -230,7 +230,8 @@ def restore(r: Run) -> tuple[Optional[tuple[float, int, int]], bool]:
 
 def already_complete(r: Run) -> dict[str, Any]:
     """A resumed run with no epoch left: say so, where its results are and how to start
-    over; nothing is written."""
+    over. Nothing is written, unless the run was killed between its last checkpoint and the
+    files after it: then metrics.csv, curves.png and summary.json are completed from it."""
     state, save_dir = r.state, r.save_dir.resolve()
     best = max((row["val_f1"] for row in state.history), default=float("nan"))
     log(r.ctx, f"fastddp.train: the run in {save_dir} is already complete ({len(state.history)} "
@@ -238,7 +239,15 @@ def already_complete(r: Run) -> dict[str, Any]:
                f"{save_dir} (metrics.csv, best.pt, summary.json). To train from scratch add "
                "--resume none (it overwrites them) or choose another --save-dir; to train "
                "further raise --epochs")
-    summary_file = r.save_dir / "summary.json"
+    metrics_file, summary_file = r.save_dir / "metrics.csv", r.save_dir / "summary.json"
+    stale = not metrics_file.exists() or metrics_file.read_bytes() != metrics_csv(state.history)
+    if r.ctx.is_main and state.history and (stale or not summary_file.exists()):
+        log(r.ctx, "note: completing metrics.csv, curves.png and summary.json from last.pt "
+                   "(the run was stopped after its last checkpoint)")
+        r.saver.write(metrics_csv(state.history), metrics_file)
+        last = state.history[-1]
+        samples = sum(row["samples_per_s"] * row["epoch_time_s"] for row in state.history)
+        return {**finish(r, last["elapsed_s"], int(samples), quiet=True), "already_complete": True}
     if summary_file.exists():
         return {**json.loads(summary_file.read_text()), "already_complete": True}
     return {"best_val_f1": state.best_f1, "save_dir": str(save_dir), "already_complete": True}
@@ -255,8 +264,8 @@ def log_header(r: Run) -> None:
              f"cuda-graph={'on' if r.graphed is not None else 'off'}")
 
 
-def finish(r: Run, total: float, samples_total: int) -> dict[str, Any]:
-    """The run's summary: logged, written to summary.json, and returned."""
+def finish(r: Run, total: float, samples_total: int, quiet: bool = False) -> dict[str, Any]:
+    """The run's summary: logged (unless ``quiet``), written to summary.json, and returned."""
     args, ctx, history = r.args, r.ctx, r.state.history
     accum = args.grad_accum_steps
     summary = {
@@ -273,11 +282,13 @@ def finish(r: Run, total: float, samples_total: int) -> dict[str, Any]:
         if history and not plot_curves(r.save_dir, history):
             log(ctx, "note: curves.png not drawn: matplotlib is not installed "
                      "(pip install matplotlib; metrics.csv holds the same numbers)")
-        checkpoint.write_file(json.dumps(summary, indent=1).encode(), r.save_dir / "summary.json")
+        # through the writer thread: never on disk before the checkpoints it summarises
+        r.saver.write(json.dumps(summary, indent=1).encode(), r.save_dir / "summary.json")
         gpu = r.monitor.summary() if r.monitor is not None else ""
-        log(ctx, f"done: best val acc {summary['best_val_acc']:.4f} F1 {r.state.best_f1:.4f} | "
-                 f"{total:.1f}s, {summary['samples_per_s']:.0f} samples/s, effective batch "
-                 f"{summary['effective_batch']} | files in {summary['save_dir']}{gpu}")
+        if not quiet:
+            log(ctx, f"done: best val acc {summary['best_val_acc']:.4f} F1 {r.state.best_f1:.4f} "
+                     f"| {total:.1f}s, {summary['samples_per_s']:.0f} samples/s, effective "
+                     f"batch {summary['effective_batch']} | files in {summary['save_dir']}{gpu}")
     if r.writer is not None:
         r.writer.close()
     return summary
