@@ -24,11 +24,11 @@ _SCRIPT = textwrap.dedent("""
     from fastddp.train import checkpoint
     from fastddp.train.signals import SigtermGuard, Terminated
 
-    slow = checkpoint._fsync_write
+    slow = checkpoint._write_file
     def _slow_write(path, data):
         time.sleep(0.5)
         slow(path, data)
-    checkpoint._fsync_write = _slow_write
+    checkpoint._write_file = _slow_write
 
     guarded = sys.argv[2] == "guarded"
     saver = checkpoint.CheckpointWriter()

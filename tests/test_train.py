@@ -103,8 +103,7 @@ def test_checkpoint_of_another_model_is_refused(single_run: Path, tmp_path: Path
 def test_corrupt_checkpoint_falls_back_or_stops(single_run: Path, tmp_path: Path) -> None:
     import shutil
 
-    for name in ("last.pt", "last.pt.sha256"):
-        shutil.copy(single_run / name, tmp_path / name)
+    shutil.copy(single_run / "last.pt", tmp_path / "last.pt")
     data = bytearray((tmp_path / "last.pt").read_bytes())
     data[len(data) // 3] ^= 0xFF
     (tmp_path / "last.pt").write_bytes(bytes(data))
@@ -112,6 +111,9 @@ def test_corrupt_checkpoint_falls_back_or_stops(single_run: Path, tmp_path: Path
                    "--save-dir", str(tmp_path)], check=False)
     assert proc.returncode == 2
     assert "checksum mismatch" in proc.stderr and "--resume none" in proc.stderr
+    # the run stopped before writing anything: the damaged file is left for the user
+    assert (tmp_path / "last.pt").read_bytes() == bytes(data)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.pt"]
 
 
 def test_run_without_matplotlib_says_why_there_are_no_curves(tmp_path: Path) -> None:
@@ -272,3 +274,82 @@ def test_exception_in_model_forward_on_one_rank_stops_every_rank(tmp_path: Path)
     # rank 0 either reports the lost peer in one line or is stopped by torchrun first
     lost = [ln for ln in out.splitlines() if "lost contact with the other ranks" in ln]
     assert len(lost) <= 1 and all("rank 0:" in ln for ln in lost), lost
+
+
+TINY_DATA = """
+import torch
+from torch.utils.data import TensorDataset
+
+def make():
+    g = torch.Generator().manual_seed(0)
+    def split(n):
+        y = torch.arange(n) % 6
+        return TensorDataset(torch.randn(n, 9, 128, generator=g) + y.view(-1, 1, 1) * 0.5, y)
+    return split(192), split(96)
+"""
+
+
+def tiny_data(tmp_path: Path) -> tuple[list[str], dict[str, str]]:
+    """Flags and environment for a run on 192 samples (a few steps per epoch)."""
+    (tmp_path / "tiny_har.py").write_text(TINY_DATA)
+    path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    return (["--dataset", "tiny_har:make", "--batch-size", "32", "--no-progress",
+             "--num-workers", "1"], {"PYTHONPATH": path})
+
+
+def test_full_disk_is_one_line_naming_the_file(tmp_path: Path) -> None:
+    args, env = tiny_data(tmp_path)
+    save = tmp_path / "run"
+    save.mkdir()
+    (save / "last.pt.tmp").symlink_to("/dev/full")  # every write there fails with ENOSPC
+    proc = _train([*args, "--epochs", "1", "--save-dir", str(save)], env=env, check=False)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert lines == [f"fastddp.train: rank 0: error: {save / 'last.pt'} could not be written "
+                     f"(No space left on device); any previous one is intact. Free space in "
+                     f"{save} or check its permissions, or choose another --save-dir, then "
+                     "resume with --resume auto"], lines
+
+
+def test_second_run_of_a_finished_run_says_it_is_complete(tmp_path: Path) -> None:
+    args, env = tiny_data(tmp_path)
+    save = tmp_path / "run"
+    _train([*args, "--epochs", "2", "--save-dir", str(save)], env=env)
+    before = {p.name: p.read_bytes() for p in save.iterdir()}
+    again = _train([*args, "--epochs", "2", "--save-dir", str(save)], env=env)
+    out = again.stdout
+    assert f"the run in {save} is already complete (2 epochs, --epochs 2;" in out, out
+    assert "add --resume none" in out and f"Its results are in {save}" in out
+    assert "samples/s" not in out and "resumed from" not in out
+    assert {p.name: p.read_bytes() for p in save.iterdir()} == before  # nothing rewritten
+
+
+def test_results_without_a_checkpoint_are_not_overwritten(tmp_path: Path) -> None:
+    args, env = tiny_data(tmp_path)
+    save = tmp_path / "run"
+    save.mkdir()
+    (save / "metrics.csv").write_text("epoch,train_loss\n1,0.5\n")
+    proc = _train([*args, "--epochs", "1", "--save-dir", str(save)], env=env, check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert (f"{save} holds the results of a run (metrics.csv) but no checkpoint (last.pt) to "
+            "continue it; start over with --resume none") in proc.stderr
+    assert (save / "metrics.csv").read_text() == "epoch,train_loss\n1,0.5\n"
+    (save / "metrics.csv").unlink()
+    (save / "best.pt").write_bytes(b"from a run killed in its first epoch")
+    proc = _train([*args, "--epochs", "1", "--save-dir", str(save)], env=env)
+    assert (f"note: {save} holds no complete checkpoint, only best.pt from a run stopped during "
+            "its first saves; starting from epoch 1") in proc.stdout
+
+
+def test_run_killed_after_its_last_checkpoint_completes_its_files(tmp_path: Path) -> None:
+    args, env = tiny_data(tmp_path)
+    save = tmp_path / "run"
+    _train([*args, "--epochs", "2", "--save-dir", str(save)], env=env)
+    want = (save / "metrics.csv").read_bytes()
+    (save / "summary.json").unlink()  # as a kill between last.pt and the files after it leaves
+    (save / "metrics.csv").write_bytes(want[: want.rindex(b"\n2,") + 1])  # epoch 1 only
+    again = _train([*args, "--epochs", "2", "--save-dir", str(save)], env=env)
+    assert "is already complete" in again.stdout and "completing metrics.csv" in again.stdout
+    assert (save / "metrics.csv").read_bytes() == want
+    summary = json.loads((save / "summary.json").read_text())
+    assert summary["final"]["epoch"] == 2 and summary["world_size"] == 1

@@ -130,3 +130,61 @@ def test_lost_peer_message_is_one_line_for_backend_errors_only() -> None:
     assert "(Application timeout caused pair closure); rank 0 died" in lost_peer_message(silent, 1, world=2)
     assert lost_peer_message(ValueError("Connection reset by peer"), 0) is None
     assert lost_peer_message(RuntimeError("mat1 and mat2 shapes cannot be multiplied"), 0) is None
+
+
+def _launcher(argv: list[str], env: dict | None = None, cwd=None) -> subprocess.CompletedProcess:
+    import os
+
+    return subprocess.run([sys.executable, "-m", "fastddp.train", *argv], capture_output=True,
+                          text=True, timeout=300, cwd=cwd,
+                          env=dict(os.environ, **(env or {})))
+
+
+def _one_line(proc: subprocess.CompletedProcess) -> str:
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, (proc.returncode, proc.stderr[-3000:])
+    assert "Traceback" not in proc.stderr
+    return lines[0]
+
+
+def _bad_yaml(tmp_path):
+    pytest.importorskip("yaml")
+    cfg = tmp_path / "multi_gpu.yaml"
+    cfg.write_text("training:\n  batch_size: [64\n  lr: 0.001\n")
+    return str(cfg)
+
+
+def test_unparsable_yaml_config_is_one_line_naming_the_file(tmp_path) -> None:
+    cfg = _bad_yaml(tmp_path)
+    line = _one_line(_launcher(["--config", cfg]))
+    assert line.startswith(f"fastddp.train: error: --config {cfg}: invalid YAML at line 3"), line
+    assert "fix the file" in line
+
+
+def test_unreadable_config_is_one_line(tmp_path) -> None:
+    cfg = tmp_path / "run.json"
+    cfg.write_bytes(b"\xff\xfe\x00binary")
+    line = _one_line(_launcher(["--config", str(cfg)]))
+    assert f"--config {cfg}: cannot be read as a text file" in line
+
+
+def test_seed_out_of_range_is_one_line() -> None:
+    line = _one_line(_launcher(["--seed", "1180591620717411303424"]))
+    assert line == ("fastddp.train: error: --seed must be an integer in 0..9223372036854775807 "
+                    "(2**63 - 1), got 1180591620717411303424")
+    assert "--seed must be" in _one_line(_launcher(["--seed", "-1"]))
+
+
+def test_missing_model_module_is_one_line_with_the_fix() -> None:
+    line = _one_line(_launcher(["--model", "my_models_typo:make"]))
+    assert "--model 'my_models_typo:make': cannot import 'my_models_typo'" in line
+    assert "add its folder to PYTHONPATH" in line
+
+
+@pytest.mark.parametrize("how", ["--debug", "FASTDDP_DEBUG=1"])
+def test_debug_shows_the_traceback(tmp_path, how) -> None:
+    cfg = _bad_yaml(tmp_path)
+    argv, env = (["--debug"], None) if how == "--debug" else ([], {"FASTDDP_DEBUG": "1"})
+    proc = _launcher(["--config", cfg, *argv], env=env)
+    assert proc.returncode != 0
+    assert "Traceback" in proc.stderr and "UsageError: --config" in proc.stderr

@@ -39,13 +39,26 @@ def lost_peer_message(exc: BaseException, rank: int, world: int = 0) -> str | No
 __all__ = ["UsageError", "build_parser", "main", "parse_args"]
 
 
+def _debug(argv: list[str] | None) -> bool:
+    """``--debug`` on the command line or ``FASTDDP_DEBUG=1``: errors keep their traceback."""
+    import os
+
+    args = sys.argv[1:] if argv is None else argv
+    return "--debug" in args or os.environ.get("FASTDDP_DEBUG", "") not in ("", "0")
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Parse flags, validate them, train; bad input -> one line on stderr and exit status 2."""
+    """Parse flags, validate them, train. Input the user can fix (a flag, a config file, a
+    checkpoint, a full disk) ends with one line on stderr and exit status 2; ``--debug`` or
+    ``FASTDDP_DEBUG=1`` adds the traceback."""
     import os
 
     import torch
 
+    from .checkpoint import CheckpointWriteError
+
     rank = int(os.environ.get("RANK", "0"))
+    debug = _debug(argv)
     try:
         args = parse_args(argv)
         validate(args, torch.cuda.device_count())
@@ -53,8 +66,16 @@ def main(argv: list[str] | None = None) -> int:
 
         run(args)
     except UsageError as exc:
+        if debug:
+            raise
         if rank == 0:
             print(f"fastddp.train: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    except CheckpointWriteError as exc:
+        if debug:
+            raise
+        print(f"fastddp.train: rank {rank}: error: {exc.strerror or exc}", file=sys.stderr,
+              flush=True)
         return 2
     except FloatingPointError as exc:
         print(f"fastddp.train: rank {rank}: error: {exc}", file=sys.stderr, flush=True)
@@ -69,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + 15
     except Exception as exc:
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        line = lost_peer_message(exc, rank, world) if world > 1 else None
+        line = lost_peer_message(exc, rank, world) if world > 1 and not debug else None
         if line is None:
             raise
         print(line, file=sys.stderr, flush=True)

@@ -1,9 +1,22 @@
-"""Checkpoints that survive a crash mid-write and detect corruption.
+"""Checkpoints that are consistent at every instant of a crash and detect corruption.
 
-``save`` serialises to memory, writes ``<name>.tmp``, fsyncs and renames it over ``<name>``
-(rename is atomic on POSIX), after keeping the previous file as ``<name>.prev``. A SHA-256 of
-the bytes is stored beside it (``<name>.sha256``). ``load`` verifies the checksum and falls
-back to ``.prev`` with a warning when the newest file is truncated or corrupted.
+A checkpoint is one file: ``torch.save``'s zip archive whose zip comment holds the SHA-256 of
+the archive (``fastddp-sha256:<hex>``). ``torch.load`` and any zip reader read it as usual;
+the digest travels with the bytes, so no rename can separate a file from its checksum.
+
+:func:`save` writes ``<name>`` in these steps (``<name>.prev`` keeps the previous one):
+
+1. write ``<name>.tmp`` (payload and digest) and fsync it;
+2. hard-link the current ``<name>`` as ``<name>.prev.tmp`` (a copy where links are not
+   supported) and rename that over ``<name>.prev``;
+3. rename ``<name>.tmp`` over ``<name>`` (atomic on POSIX), then fsync the directory.
+
+``<name>`` is never moved away: at every instant it is either the previous or the new
+checkpoint, complete. A crash after step 1 also leaves a complete ``<name>.tmp``.
+:func:`latest` picks the newest of these files that verifies and says which it took.
+
+Files of the earlier layout (a plain ``torch.save`` file with its SHA-256 in
+``<name>.sha256`` beside it) are verified through that file and load as before.
 
 :class:`CheckpointWriter` does the same with the write on a background thread: the state is
 serialised at once (a snapshot: training may go on changing it) and the hashing, writing,
@@ -13,12 +26,16 @@ waiting for rank 0, overlap the next steps.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import os
 import queue
+import struct
 import threading
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -29,38 +46,111 @@ class CheckpointError(RuntimeError):
     """No usable checkpoint (corrupt, or written by a different model)."""
 
 
-def _fsync_write(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+class CheckpointWriteError(OSError):
+    """A file of the run could not be written (disk full, permissions); the message names the
+    file, says the previous one is intact and what to check."""
+
+
+_EOCD = b"PK\x05\x06"  # zip end-of-central-directory record: 22 bytes + comment
+_TAG = b"fastddp-sha256:"
+_COMMENT_LEN = len(_TAG) + 64
+
+
+def _with_digest(data: bytes) -> bytes:
+    """``data`` (a zip archive without comment) with its SHA-256 as the zip comment."""
+    if len(data) < 22 or data[-22:-18] != _EOCD or data[-2:] != b"\0\0":
+        raise ValueError("torch.save did not produce a zip archive ending in its directory record")
+    comment = _TAG + hashlib.sha256(data).hexdigest().encode()
+    return data[:-2] + struct.pack("<H", len(comment)) + comment
+
+
+def _embedded_digest(data: bytes) -> Optional[tuple[bytes, str]]:
+    """``(archive as hashed, hex digest)`` for a file written by :func:`_with_digest`."""
+    n = _COMMENT_LEN
+    if len(data) < 22 + n or data[-n - 22:-n - 18] != _EOCD:
+        return None
+    if data[-n - 2:-n] != struct.pack("<H", n) or data[-n:-64] != _TAG:
+        return None
+    return data[:-n - 2] + b"\0\0", data[-64:].decode("ascii", "replace")
 
 
 def _serialize(state: dict[str, Any]) -> bytes:
     buf = io.BytesIO()
     torch.save(state, buf)
-    return buf.getvalue()
+    return _with_digest(buf.getvalue())
+
+
+def _sibling(path: Path, suffix: str) -> Path:
+    return path.with_name(path.name + suffix)
+
+
+# Every change to the file system below goes through os-level calls (open, write, fsync,
+# close, link, replace, unlink) made from this module: the crash-injection tests enumerate
+# them and stop the process after each one.
+def _write_file(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # a platform without directory handles: the renames are still atomic
+        return
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP):
+            raise
+    finally:
+        os.close(fd)
+
+
+def _unlink_if_present(path: Path) -> None:
+    if os.path.lexists(path):
+        os.unlink(path)
+
+
+def _keep_previous(path: Path) -> None:
+    """``path.prev`` becomes the current ``path`` (hard link, else copy); ``path`` stays."""
+    prev, prev_tmp = _sibling(path, ".prev"), _sibling(path, ".prev.tmp")
+    _unlink_if_present(prev_tmp)
+    try:
+        os.link(path, prev_tmp)
+    except OSError:  # no hard links here (some network and FAT file systems)
+        _write_file(prev_tmp, path.read_bytes())
+    os.replace(prev_tmp, prev)
+    legacy_sum = _sibling(path, ".sha256")
+    if legacy_sum.exists():  # an earlier-layout file: its checksum goes with it
+        _write_file(_sibling(prev, ".sha256.tmp"), legacy_sum.read_bytes())
+        os.replace(_sibling(prev, ".sha256.tmp"), _sibling(prev, ".sha256"))
+    else:
+        _unlink_if_present(_sibling(prev, ".sha256"))
+
+
+def write_atomic(data: bytes, path: str | os.PathLike, keep_previous: bool = False) -> None:
+    """Write ``data`` to ``path`` through a fsync'd temporary and one atomic rename (the
+    directory fsync'd after); ``keep_previous`` keeps the file it replaces as ``path.prev``."""
+    path = Path(path)
+    tmp = _sibling(path, ".tmp")
+    _write_file(tmp, data)
+    if keep_previous and path.exists():
+        _keep_previous(path)
+    os.replace(tmp, path)
+    _unlink_if_present(_sibling(path, ".sha256"))  # an earlier layout's, now stale
+    _fsync_dir(path.parent)
 
 
 def save(state: dict[str, Any], path: str | os.PathLike) -> None:
-    """Atomically write ``state`` to ``path`` with a checksum; keeps the previous as ``.prev``."""
-    _write(_serialize(state), Path(path))
-
-
-def _write(data: bytes, path: Path) -> None:
-    digest = hashlib.sha256(data).hexdigest()
-    tmp = path.with_name(path.name + ".tmp")
-    _fsync_write(tmp, data)
-    _fsync_write(path.with_name(path.name + ".sha256.tmp"), digest.encode())
-    if path.exists():
-        os.replace(path, path.with_name(path.name + ".prev"))
-        old_sum = path.with_name(path.name + ".sha256")
-        if old_sum.exists():
-            os.replace(old_sum, path.with_name(path.name + ".prev.sha256"))
-    # Checksum first: a crash between the two renames leaves a checkpoint whose checksum
-    # does not match, which load() detects and answers with the .prev fallback.
-    os.replace(path.with_name(path.name + ".sha256.tmp"), path.with_name(path.name + ".sha256"))
-    os.replace(tmp, path)
+    """Write ``state`` to ``path`` with its checksum inside, crash-consistently; keeps the
+    previous checkpoint as ``path.prev``."""
+    write_atomic(_serialize(state), path, keep_previous=True)
 
 
 class CheckpointWriter:
@@ -76,22 +166,27 @@ class CheckpointWriter:
 
     def __init__(self, asynchronous: bool = True) -> None:
         self.asynchronous = asynchronous
-        self._queue: queue.Queue[Optional[tuple[bytes, Path]]] = queue.Queue()
+        self._queue: queue.Queue[Optional[tuple[bytes, Path, bool]]] = queue.Queue()
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
 
     def save(self, state: dict[str, Any], path: str | os.PathLike) -> None:
         """Snapshot ``state`` now and write it to ``path`` (atomic, checksummed)."""
         self._raise_pending()
-        data = _serialize(state)
+        self.write(_serialize(state), path, keep_previous=True)
+
+    def write(self, data: bytes, path: str | os.PathLike, keep_previous: bool = False) -> None:
+        """Queue ``data`` for :func:`write_atomic` to ``path``, after the writes queued before
+        (so a file written after a checkpoint never reaches the disk before it)."""
+        self._raise_pending()
         if not self.asynchronous:
-            _write_explained(data, Path(path))
+            write_file(data, path, keep_previous)
             return
         if self._thread is None:
             # Not a daemon: an interpreter that exits still finishes the queued writes.
             self._thread = threading.Thread(target=self._run, name="fastddp-checkpoint-writer")
             self._thread.start()
-        self._queue.put((data, Path(path)))
+        self._queue.put((data, Path(path), keep_previous))
 
     def flush(self) -> None:
         """Wait until every checkpoint given so far is on disk; raise a failed write's error."""
@@ -116,7 +211,7 @@ class CheckpointWriter:
                 if item is None:
                     return
                 if self._error is None:  # after a failure, queued writes are dropped
-                    _write_explained(*item)
+                    write_file(*item)
             except BaseException as exc:  # handed to the training thread by the next call
                 self._error = exc
             finally:
@@ -128,28 +223,43 @@ class CheckpointWriter:
             raise exc
 
 
-def _write_explained(data: bytes, path: Path) -> None:
-    """:func:`_write`, with an OSError that names the file and what to check."""
+def write_file(data: bytes, path: str | os.PathLike, keep_previous: bool = False) -> None:
+    """:func:`write_atomic`, raising :class:`CheckpointWriteError` (naming the file and what
+    to check) for an OSError."""
+    path = Path(path)
     try:
-        _write(data, path)
+        write_atomic(data, path, keep_previous)
     except OSError as exc:
-        msg = (f"checkpoint {path} could not be written ({exc}); the previous one is intact. "
-               f"Check the free space and permissions of {path.parent}")
-        raise (OSError(exc.errno, msg) if exc.errno is not None else OSError(msg)) from exc
+        reason = exc.strerror or str(exc)
+        msg = (f"{path} could not be written ({reason}); any previous one is intact. Free space "
+               f"in {path.parent} or check its permissions, or choose another --save-dir, then "
+               "resume with --resume auto")
+        error = CheckpointWriteError(msg) if exc.errno is None else CheckpointWriteError(exc.errno, msg)
+        raise error from exc
 
 
-def _verified(path: Path) -> dict[str, Any]:
+def verify(path: str | os.PathLike) -> dict[str, Any]:
+    """Load one checkpoint file after checking its digest (embedded, or an earlier layout's
+    ``.sha256`` beside it); :class:`CheckpointError` says what is wrong with it."""
+    path = Path(path)
     data = path.read_bytes()
-    sum_file = path.with_name(path.name + ".sha256")
-    if sum_file.exists():
-        expected = sum_file.read_text().strip()
-        actual = hashlib.sha256(data).hexdigest()
-        if actual != expected:
+    embedded = _embedded_digest(data)
+    if embedded is not None:
+        archive, expected = embedded
+        if hashlib.sha256(archive).hexdigest() != expected:
+            raise CheckpointError(f"{path}: checksum mismatch (file is truncated or corrupted)")
+    else:
+        sum_file = _sibling(path, ".sha256")
+        if sum_file.exists() and hashlib.sha256(data).hexdigest() != sum_file.read_text().strip():
             raise CheckpointError(f"{path}: checksum mismatch (file is truncated or corrupted)")
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
     except Exception as exc:
-        raise CheckpointError(f"{path}: cannot be read as a checkpoint ({exc})") from exc
+        why = str(exc).split(". ")[0]
+        if embedded is None and not _sibling(path, ".sha256").exists():
+            raise CheckpointError(f"{path}: no checksum and unreadable (file is truncated or "
+                                  f"corrupted, or not a checkpoint: {why})") from None
+        raise CheckpointError(f"{path}: cannot be read as a checkpoint ({why})") from None
 
 
 def load(path: str | os.PathLike) -> dict[str, Any]:
@@ -160,15 +270,74 @@ def load(path: str | os.PathLike) -> dict[str, Any]:
     """
     path = Path(path)
     try:
-        return _verified(path)
+        return verify(path)
     except (CheckpointError, OSError) as first:
-        prev = path.with_name(path.name + ".prev")
+        prev = _sibling(path, ".prev")
         if prev.exists():
             try:
-                state = _verified(prev)
+                state = verify(prev)
             except (CheckpointError, OSError) as second:
                 raise CheckpointError(f"no usable checkpoint: {first}; {second}") from None
             warnings.warn(f"{first}; resuming from the previous checkpoint {prev}", stacklevel=2)
             return state
         raise CheckpointError(f"{first}; no previous checkpoint to fall back to. Delete it or "
                               "start fresh with --resume none") from None
+
+
+@dataclass
+class Found:
+    """The checkpoint :func:`latest` chose: its state, its file, and why others were passed."""
+
+    state: dict[str, Any]
+    path: Path
+    skipped: list[str] = field(default_factory=list)
+
+
+def candidates(path: str | os.PathLike) -> list[Path]:
+    """The files that may hold the newest state of ``path``, in order of preference on a tie:
+    ``path``, a complete ``path.tmp`` (a crash before its rename), ``path.prev.tmp`` and
+    ``path.prev``."""
+    path = Path(path)
+    return [path, _sibling(path, ".tmp"), _sibling(path, ".prev.tmp"), _sibling(path, ".prev")]
+
+
+def latest(path: str | os.PathLike, key: Callable[[dict[str, Any]], Any]) -> Optional[Found]:
+    """The newest (largest ``key(state)``) checkpoint among :func:`candidates` that verifies.
+
+    ``None`` when there is none and nothing but an unfinished temporary was there (a crash
+    during the first write). Raises :class:`CheckpointError` when checkpoint files exist but
+    none of them verifies: starting over would overwrite a run's history.
+    """
+    found: list[tuple[Any, int, Path, dict[str, Any]]] = []
+    skipped: list[str] = []
+    for rank, file in enumerate(candidates(path)):
+        if not file.exists():
+            continue
+        temporary = file.name.endswith(".tmp")
+        if temporary and _embedded_digest(_read_tail(file)) is None:
+            skipped.append(f"{file}: an unfinished write (no checksum yet)")
+            continue
+        try:
+            state = verify(file)
+        except (CheckpointError, OSError) as exc:
+            skipped.append(str(exc))
+            continue
+        found.append((key(state), -rank, file, state))
+    if not found:
+        finished = [f for f in candidates(path) if f.exists() and not f.name.endswith(".tmp")]
+        if finished:
+            raise CheckpointError("; ".join(skipped) + "; no checkpoint in "
+                                  f"{Path(path).parent} verifies. Move the files away or start "
+                                  "fresh with --resume none (which overwrites them)")
+        return None
+    _, _, file, state = max(found, key=lambda f: (f[0], f[1]))
+    return Found(state, file, skipped)
+
+
+def _read_tail(path: Path) -> bytes:
+    """The last bytes of ``path``: enough to find an embedded digest."""
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        size = f.tell()
+        f.seek(max(0, size - 22 - _COMMENT_LEN))
+        return f.read(22 + _COMMENT_LEN)

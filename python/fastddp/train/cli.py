@@ -10,11 +10,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .models import MODES
+from .errors import UsageError
+from .models import MODES, load_factory
 
-
-class UsageError(ValueError):
-    """A bad flag or input; the launcher prints it as one line and exits with status 2."""
+# torch.manual_seed takes 64 bits; per-rank and per-epoch seeds are derived by adding to it.
+MAX_SEED = 2**63 - 1
 
 
 # Keys of the classic configs/multi_gpu.yaml and configs/distributed.yaml -> our flags.
@@ -133,6 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--log-interval", type=int, default=50, help="steps between log lines")
     g.add_argument("--tensorboard", action="store_true", help="write TensorBoard events")
     g.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
+    g.add_argument("--debug", action="store_true",
+                   help="show the traceback of an input error too (also: FASTDDP_DEBUG=1)")
     g.add_argument("--config", default=None,
                    help="YAML or JSON file setting any flag (flat names or the classic "
                         "training./distributed. sections); flags on the command line win")
@@ -155,19 +157,32 @@ def load_config(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
     file = Path(path)
     if not file.is_file():
         raise UsageError(f"--config {path}: no such file")
-    text = file.read_text()
+    try:
+        text = file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"--config {path}: cannot be read as a text file ({exc}); give a YAML "
+                         "or JSON file") from None
     if file.suffix in (".yaml", ".yml"):
         try:
             import yaml
         except ImportError:
             raise UsageError(f"--config {path}: reading YAML needs PyYAML (pip install pyyaml), "
                              "or give a .json file") from None
-        data = yaml.safe_load(text) or {}
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            raise UsageError(f"--config {path}: invalid YAML{where} ({problem}); fix the file "
+                             "or check it with python -c 'import yaml,sys; "
+                             "yaml.safe_load(open(sys.argv[1]))' FILE") from None
     else:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise UsageError(f"--config {path}: invalid JSON ({exc})") from None
+            raise UsageError(f"--config {path}: invalid JSON ({exc}); fix the file (a .yaml or "
+                             ".yml name reads it as YAML)") from None
     if not isinstance(data, dict):
         raise UsageError(f"--config {path}: expected a mapping of settings at the top level")
     dests = {a.dest for a in parser._actions}
@@ -220,6 +235,16 @@ def validate(args: argparse.Namespace, cuda_count: int) -> None:
         raise UsageError(f"--warmup-epochs must be a finite number >= 0, got {args.warmup_epochs}")
     if not (math.isfinite(args.timeout) and args.timeout > 0):
         raise UsageError(f"--timeout must be a finite number of seconds > 0, got {args.timeout}")
+    if not 0 <= args.seed <= MAX_SEED:
+        raise UsageError(f"--seed must be an integer in 0..{MAX_SEED} (2**63 - 1), got {args.seed}")
+    for flag, spec in (("--model", args.model), ("--dataset", args.dataset)):
+        if spec:
+            try:
+                load_factory(spec, flag)
+            except ValueError as exc:
+                raise UsageError(f"{exc}; the module must be importable from here (add its "
+                                 "folder to PYTHONPATH, e.g. PYTHONPATH=. python -m "
+                                 "fastddp.train ...)") from None
     if args.max_nan_steps < 1:
         raise UsageError(f"--max-nan-steps must be >= 1 (1 stops at the first non-finite loss), "
                          f"got {args.max_nan_steps}")
@@ -242,6 +267,9 @@ def validate(args: argparse.Namespace, cuda_count: int) -> None:
         if local_world > usable:
             raise UsageError(f"{local_world} ranks on this node but only {usable} GPU(s) usable "
                              "with NCCL: lower --nproc_per_node or use --backend gloo")
+    if args.sync_batchnorm and args.multi_gpu == "ddp" and (cuda_count == 0 or args.backend == "gloo"):
+        raise UsageError("--sync-batchnorm needs CUDA GPUs (torch's SyncBatchNorm runs on GPUs "
+                         "only) and none is used here; drop the flag on CPU ranks")
     if args.data_dir is not None:
         root = Path(args.data_dir)
         if not root.is_dir() or not os.access(root, os.R_OK):

@@ -15,29 +15,27 @@ captured and replayed, every later one only replays. Inputs are copied into stat
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
-from contextlib import AbstractContextManager
 from typing import Optional
 
 import torch
-from torch import nn
+
+from .step import EpochSums, TrainStep
 
 
 class GraphedStep:
-    """Forward + backward + ``scaler.step`` + ``scaler.update`` + metric sums, replayed as one
-    CUDA graph. Call it with each batch; read :attr:`loss` (this step's loss) and the running
-    sums :attr:`loss_sum` (float64, loss × samples) and :attr:`correct` (int64)."""
+    """A :class:`~fastddp.train.step.TrainStep` (forward + backward + ``scaler.step`` +
+    ``scaler.update`` + the epoch's sums), replayed as one CUDA graph. Call it with each batch;
+    :attr:`loss` holds this step's loss. The running sums are ``sums``' tensors, which the
+    graph adds into (reset them with ``sums.reset``, never replace them)."""
 
-    def __init__(self, model: nn.Module, loss_fn: nn.Module, optimizer: torch.optim.Optimizer,
-                 scaler: torch.amp.GradScaler, amp_ctx: Callable[[], AbstractContextManager],
-                 max_grad_norm: Optional[float], device: torch.device, warmup: int = 3) -> None:
+    def __init__(self, step: TrainStep, sums: EpochSums, device: torch.device,
+                 warmup: int = 3) -> None:
         if device.type != "cuda":
             raise ValueError(f"GraphedStep needs a CUDA device, got {device}")
-        self.model, self.loss_fn, self.optimizer, self.scaler = model, loss_fn, optimizer, scaler
-        self.amp_ctx, self.max_grad_norm, self.device = amp_ctx, max_grad_norm, device
-        self.warmup = warmup
-        self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-        self.correct = torch.zeros((), dtype=torch.int64, device=device)
+        if step.check_finite:
+            raise ValueError("GraphedStep: a step that checks losses on the host cannot be "
+                             "captured (use fp16 AMP, whose scaler skips non-finite steps)")
+        self.step, self.sums, self.device, self.warmup = step, sums, device, warmup
         self.loss = torch.zeros((), device=device)
         self.steps = 0
         self.graph: Optional[torch.cuda.CUDAGraph] = None
@@ -46,20 +44,10 @@ class GraphedStep:
         self._side = torch.cuda.Stream(device)
 
     def _body(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        with self.amp_ctx():
-            out = self.model(x)
-            loss = self.loss_fn(out.float(), y)
-        self.scaler.scale(loss).backward()
-        self.scaler.step(self.optimizer, max_grad_norm=self.max_grad_norm)
-        self.scaler.update()
-        self.loss_sum += loss.detach().double() * y.shape[0]
-        self.correct += (out.detach().argmax(1) == y).sum()
+        seen = self.sums.seen  # counted on the host by the caller, not baked into the graph
+        loss = self.step(x, y, self.sums)
+        self.sums.seen = seen
         self.loss.copy_(loss.detach())
-
-    def reset_sums(self, loss_sum: float = 0.0, correct: int = 0) -> None:
-        """Start an epoch's running sums (from a resumed epoch's partial sums if given)."""
-        self.loss_sum.fill_(loss_sum)
-        self.correct.fill_(correct)
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> None:
         if self.graph is not None and (x.shape != self._x.shape or y.shape != self._y.shape):
@@ -71,7 +59,7 @@ class GraphedStep:
             with torch.cuda.stream(self._side), warnings.catch_warnings():
                 # capturable=True is meant for the capture that follows these steps
                 warnings.filterwarnings("ignore", message=".*capturable=True.*")
-                self.optimizer.zero_grad(set_to_none=True)
+                self.step.optimizer.zero_grad(set_to_none=True)
                 self._body(x, y)
             current.wait_stream(self._side)
         else:
@@ -80,6 +68,7 @@ class GraphedStep:
             self._x.copy_(x)
             self._y.copy_(y)
             self.graph.replay()
+        self.sums.seen += y.shape[0]
         self.steps += 1
 
     def _capture(self, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -88,7 +77,7 @@ class GraphedStep:
         torch.cuda.current_stream(self.device).synchronize()
         # Gradients are allocated inside the graph's pool and rewritten (not accumulated) by
         # every replay's backward.
-        self.optimizer.zero_grad(set_to_none=True)
+        self.step.optimizer.zero_grad(set_to_none=True)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self._body(self._x, self._y)

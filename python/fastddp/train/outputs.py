@@ -1,0 +1,122 @@
+"""The files and displays of a run besides its checkpoints: config.json, metrics.csv,
+curves.png, TensorBoard events, the progress bar and the GPU monitor."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import fastddp
+
+from . import checkpoint
+from .setup import Context, log
+
+
+def write_config(save_dir: Path, args, ctx: Context, amp: bool, amp_dtype) -> None:
+    cfg = {k: v for k, v in vars(args).items()}
+    cfg.update(world_size=ctx.world, device=str(ctx.device), amp_resolved=amp,
+               amp_dtype_resolved=str(amp_dtype), torch=torch.__version__,
+               fastddp=fastddp.__version__, python=sys.version.split()[0])
+    checkpoint.write_file(json.dumps(cfg, indent=1, default=str).encode(), save_dir / "config.json")
+
+
+def metrics_csv(history: list[dict[str, Any]]) -> bytes:
+    """``history`` (one dict per epoch) as the bytes of ``metrics.csv``."""
+    out = io.StringIO(newline="")
+    w = csv.DictWriter(out, fieldnames=list(history[0]))
+    w.writeheader()
+    w.writerows(history)
+    return out.getvalue().encode()
+
+
+def plot_curves(save_dir: Path, history: list[dict[str, Any]]) -> bool:
+    """Draws loss, accuracy and macro-F1 per epoch into ``curves.png``; False when matplotlib
+    is not installed (nothing is drawn then)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    epochs = [r["epoch"] for r in history]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    axes[0].plot(epochs, [r["train_loss"] for r in history], label="train")
+    axes[0].plot(epochs, [r["val_loss"] for r in history], label="val")
+    axes[0].set_title("loss")
+    axes[1].plot(epochs, [r["train_acc"] for r in history], label="train")
+    axes[1].plot(epochs, [r["val_acc"] for r in history], label="val")
+    axes[1].set_title("accuracy")
+    axes[2].plot(epochs, [r["val_f1"] for r in history], label="val macro-F1")
+    axes[2].set_title("macro-F1")
+    for ax in axes:
+        ax.set_xlabel("epoch")
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(save_dir / "curves.png", dpi=100)
+    plt.close(fig)
+    return True
+
+
+def make_tensorboard(save_dir: Path, args, ctx: Context):
+    if not (args.tensorboard and ctx.is_main):
+        return None
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        log(ctx, "note: --tensorboard needs the tensorboard package (pip install tensorboard); "
+                 "continuing without it")
+        return None
+    return SummaryWriter(str(save_dir / "tensorboard"))
+
+
+def progress(loader, ctx: Context, args, epoch: int):
+    if args.no_progress or not ctx.is_main:
+        return loader
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return loader
+    return tqdm(loader, desc=f"epoch {epoch + 1}/{args.epochs}", leave=False, dynamic_ncols=True)
+
+
+class GpuMonitor:
+    """Per-GPU utilisation and memory, through NVML when installed, else torch's counters."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.samples: list[tuple[float, float]] = []
+        self._nvml = None
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._nvml = pynvml
+            self._handle = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
+        except Exception:
+            self._nvml = None
+
+    def sample(self) -> None:
+        if self._nvml is not None:
+            util = self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu
+            mem = self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used / 2**20
+        else:
+            util = float("nan")
+            mem = torch.cuda.memory_allocated(self.device) / 2**20
+        self.samples.append((float(util), float(mem)))
+
+    def summary(self) -> str:
+        peak = torch.cuda.max_memory_allocated(self.device) / 2**20
+        if not self.samples:
+            return f" | GPU peak allocated {peak:.0f} MiB"
+        utils = [u for u, _ in self.samples if not math.isnan(u)]
+        util = f"mean util {sum(utils) / len(utils):.0f}%, " if utils else ""
+        return f" | GPU {util}peak allocated {peak:.0f} MiB"

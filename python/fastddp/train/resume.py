@@ -1,0 +1,83 @@
+"""Which checkpoint ``--resume`` continues from."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from . import checkpoint
+from .errors import UsageError
+from .setup import Context, log
+
+
+def newness(state: dict[str, Any]) -> tuple[int, bool]:
+    """Orders a run's checkpoints: by optimizer step, an epoch's end after its mid-epoch save."""
+    return int(state.get("step", -1)), bool(state.get("epoch_done"))
+
+
+def find_resume_state(args: argparse.Namespace, ctx: Context,
+                      save_dir: Path) -> tuple[dict[str, Any] | None, Path | None, str]:
+    """The checkpoint ``--resume`` asks for: ``(state, file, note for the log)``, or ``None``s.
+
+    With ``auto`` rank 0 picks the newest checkpoint in ``save_dir`` that verifies and every
+    rank loads that file; checkpoint files of which none verifies stop the run (UsageError)
+    instead of starting over."""
+    if args.resume == "none":
+        return None, None, ""
+    if args.resume != "auto":
+        path = Path(args.resume)
+        try:
+            return checkpoint.load(path), path, ""
+        except checkpoint.CheckpointError as exc:
+            raise UsageError(str(exc)) from None
+    choice: list[Any] = [None, None, ""]  # path, error, note
+    if ctx.is_main:
+        try:
+            found = checkpoint.latest(save_dir / "last.pt", key=newness)
+        except checkpoint.CheckpointError as exc:
+            choice[1] = str(exc)
+        else:
+            if found is not None:
+                choice[0] = str(found.path)
+                if found.skipped or found.path.name != "last.pt":
+                    choice[2] = (" (the newest checkpoint that verifies"
+                                 + "".join(f"; passed over {s}" for s in found.skipped) + ")")
+            else:
+                choice[1], choice[2] = nothing_to_resume(save_dir)
+    if ctx.distributed:
+        dist.broadcast_object_list(choice, src=0)
+    path, error, note = choice
+    if error is not None:
+        raise UsageError(error)
+    if path is None:
+        if note:
+            log(ctx, f"note: {note}; starting from epoch 1")
+        return None, None, ""
+    try:
+        state = found.state if ctx.is_main else checkpoint.verify(path)
+    except checkpoint.CheckpointError as exc:
+        raise UsageError(str(exc)) from None
+    return state, Path(path), note
+
+
+
+
+def nothing_to_resume(save_dir: Path) -> tuple[str | None, str]:
+    """``(error, note)`` for a ``save_dir`` without a checkpoint that verifies. The results of
+    a run (metrics.csv, summary.json: written only after its last.pt) without its checkpoint
+    are an error, not something to overwrite; a best.pt or an unfinished first write (a crash
+    during the first epoch's saves) are named in a note."""
+    results = [n for n in ("metrics.csv", "summary.json") if (save_dir / n).exists()]
+    if results:
+        return (f"{save_dir} holds the results of a run ({', '.join(results)}) but no "
+                "checkpoint (last.pt) to continue it; start over with --resume none (which "
+                "overwrites them) or choose another --save-dir"), ""
+    left = [f.name for f in checkpoint.candidates(save_dir / "last.pt") if f.exists()]
+    left += ["best.pt"] if (save_dir / "best.pt").exists() else []
+    if left:
+        return None, (f"{save_dir} holds no complete checkpoint, only {', '.join(left)} from a "
+                      "run stopped during its first saves")
+    return None, ""

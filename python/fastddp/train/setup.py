@@ -1,0 +1,178 @@
+"""Setting a run up: the process group, the data, the seeds, the learning-rate schedule."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import random
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import fastddp
+
+from .._net import free_port
+from .errors import UsageError
+from .models import load_factory
+
+CLASSES = 6
+
+
+@dataclass
+class Context:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    distributed: bool = False
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def log(ctx: Context, msg: str) -> None:
+    if ctx.is_main:
+        print(msg, flush=True)
+
+
+# ----------------------------------------------------------------------------- set-up
+def setup_distributed(args: argparse.Namespace) -> Context:
+    ctx = Context()
+    if args.multi_gpu != "ddp":
+        if torch.cuda.is_available():
+            ctx.device = torch.device("cuda", args.gpu_list[0] if args.gpu_list else 0)
+        return ctx
+    ctx.rank = int(os.environ.get("RANK", "0"))
+    ctx.world = int(os.environ.get("WORLD_SIZE", "1"))
+    ctx.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = torch.cuda.is_available() and args.backend != "gloo"
+    backend = "nccl" if use_cuda else "gloo"
+    if args.backend == "nccl":
+        backend = "nccl"
+    if use_cuda:
+        gpu = args.gpu_list[ctx.local_rank] if args.gpu_list else ctx.local_rank
+        ctx.device = torch.device("cuda", gpu)
+        torch.cuda.set_device(ctx.device)
+    if "MASTER_ADDR" not in os.environ:  # `--multi-gpu ddp` run by plain python: a world of 1
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+    timeout = timedelta(seconds=args.timeout)
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is not None:
+        # Under torchrun the workers of every restart share the agent's store; without a
+        # per-restart prefix the restarted ranks can read the addresses the dead attempt's
+        # gloo ranks published and fail with "connectFullMesh ... Connection refused".
+        store, _, _ = next(dist.rendezvous("env://", rank=ctx.rank, world_size=ctx.world,
+                                           timeout=timeout))
+        dist.init_process_group(backend, store=dist.PrefixStore(f"fastddp/restart_{restart}", store),
+                                rank=ctx.rank, world_size=ctx.world, timeout=timeout)
+    else:
+        dist.init_process_group(backend, rank=ctx.rank, world_size=ctx.world, timeout=timeout)
+    ctx.distributed = True
+    return ctx
+
+
+
+
+def resolve_cuda_graph(args: argparse.Namespace, ctx: Context, model: nn.Module,
+                       scaler_on: bool) -> bool:
+    """Whether the training step runs as one CUDA graph (``--cuda-graph auto|on|off``)."""
+    if args.cuda_graph == "off":
+        return False
+    reasons = []
+    if ctx.device.type != "cuda":
+        reasons.append("it needs a CUDA device")
+    if isinstance(model, (fastddp.DDPWrapper, nn.DataParallel)):
+        reasons.append("it runs in a single process without --multi-gpu ddp/dp")
+    if not scaler_on:
+        reasons.append("it needs fp16 AMP (--amp --amp-dtype fp16: inf/NaN steps are then "
+                       "skipped on the device; without it non-finite losses are checked on the host)")
+    if args.grad_accum_steps != 1:
+        reasons.append("it needs --grad-accum-steps 1")
+    if reasons and args.cuda_graph == "on":
+        raise UsageError("--cuda-graph on: " + "; ".join(reasons) + ". Use --cuda-graph auto or off")
+    return not reasons
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:
+        pass
+
+
+def load_data(args: argparse.Namespace) -> tuple[Any, Any]:
+    """(train, test) datasets of (x: float32 N×9×128, y: int64) samples."""
+    if args.dataset:
+        try:
+            train, test = load_factory(args.dataset, "--dataset")()
+        except (TypeError, ValueError) as exc:
+            raise UsageError(f"--dataset {args.dataset}: must return (train, test) ({exc})") from exc
+        return train, test
+    from fastddp.data import har
+
+    if args.data_dir:
+        try:
+            data = har.load_uci_har(args.data_dir)
+        except (FileNotFoundError, ValueError) as exc:
+            raise UsageError(f"--data-dir {args.data_dir}: {exc}") from exc
+    else:
+        data = har.synthetic_har(seed=0)
+    return (TensorDataset(data.x_train, data.y_train), TensorDataset(data.x_test, data.y_test))
+
+
+class ShardSampler:
+    """Every ``world``-th index from ``rank``: each test sample is evaluated exactly once."""
+
+    def __init__(self, length: int, rank: int, world: int) -> None:
+        self._indices = torch.arange(rank, length, world, dtype=torch.int64)
+
+    def indices(self) -> torch.Tensor:
+        return self._indices
+
+    def __iter__(self):
+        return iter(self._indices.tolist())
+
+    def __len__(self) -> int:
+        return len(self._indices)
+
+
+def class_weights(train: Any, device: torch.device) -> torch.Tensor:
+    y = train.tensors[1] if hasattr(train, "tensors") else torch.tensor([int(s[1]) for s in train])
+    counts = torch.bincount(y.to(torch.int64), minlength=CLASSES).to(torch.float32).clamp_min(1)
+    return (counts.sum() / (CLASSES * counts)).to(device)
+
+
+def lr_lambda(total_steps: int, warmup_steps: int):
+    def f(step: int) -> float:
+        if warmup_steps > 0 and step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    return f
+
+
+def check_save_dir(save_dir: Path) -> None:
+    try:
+        save_dir.mkdir(parents=True, exist_ok=True)
+        probe = save_dir / ".write-test"
+        probe.write_bytes(b"0" * 4096)
+        probe.unlink()
+    except OSError as exc:
+        raise UsageError(f"--save-dir {save_dir}: cannot write there ({exc.strerror or exc}); "
+                         "choose a writable directory") from None
+
+

@@ -1,0 +1,104 @@
+"""What a checkpoint holds: :class:`TrainState`, saved and loaded as one object."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+# One rank's part of the state: its RNG streams and the running sums of an unfinished epoch.
+RankState = dict[str, Any]
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's module inside a DDPWrapper / DataParallel (or the module itself)."""
+    return getattr(model, "module", model)
+
+
+def model_signature(model: nn.Module) -> dict[str, list[int]]:
+    """Parameter and buffer shapes: a checkpoint of another model is refused by comparing them."""
+    return {k: list(v.shape) for k, v in unwrap(model).state_dict().items()}
+
+
+@dataclass
+class TrainState:
+    """Everything a run needs to continue exactly where it stopped; :meth:`state_dict` is the
+    checkpoint (``last.pt``), :meth:`load_state_dict` restores it.
+
+    ``epoch`` is the 0-based epoch the state belongs to; ``epoch_done`` says whether it ended
+    (a checkpoint written mid-epoch, every ``--save-interval`` steps, has it False, and the
+    loader position and ``ranks`` to continue it). ``step`` counts optimizer steps."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    scaler: Any
+    loader: Any
+    mode: str
+    world: int
+    epoch: int = 0
+    step: int = 0
+    epoch_done: bool = False
+    best_f1: float = -1.0
+    history: list[dict[str, Any]] = field(default_factory=list)
+    ranks: list[RankState] = field(default_factory=list)
+
+    @property
+    def start_epoch(self) -> int:
+        """The epoch to run next."""
+        return self.epoch + 1 if self.epoch_done else self.epoch
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "model": unwrap(self.model).state_dict(), "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
+            "loader": self.loader.state_dict(), "epoch": self.epoch, "step": self.step,
+            "epoch_done": self.epoch_done, "best_f1": self.best_f1, "history": self.history,
+            "rng": self.ranks, "world": self.world, "mode": self.mode,
+            "signature": model_signature(self.model),
+        }
+
+    def check_compatible(self, state: dict[str, Any], source: str) -> Optional[str]:
+        """Why ``state`` (from ``source``) cannot be loaded into this run, or None."""
+        if state.get("signature") != model_signature(self.model) or state.get("mode") != self.mode:
+            return (f"{source} was written for model {state.get('mode')!r} with other parameter "
+                    "shapes; use a different --save-dir or --resume none")
+        return None
+
+    def load_state_dict(self, state: dict[str, Any]) -> bool:
+        """Restore a checkpoint. Returns whether the run continues inside an unfinished epoch
+        (same world size, so the loader position and each rank's RNG streams carry over);
+        otherwise an interrupted epoch restarts from its beginning."""
+        unwrap(self.model).load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
+        self.epoch, self.step = state["epoch"], state["step"]
+        self.epoch_done = bool(state.get("epoch_done"))
+        self.best_f1, self.history = state["best_f1"], state["history"]
+        self.ranks = state.get("rng", [])
+        if self.epoch_done or state.get("world") != self.world:
+            return False
+        self.loader.set_epoch(self.epoch)
+        self.loader.load_state_dict(state["loader"])
+        return True
+
+
+def rank_state(device: torch.device, partial: tuple[float, int, int]) -> RankState:
+    """This rank's RNG streams and an unfinished epoch's (loss sum, correct, seen)."""
+    return {"cpu": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+            "partial": partial}
+
+
+def restore_rank_state(rank: RankState, device: torch.device) -> tuple[float, int, int]:
+    """Set this rank's RNG streams from a checkpoint; returns the epoch's partial sums."""
+    torch.set_rng_state(rank["cpu"])
+    if device.type == "cuda" and rank.get("cuda") is not None:
+        torch.cuda.set_rng_state(rank["cuda"], device)
+    return rank.get("partial", (0.0, 0, 0))
+
+
+__all__ = ["TrainState", "model_signature", "rank_state", "restore_rank_state", "unwrap"]

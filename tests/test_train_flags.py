@@ -1,0 +1,148 @@
+"""Every launcher flag that changes training, checked by its effect on a short run (2 epochs
+of 6 steps on 192 samples; one and two gloo ranks), not by its presence in ``--help``."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastddp.train import checkpoint
+from tests import trainer_runs
+
+BASE = [*trainer_runs.ARGS[:2], "--epochs", "2", *trainer_runs.ARGS[4:], "--resume", "none"]
+
+
+@pytest.fixture(scope="module")
+def data_path(tmp_path_factory) -> str:
+    return trainer_runs.write_data(tmp_path_factory.mktemp("data"))
+
+
+def _train(save: Path, data_path: str, extra: list[str], world: int = 1,
+           ok: bool = True) -> tuple[dict, str]:
+    codes, out = trainer_runs.run(save, data_path, extra, world=world, base=BASE)
+    if not ok:
+        return {}, out
+    assert codes == [0] * world, out
+    return checkpoint.verify(save / "last.pt"), out
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory, data_path) -> dict[int, dict]:
+    """Runs with the default flags, on one and on two ranks."""
+    runs = {}
+    for world in (1, 2):
+        runs[world], _ = _train(tmp_path_factory.mktemp(f"base{world}") / "run", data_path, [],
+                                world)
+    return runs
+
+
+def _weights_differ(a: dict, b: dict) -> float:
+    """The largest relative difference between the two checkpoints' parameters."""
+    worst = 0.0
+    for name, t in a["model"].items():
+        if t.is_floating_point():
+            worst = max(worst, float((t - b["model"][name]).abs().max() / b["model"][name].abs().max().clamp_min(1e-12)))
+    return worst
+
+
+@pytest.mark.parametrize("flag", [["--clip-grad", "0.05"], ["--seed", "7"], ["--weight-decay", "0.5"],
+                                  ["--lr", "0.003"], ["--amp"]],
+                         ids=lambda f: f[0])
+def test_flag_changes_the_trained_weights(tmp_path, data_path, baseline, flag) -> None:
+    got, out = _train(tmp_path / "run", data_path, flag)
+    assert _weights_differ(got, baseline[1]) > 1e-4, flag
+    if flag == ["--amp"]:  # on the CPU: bfloat16 autocast
+        assert "amp=bfloat16" in out
+        cfg = json.loads((tmp_path / "run" / "config.json").read_text())
+        assert cfg["amp_resolved"] is True and cfg["amp_dtype_resolved"] == "torch.bfloat16"
+
+
+def test_grad_accum_steps_halves_the_optimizer_steps(tmp_path, data_path, baseline) -> None:
+    got, out = _train(tmp_path / "run", data_path, ["--grad-accum-steps", "2"])
+    assert "batch=32x1x2=64" in out and "steps/epoch=3" in out, out
+    assert baseline[1]["step"] == 12 and got["step"] == 6
+    assert _weights_differ(got, baseline[1]) > 1e-4
+
+
+@pytest.mark.parametrize(("how", "factor"), [("linear", 2.0), ("sqrt", math.sqrt(2.0)), ("none", 1.0)])
+def test_scale_lr_multiplies_the_learning_rate(tmp_path, data_path, how, factor) -> None:
+    got, out = _train(tmp_path / "run", data_path,
+                      ["--grad-accum-steps", "2", "--scale-lr", how])
+    assert got["optimizer"]["param_groups"][0]["initial_lr"] == pytest.approx(1e-3 * factor)
+    assert f"lr={1e-3 * factor:g}" in out
+
+
+def test_warmup_epochs_shape_the_schedule(tmp_path, data_path) -> None:
+    rows = {}
+    for warmup in ("0", "1"):
+        _train(tmp_path / warmup, data_path, ["--warmup-epochs", warmup])
+        rows[warmup] = trainer_runs.metrics(tmp_path / warmup)
+    # 12 steps: linear warm-up over the first 6, then cosine decay to 0 at step 12
+    assert float(rows["1"][0]["lr"]) == pytest.approx(1e-3)
+    assert float(rows["0"][0]["lr"]) == pytest.approx(0.5e-3)
+    assert float(rows["0"][1]["lr"]) == float(rows["1"][1]["lr"]) == 0.0
+
+
+def test_class_weights_auto_weights_the_loss_by_inverse_frequency(tmp_path, data_path) -> None:
+    runs = {}
+    for weights in ("none", "auto"):
+        runs[weights], _ = _train(tmp_path / weights, data_path,
+                                  ["--dataset", "tiny_har:imbalanced", "--class-weights", weights])
+    assert _weights_differ(runs["auto"], runs["none"]) > 1e-4
+    loss = {w: float(trainer_runs.metrics(tmp_path / w)[0]["train_loss"]) for w in runs}
+    # half the samples are class 0: weighting them down raises the loss of the rare classes'
+    # share, so the first epoch's weighted mean loss differs from the plain one
+    assert abs(loss["auto"] - loss["none"]) > 1e-3, loss
+
+
+@pytest.mark.parametrize("mode", ["conv1d", "lstm"])
+def test_mode_selects_the_model(tmp_path, data_path, mode) -> None:
+    got, out = _train(tmp_path / "run", data_path, ["--mode", mode])
+    assert f"mode={mode}" in out and got["mode"] == mode
+    key = {"conv1d": "features.0.weight", "lstm": "lstm.weight_ih_l0"}[mode]
+    assert key in got["model"], sorted(got["model"])
+
+
+def test_tensorboard_writes_events_or_says_why_not(tmp_path, data_path) -> None:
+    _, out = _train(tmp_path / "run", data_path, ["--tensorboard", "--log-interval", "1"])
+    try:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    except ImportError:
+        assert "--tensorboard needs the tensorboard package (pip install tensorboard)" in out
+        assert not (tmp_path / "run" / "tensorboard").exists()
+        return
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    events.Reload()
+    assert len(events.Scalars("train/loss")) == 12  # --log-interval 1: every step
+    assert len(events.Scalars("val/f1")) == 2
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_comm_dtype_compresses_the_gradients(tmp_path, data_path, baseline, dtype) -> None:
+    got, _ = _train(tmp_path / "run", data_path, ["--comm-dtype", dtype], world=2)
+    assert _weights_differ(got, baseline[2]) > 0  # the gradients were rounded on the wire
+    loss = [row["train_loss"] for row in (got["history"][-1], baseline[2]["history"][-1])]
+    assert loss[0] == pytest.approx(loss[1], abs=0.05), loss  # and the training the same
+
+
+def test_sync_batchnorm_on_cpu_ranks_is_one_clear_error(tmp_path, data_path) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("checks the refusal on a machine without a GPU")
+    codes, out = trainer_runs.run(tmp_path / "run", data_path, ["--sync-batchnorm"], world=2,
+                                  base=BASE)
+    assert codes == [2, 2], out
+    assert out.strip() == ("fastddp.train: error: --sync-batchnorm needs CUDA GPUs (torch's "
+                           "SyncBatchNorm runs on GPUs only) and none is used here; drop the "
+                           "flag on CPU ranks")
+
+
+def test_find_unused_parameters(tmp_path, data_path) -> None:
+    flags = ["--model", "tiny_har:with_unused", "--epochs", "1"]
+    _, out = _train(tmp_path / "without", data_path, flags, world=2, ok=False)
+    assert "unused.weight" in out and "find_unused_parameters" in out, out[-3000:]
+    got, _ = _train(tmp_path / "with", data_path, [*flags, "--find-unused-parameters"], world=2)
+    assert got["step"] == 3
