@@ -61,6 +61,17 @@ def test_flag_changes_the_trained_weights(tmp_path, data_path, baseline, flag) -
         assert cfg["amp_resolved"] is True and cfg["amp_dtype_resolved"] == "torch.bfloat16"
 
 
+def test_amp_dtype_fp16_is_honoured_on_the_cpu(tmp_path, data_path, baseline) -> None:
+    """An explicit --amp-dtype fp16 on the CPU trains in float16 with the GradScaler; it is
+    not replaced by bfloat16 behind the user's back."""
+    got, out = _train(tmp_path / "run", data_path, ["--amp", "--amp-dtype", "fp16"])
+    assert "amp=float16" in out, out
+    cfg = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert cfg["amp_dtype_resolved"] == "torch.float16"
+    assert got.get("scaler"), "fp16 AMP saves the GradScaler's state"
+    assert _weights_differ(got, baseline[1]) > 1e-4
+
+
 def test_grad_accum_steps_halves_the_optimizer_steps(tmp_path, data_path, baseline) -> None:
     got, out = _train(tmp_path / "run", data_path, ["--grad-accum-steps", "2"])
     assert "batch=32x1x2=64" in out and "steps/epoch=3" in out, out

@@ -107,8 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="micro-batches per optimizer step (no_sync on all but the last)")
     g.add_argument("--amp", action=argparse.BooleanOptionalAction, default=None,
                    help="mixed precision (default: on with CUDA, off on CPU)")
-    g.add_argument("--amp-dtype", choices=["fp16", "bf16"], default="fp16",
-                   help="autocast dtype; fp16 uses fastddp.GradScaler")
+    g.add_argument("--amp-dtype", choices=["fp16", "bf16"], default=None,
+                   help="autocast dtype (default: fp16 with CUDA, bf16 on CPU); fp16 uses "
+                        "fastddp.GradScaler")
     g.add_argument("--cuda-graph", choices=["auto", "on", "off"], default="auto",
                    help="replay the whole training step as one CUDA graph (auto: on a GPU in a "
                         "single process with fp16 AMP and --grad-accum-steps 1)")

@@ -134,7 +134,9 @@ def build(args: argparse.Namespace, ctx: Context, save_dir: Path,
     initial weights (seeded identically on every rank)."""
     use_cuda = ctx.device.type == "cuda"
     amp = args.amp if args.amp is not None else use_cuda
-    amp_dtype = torch.bfloat16 if (args.amp_dtype == "bf16" or not use_cuda) else torch.float16
+    # An explicit --amp-dtype is honoured on every device; the default follows the device.
+    amp_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[
+        args.amp_dtype or ("fp16" if use_cuda else "bf16")]
     seed_everything(args.seed)  # identical initial weights on every rank
     model = wrap_model(args, ctx, build_model(args.mode, args.model).to(ctx.device))
     train_set, test_set = load_data(args)
