@@ -182,7 +182,8 @@ def _world1_step_times(name: str, device: str) -> dict:
             models[kind] = (m if kind == "bare" else
                             fastddp.DDPWrapper(m, device_ids=ids) if kind == "fastddp" else
                             TorchDDP(m, device_ids=ids))
-    assert models["fastddp"]._reducer.passthrough and not models["fastddp_buckets"]._reducer.passthrough
+    assert models["fastddp"].bucket_report()["passthrough"]
+    assert not models["fastddp_buckets"].bucket_report()["passthrough"]
     opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in models.items()}
     x = make_x().to(dev)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
