@@ -56,6 +56,47 @@ def _fail_on_rank_one(rank: int, world_size: int) -> None:
     dist.barrier()
 
 
+def _set_env_and_pid(rank: int, world_size: int) -> tuple[int, str | None]:
+    seen = os.environ.get("FASTDDP_TEST_POOL")
+    os.environ["FASTDDP_TEST_POOL"] = "set by an earlier case"
+    return os.getpid(), seen
+
+
+def _die_on_rank_zero(rank: int, world_size: int) -> None:
+    if rank == 0:
+        os._exit(7)
+    dist.barrier()
+
+
+def test_rank_pool_keeps_its_ranks_and_isolates_cases(ranks) -> None:
+    first = ranks.run(_set_env_and_pid, world_size=2)
+    second = ranks.run(_set_env_and_pid, world_size=2)
+    assert [pid for pid, _ in first] == [pid for pid, _ in second]  # the same processes
+    assert [seen for _, seen in second] == [None, None]  # the environment was restored
+    assert ranks.run(_sum_ranks, world_size=2, args=(2.0,)) == [2.0, 2.0]
+
+
+def test_rank_pool_names_the_failing_case_and_restarts(ranks) -> None:
+    before = ranks.run(_set_env_and_pid, world_size=2)
+    try:
+        ranks.run(_fail_on_rank_one, world_size=2, timeout=60)
+    except RankFailure as exc:
+        assert "test_rank_pool_names_the_failing_case_and_restarts" in str(exc)
+        assert "rank 1 of 2 failed" in str(exc) and "boom on rank one" in str(exc)
+    else:
+        raise AssertionError("a failing rank must fail the case")
+    try:
+        ranks.run(_die_on_rank_zero, world_size=2, timeout=60)
+    except RankFailure as exc:
+        assert "rank 0 of 2 failed" in str(exc) and "exit code 7" in str(exc), str(exc)
+    else:
+        raise AssertionError("a dead rank must fail the case")
+    # the next case runs in fresh ranks, undisturbed by the ones left in a barrier
+    after = ranks.run(_set_env_and_pid, world_size=2)
+    assert not {pid for pid, _ in before} & {pid for pid, _ in after}
+    assert ranks.run(_sum_ranks, world_size=2, args=(1.0,)) == [1.0, 1.0]
+
+
 def test_distributed_helper_returns_results() -> None:
     assert run_distributed(_sum_ranks, world_size=3, args=(2.0,)) == [6.0, 6.0, 6.0]
 
