@@ -176,48 +176,62 @@ def test_per_bucket_caps() -> None:
     assert assign_buckets(mixed, 2, caps_mb=[1, 2]) == [[2], [1], [0]]
 
 
-def _copies(rank: int, world_size: int) -> list[str]:
-    import copy
-    import io
-
+def _trained_conv_pair():
     os.environ["FASTDDP_SHM_ALLREDUCE"] = "1"
-    image = lambda g: torch.randn(4, 3, 6, 6, generator=g)  # noqa: E731
-    done = []
     ours, ref = make_pair(conv_bn, {})
-    train_both(ours, ref, image, steps=2)
-    # deepcopy (e.g. an EMA model of the wrapped model): the copy is a working wrapper, trained
-    # step for step like torch DDP's own deepcopy
+    train_both(ours, ref, _image, steps=2)
+    return ours, ref
+
+
+def _copy_deepcopy(rank: int, world_size: int) -> None:
+    """deepcopy (e.g. an EMA model of the wrapped model): the copy is a working wrapper, trained
+    step for step like torch DDP's own deepcopy; the original keeps working."""
+    import copy
+
+    ours, ref = _trained_conv_pair()
     ours_c, ref_c = copy.deepcopy(ours), copy.deepcopy(ref)
     assert isinstance(ours_c, fastddp.DDPWrapper) and ours_c.module is not ours.module
     assert ours.transport == "shm" and ours_c.transport == "c10d"  # no set-up collective for a copy
-    train_both(ours_c, ref_c, image, steps=2)
-    train_both(ours, ref, image, steps=1)  # the original keeps working
-    done.append("deepcopy")
-    # torch.save(model) / torch.load(weights_only=False): the same
+    train_both(ours_c, ref_c, _image, steps=2)
+    train_both(ours, ref, _image, steps=1)
+
+
+def _copy_pickle(rank: int, world_size: int) -> None:
+    """torch.save(model) / torch.load(weights_only=False): a working wrapper, as torch DDP's."""
+    import io
+
     blobs = []
-    for m in (ours, ref):
+    for m in _trained_conv_pair():
         buf = io.BytesIO()
         torch.save(m, buf)
         buf.seek(0)
         blobs.append(torch.load(buf, weights_only=False))
-    train_both(*blobs, image, steps=2)
-    done.append("pickle")
-    # a copy made on one rank only issues no collective (the other rank goes on to a barrier)
+    train_both(*blobs, _image, steps=2)
+
+
+def _copy_on_one_rank(rank: int, world_size: int) -> None:
+    """A copy made on one rank only issues no collective (the other rank goes on to a barrier)."""
+    import copy
+
+    ours, _ = _trained_conv_pair()
     if rank == 0:
         copy.deepcopy(ours).eval()
     dist.barrier()
-    done.append("one-rank copy")
-    # a wrapper on another process group cannot be pickled (as with torch DDP): one clear error
+
+
+def _copy_subgroup_refused(rank: int, world_size: int) -> None:
+    """A wrapper on another process group cannot be pickled (as with torch DDP): one clear error."""
+    import copy
+
     sub = fastddp.DDPWrapper(mlp(), process_group=dist.new_group(list(range(world_size))))
     with pytest.raises(RuntimeError, match="supported only for a wrapper on the default process group"):
         copy.deepcopy(sub)
-    done.append("subgroup refused")
-    return done
 
 
-def test_deepcopy_and_pickle_like_torch_ddp(ranks) -> None:
-    assert ranks.run(_copies, world_size=2, timeout=300) == [
-        ["deepcopy", "pickle", "one-rank copy", "subgroup refused"]] * 2
+@pytest.mark.parametrize("case", [_copy_deepcopy, _copy_pickle, _copy_on_one_rank, _copy_subgroup_refused],
+                         ids=lambda f: f.__name__[len("_copy_"):])
+def test_deepcopy_and_pickle_like_torch_ddp(ranks, case) -> None:
+    ranks.run(case, world_size=2)
 
 
 class _LocalHead(nn.Module):
@@ -263,13 +277,12 @@ def test_params_and_buffers_to_ignore_like_torch_ddp(ranks) -> None:
     assert ranks.run(_ignored, world_size=2) == [["ignored"]] * 2
 
 
-def _private_api(rank: int, world_size: int) -> list[str]:
+def _private_set_static_graph(rank: int, world_size: int) -> None:
+    """_set_static_graph() after construction: reentrant checkpointing reaches `shared` twice,
+    which only static_graph accepts."""
     from .ddp_common import SharedCheckpointed
 
     os.environ["FASTDDP_SHM_ALLREDUCE"] = "1"
-    done = []
-    # _set_static_graph() after construction: reentrant checkpointing reaches `shared` twice,
-    # which only static_graph accepts
     ours, ref = make_pair(SharedCheckpointed, {"bucket_cap_mb": 0.0005})
     for m in (ours, ref):
         m._set_static_graph()
@@ -281,28 +294,32 @@ def _private_api(rank: int, world_size: int) -> list[str]:
     late(torch.randn(2, 8)).sum().backward()
     with pytest.raises(RuntimeError, match="before the first backward"):
         late._set_static_graph()
-    done.append("_set_static_graph")
-    # _register_builtin_comm_hook(FP16_COMPRESS) is comm_dtype=torch.float16, as torch's C++ hook
+
+
+def _private_builtin_comm_hook(rank: int, world_size: int) -> None:
+    """_register_builtin_comm_hook(FP16_COMPRESS) is comm_dtype=torch.float16, as torch's C++ hook."""
+    os.environ["FASTDDP_SHM_ALLREDUCE"] = "1"
     ours, ref = make_pair(mlp, {})
     for m in (ours, ref):
         m._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)
     assert ours.comm_dtype == torch.float16
-    train_both(ours, ref, rand_vec, steps=2, tol={"rtol": 5e-3, "atol": 5e-4})  # fp16: 2**-11 per value
-    done.append("_register_builtin_comm_hook")
-    # the descriptive attributes code written for torch DDP reads
+    train_both(ours, ref, rand_vec, steps=2, tol={"rtol": 2**-10, "atol": 2**-20})  # as test_ddp_hooks.PARITY
+
+
+def _private_attributes(rank: int, world_size: int) -> None:
+    """The descriptive attributes code written for torch DDP reads."""
     for kwargs in ({}, {"bucket_cap_mb": 0.5}):
         ours, ref = make_pair(mlp, kwargs)
         for name in ("bucket_bytes_cap", "is_multi_device_module", "device_type", "device", "mixed_precision",
                      "require_backward_grad_sync", "static_graph", "find_unused_parameters", "dim",
                      "broadcast_buffers", "device_ids", "output_device"):
             assert getattr(ours, name) == getattr(ref, name), (name, getattr(ours, name), getattr(ref, name))
-    done.append("attributes")
-    return done
 
 
-def test_private_torch_ddp_api_used_by_libraries(ranks) -> None:
-    assert ranks.run(_private_api, world_size=2) == [
-        ["_set_static_graph", "_register_builtin_comm_hook", "attributes"]] * 2
+@pytest.mark.parametrize("case", [_private_set_static_graph, _private_builtin_comm_hook, _private_attributes],
+                         ids=lambda f: f.__name__[len("_private_"):])
+def test_private_torch_ddp_api_used_by_libraries(ranks, case) -> None:
+    ranks.run(case, world_size=2)
 
 
 def test_inputs_are_moved_like_torch_ddp_moves_them() -> None:
