@@ -172,6 +172,6 @@ def test_pip_install_without_torch_says_to_install_torch_first(tmp_path: Path) -
     proc = subprocess.run([str(python), "-m", "pip", "install", "--no-deps", "."], cwd=clone,
                           env=_build_env(clone), capture_output=True, text=True, timeout=800)
     assert proc.returncode != 0
-    text = proc.stdout + proc.stderr
+    text = " ".join((proc.stdout + proc.stderr).split())  # CMake wraps its messages
     assert "fastddp: torch is not installed for" in text, text[-5000:]
-    assert "install torch into this environment first" in text, text[-5000:]
+    assert "No module named 'torch'" in text and "install torch into this environment first" in text, text[-5000:]
