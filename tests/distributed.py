@@ -20,6 +20,7 @@ fixture of tests/conftest.py): ``ranks.run(fn, world_size=2, args=(3.0,))`` runs
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import tempfile
 import time
@@ -180,10 +181,12 @@ def _pool_worker(rank: int, world_size: int, init_file: str, backend: str, tasks
             os.environ.clear()
             os.environ.update(environ)
             gc.collect()  # wrappers of this case release their threads and segments now
-        try:
-            results.put(outcome)
-        except Exception:  # an unpicklable return value
-            results.put((case_id, rank, False, traceback.format_exc()))
+        try:  # the queue pickles in a feeder thread, where an error would be lost
+            pickle.dumps(outcome)
+        except Exception:
+            outcome = (case_id, rank, False, "the case's return value cannot be pickled:\n"
+                       + traceback.format_exc())
+        results.put(outcome)
     dist.destroy_process_group()
 
 
