@@ -1,5 +1,6 @@
 """Shared by tests/ and benchmarks/: the ``cuda`` marker auto-skips without a GPU, and
-``slow`` tests run only with ``--run-slow``."""
+``slow`` tests (the 10,000-step soaks) run only with ``--run-slow``, the one switch for them:
+``pytest tests --run-slow`` (CI passes it through scripts/test.sh)."""
 
 from __future__ import annotations
 

@@ -12,11 +12,15 @@ Each rank runs in a spawned process with the default process group initialised (
 rendezvous in a fresh temp dir), its return value comes back (it must be picklable). If a
 rank raises, the test fails with that rank's traceback; if a rank hangs or dies, the others
 are killed after ``timeout`` seconds and the test fails naming the rank.
+
+:class:`RankPool` keeps the ranks alive between cases (tests use it through the ``ranks``
+fixture of tests/conftest.py): ``ranks.run(fn, world_size=2, args=(3.0,))`` runs one case.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import tempfile
 import time
@@ -132,3 +136,171 @@ def run_distributed(
                     p.kill()
                     p.join()
     return [collected[r] for r in range(world_size)]
+
+
+# --------------------------------------------------------------------------------------------
+# A pool of ranks kept across test cases: the tests/conftest.py fixture ``ranks`` starts one
+# per world size per test module, so splitting a suite into one case per test function does
+# not pay the start-up (spawn, import torch, rendezvous) once per case.
+
+
+def _pool_worker(rank: int, world_size: int, init_file: str, backend: str, tasks: Any,
+                 results: Any) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import gc
+    import random
+
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size
+        )
+    except BaseException:
+        results.put((None, rank, False, traceback.format_exc()))
+        return
+    # What one case may change and the next must not see: environment variables (cases pick a
+    # transport through FASTDDP_* variables) and the global RNGs, restored to the state of a
+    # freshly started rank before every case.
+    environ = dict(os.environ)
+    torch_rng = torch.get_rng_state()
+    py_rng = random.getstate()
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        case_id, fn, args = task
+        torch.set_rng_state(torch_rng)
+        random.setstate(py_rng)
+        try:
+            outcome = (case_id, rank, True, fn(rank, world_size, *args))
+        except BaseException:  # report every failure, including SystemExit
+            outcome = (case_id, rank, False, traceback.format_exc())
+        finally:
+            os.environ.clear()
+            os.environ.update(environ)
+            gc.collect()  # wrappers of this case release their threads and segments now
+        try:  # the queue pickles in a feeder thread, where an error would be lost
+            pickle.dumps(outcome)
+        except Exception:
+            outcome = (case_id, rank, False, "the case's return value cannot be pickled:\n"
+                       + traceback.format_exc())
+        results.put(outcome)
+    dist.destroy_process_group()
+
+
+class RankPool:
+    """``world_size`` spawned gloo ranks that run one case after another.
+
+    ``run(fn, args)`` runs ``fn(rank, world_size, *args)`` on every rank and returns the
+    results in rank order. A case that fails on any rank, dies or times out raises
+    :class:`RankFailure` naming the case and the rank, and the pool is restarted before the
+    next case, so a rank left waiting in a collective cannot poison it.
+    """
+
+    def __init__(self, world_size: int, backend: str = "gloo") -> None:
+        self.world_size = world_size
+        self.backend = backend
+        self._procs: list = []
+        self._tasks: list = []
+        self._results: Any = None
+        self._tmp: tempfile.TemporaryDirectory | None = None
+        self._next_case = 0
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        self._tmp = tempfile.TemporaryDirectory(prefix="fastddp-pool-")
+        init_file = os.path.join(self._tmp.name, "rendezvous")
+        self._results = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(self.world_size)]
+        self._procs = [
+            ctx.Process(
+                target=_pool_worker,
+                args=(rank, self.world_size, init_file, self.backend, self._tasks[rank],
+                      self._results),
+                daemon=True,
+            )
+            for rank in range(self.world_size)
+        ]
+        for p in self._procs:
+            p.start()
+
+    def close(self, graceful: bool = True) -> None:
+        """Stop the ranks (asking them to leave first when ``graceful``)."""
+        if graceful:
+            for q in self._tasks:
+                q.put(None)
+        for p in self._procs:
+            p.join(timeout=10 if graceful else 0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        for q in [*self._tasks, self._results]:
+            if q is not None:
+                q.cancel_join_thread()
+                q.close()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+        self._procs, self._tasks, self._results, self._tmp = [], [], None, None
+
+    def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), timeout: float = 180.0,
+            name: str | None = None) -> list[Any]:
+        """Run one case on every rank; see the class docstring."""
+        name = name or getattr(fn, "__qualname__", repr(fn))
+        if not self._procs:
+            self._start()
+        self._next_case += 1
+        case_id = self._next_case
+        healthy = False
+        try:
+            for q in self._tasks:
+                q.put((case_id, fn, tuple(args)))
+            values = self._collect(case_id, name, timeout)
+            healthy = True
+            return values
+        finally:
+            if not healthy:  # a failure, a timeout or an interrupt: the next case starts afresh
+                self.close(graceful=False)
+
+    def _collect(self, case_id: int, name: str, timeout: float) -> list[Any]:
+        collected: dict[int, Any] = {}
+        failures: dict[int, str] = {}
+        deadline = time.monotonic() + timeout
+        grace: float | None = None  # once something went wrong: how long the others may report
+        while len(collected) + len(failures) < self.world_size:
+            now = time.monotonic()
+            if grace is not None and now > grace:
+                break
+            if now > deadline:
+                failures.update({r: f"did not finish within {timeout:.0f} s"
+                                 for r in self._missing(collected, failures)})
+                break
+            try:
+                got, rank, ok, value = self._results.get(timeout=0.5)
+            except queue.Empty:
+                if grace is None and any(self._procs[r].exitcode is not None
+                                         for r in self._missing(collected, failures)):
+                    grace = time.monotonic() + 2.0  # a dead rank's traceback may still arrive
+                continue
+            if got is not None and got != case_id:
+                continue  # a late answer to an earlier case (cannot happen after a restart)
+            if got is not None and ok:
+                collected[rank] = value
+                continue
+            failures[rank] = value  # got is None: the rank could not join the process group
+            if grace is None:
+                # the first failure may be a peer's lost connection: wait briefly for the root
+                # cause among the others
+                grace = time.monotonic() + 5.0
+        for r in self._missing(collected, failures):
+            code = self._procs[r].exitcode
+            if code is not None:
+                failures[r] = f"died (exit code {code}) without a result"
+        if failures:
+            raise RankFailure("\n".join(f"case {name}: rank {r} of {self.world_size} failed:\n{tb}"
+                                        for r, tb in sorted(failures.items())))
+        return [collected[r] for r in range(self.world_size)]
+
+    def _missing(self, collected: dict, failures: dict) -> list[int]:
+        return [r for r in range(self.world_size) if r not in collected and r not in failures]

@@ -17,45 +17,86 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import fastddp
 
-from .distributed import run_distributed
-from .test_ddp import _mlp, _train, _vec
+from .ddp_common import mlp, rand_vec, train_both
 
-# Relative rounding of one value: 2**-8 in bf16, 2**-11 in fp16 (as in test_ddp's comm_dtype cases).
-HOOKS = {"fp16": (default_hooks.fp16_compress_hook, torch.float16, {"rtol": 5e-3, "atol": 5e-4}),
-         "bf16": (default_hooks.bf16_compress_hook, torch.bfloat16, {"rtol": 2e-2, "atol": 2e-3}),
-         "allreduce": (default_hooks.allreduce_hook, None, {})}
+HOOKS = {"fp16": (default_hooks.fp16_compress_hook, torch.float16),
+         "bf16": (default_hooks.bf16_compress_hook, torch.bfloat16),
+         "allreduce": (default_hooks.allreduce_hook, None)}
+
+# torch's compression hook casts to the wire dtype and divides by the world size there;
+# DDPWrapper divides in fp32 and then casts. bf16 has fp32's exponent range and comes out bit
+# for bit torch's. fp16 does not: on this model a few gradient elements (under 1%) differ by up
+# to 2**-20, one fp16 step at the gradients' largest magnitude here (~1e-3), so fp16 is held to
+# that absolute bound and one fp16 rounding (2**-10) relative.
+EXACT = {"rtol": 0, "atol": 0}
+PARITY = {"fp16": ({"rtol": 2**-10, "atol": 2**-20}, 3), "bf16": (EXACT, 3), "allreduce": (EXACT, 3)}
 
 
-def _models(hook, comm_dtype_instead: bool = False):
+def _bf16_compress_hook(state, bucket):
+    """torch's bf16_compress_hook body (the same casts in the same order), for the torch
+    builds whose DDP refuses to register bf16_compress_hook itself without CUDA/NCCL."""
+    return default_hooks._compress_hook(torch.bfloat16, state, bucket)
+
+
+def torch_side_hook(hook: str):
+    """The hook to give torch DDP for ``hook``: torch's own, or, where this torch's DDP refuses
+    it on a CPU gloo group (CPU-only builds check bf16 support through CUDA/NCCL and raise
+    TypeError), the same arithmetic as a plain Python hook."""
+    probe = TorchDDP(mlp())
+    try:
+        probe.register_comm_hook(None, HOOKS[hook][0])
+    except TypeError:
+        if hook != "bf16":
+            raise
+        return _bf16_compress_hook
+    return HOOKS[hook][0]
+
+
+def _models(hook: str, comm_dtype_instead: bool = False):
     torch.manual_seed(1234)
-    a, b = _mlp(), _mlp()
+    a, b = mlp(), mlp()
     b.load_state_dict(a.state_dict())
     ours = fastddp.DDPWrapper(a, comm_dtype=HOOKS[hook][1] if comm_dtype_instead else None)
     if not comm_dtype_instead:
         ours.register_comm_hook(None, HOOKS[hook][0])
     ref = TorchDDP(b)
-    ref.register_comm_hook(None, HOOKS[hook][0])
+    ref.register_comm_hook(None, torch_side_hook(hook))
     return ours, ref
 
 
-def _hook_parity(rank: int, world_size: int, transport: str, hook: str) -> str:
+def _hook_parity(rank: int, world_size: int, transport: str, hook: str) -> None:
+    """The hook's arithmetic (cast to the wire dtype, divide by the world size there, sum,
+    cast back) is done the same way in the same order: the results are bit for bit torch's."""
     os.environ["FASTDDP_SHM_ALLREDUCE"] = "1" if transport == "shm" else "0"
     ours, ref = _models(hook)
     assert ours.comm_dtype == HOOKS[hook][1]
     assert ours.transport == transport
-    _train(ours, ref, _vec, steps=3, tol=HOOKS[hook][2])
-    # the hook is exactly the constructor's comm_dtype
+    tol, steps = PARITY[hook]
+    train_both(ours, ref, rand_vec, steps=steps, tol=tol)
+
+
+def _comm_dtype_is_the_hook(rank: int, world_size: int, transport: str, hook: str) -> None:
+    """comm_dtype=... in the constructor trains exactly as registering torch's hook does."""
+    os.environ["FASTDDP_SHM_ALLREDUCE"] = "1" if transport == "shm" else "0"
+    ours, ref = _models(hook)
     again, ref2 = _models(hook, comm_dtype_instead=True)
-    _train(again, ref2, _vec, steps=3, tol=HOOKS[hook][2])
+    tol, steps = PARITY[hook]
+    train_both(ours, ref, rand_vec, steps=steps, tol=tol)
+    train_both(again, ref2, rand_vec, steps=steps, tol=tol)
     for p, q in zip(ours.parameters(), again.parameters()):
         assert torch.equal(p, q)
-    return hook
 
 
 @pytest.mark.parametrize("transport", ["shm", "c10d"])
 @pytest.mark.parametrize("hook", list(HOOKS))
-def test_default_hooks_match_torch_ddp(hook: str, transport: str) -> None:
-    assert run_distributed(_hook_parity, world_size=2, args=(transport, hook)) == [hook, hook]
+def test_default_hooks_match_torch_ddp(ranks, hook: str, transport: str) -> None:
+    ranks.run(_hook_parity, world_size=2, args=(transport, hook))
+
+
+@pytest.mark.parametrize("transport", ["shm", "c10d"])
+@pytest.mark.parametrize("hook", ["fp16", "bf16"])
+def test_comm_dtype_trains_as_the_compression_hook(ranks, hook: str, transport: str) -> None:
+    ranks.run(_comm_dtype_is_the_hook, world_size=2, args=(transport, hook))
 
 
 def _mean_hook(state, bucket):  # unannotated: torch checks annotations by identity
@@ -111,7 +152,7 @@ PYTHON_HOOKS = {
 def _python_hook_parity(rank: int, world_size: int, hook: str, bucket_cap_mb: float) -> int:
     make_state, fn = PYTHON_HOOKS[hook]
     torch.manual_seed(1234)
-    a, b = _mlp(), _mlp()
+    a, b = mlp(), mlp()
     b.load_state_dict(a.state_dict())
     ours = fastddp.DDPWrapper(a, bucket_cap_mb=bucket_cap_mb)
     ref = TorchDDP(b, bucket_cap_mb=bucket_cap_mb)
@@ -122,7 +163,7 @@ def _python_hook_parity(rank: int, world_size: int, hook: str, bucket_cap_mb: fl
     # a hook replaces the shared-memory transport; a world of one still runs it
     assert ours.transport == "c10d" and ours.bucket_report()["comm_hook"] == "_recording.<locals>.hook"
     assert not ours.bucket_report()["passthrough"]
-    _train(ours, ref, _vec, steps=6)
+    train_both(ours, ref, rand_vec, steps=6)
     # Every step hands each bucket over once, in index order, is_last on the last one, and
     # every parameter's gradient once.
     shapes = sorted(tuple(p.shape) for p in a.parameters())
@@ -147,25 +188,25 @@ def _python_hook_parity(rank: int, world_size: int, hook: str, bucket_cap_mb: fl
                          [("mean", 2, 25), ("mean", 3, 0.001), ("halve", 1, 25), ("halve", 2, 0.001),
                           ("powersgd", 2, 25), ("powersgd", 3, 25), ("fp16_powersgd", 2, 25),
                           ("post_localsgd", 2, 0.001), ("post_localsgd", 3, 25)])
-def test_python_hooks_match_torch_ddp(hook: str, world_size: int, bucket_cap_mb: float) -> None:
-    calls = run_distributed(_python_hook_parity, world_size=world_size, args=(hook, bucket_cap_mb), timeout=240)
+def test_python_hooks_match_torch_ddp(ranks, hook: str, world_size: int, bucket_cap_mb: float) -> None:
+    calls = ranks.run(_python_hook_parity, world_size=world_size, args=(hook, bucket_cap_mb), timeout=240)
     assert len(set(calls)) == 1 and calls[0] >= 6
 
 
 def _python_hook_unused(rank: int, world_size: int) -> str:
     """A Python hook with find_unused_parameters (a branch used on some ranks and steps, a
     layer never used) and no_sync accumulation: the same as torch DDP with the same hook."""
-    from .test_ddp import BranchNet, _pair
+    from .ddp_common import BranchNet, make_pair
 
     os.environ["FASTDDP_SHM_ALLREDUCE"] = "1"
-    ours, ref = _pair(BranchNet, {"find_unused_parameters": True, "bucket_cap_mb": 0.001})
+    ours, ref = make_pair(BranchNet, {"find_unused_parameters": True, "bucket_cap_mb": 0.001})
     for m in (ours, ref):
         m.register_comm_hook(None, _mean_hook)
-    _train(ours, ref, _vec, steps=4, forward=lambda m, x, step: m(x, use_extra=(step + rank) % 2 == 0))
+    train_both(ours, ref, rand_vec, steps=4, forward=lambda m, x, step: m(x, use_extra=(step + rank) % 2 == 0))
     assert ours.module.never.weight.grad is None
     g = torch.Generator().manual_seed(rank)
     for micro in range(3):  # two micro-batches under no_sync, the third reduces the sum
-        x = _vec(g)
+        x = rand_vec(g)
         for m in (ours, ref):
             with m.no_sync() if micro < 2 else torch.enable_grad():
                 m(x, use_extra=micro == 0).pow(2).mean().backward()
@@ -176,26 +217,26 @@ def _python_hook_unused(rank: int, world_size: int) -> str:
     return "ok"
 
 
-def test_python_hook_with_unused_parameters_and_no_sync() -> None:
-    assert run_distributed(_python_hook_unused, world_size=2) == ["ok", "ok"]
+def test_python_hook_with_unused_parameters_and_no_sync(ranks) -> None:
+    assert ranks.run(_python_hook_unused, world_size=2) == ["ok", "ok"]
 
 
 def _python_hook_static(rank: int, world_size: int) -> str:
     """static_graph with reentrant checkpointing (the first iteration hands every bucket to
     the hook at the end of backward, later ones as the buckets fill): torch DDP's results."""
-    from .test_ddp import _pair, _SharedCheckpointed
+    from .ddp_common import SharedCheckpointed, make_pair
 
     os.environ["FASTDDP_SHM_ALLREDUCE"] = "1"
-    ours, ref = _pair(_SharedCheckpointed, {"static_graph": True, "bucket_cap_mb": 0.0005})
+    ours, ref = make_pair(SharedCheckpointed, {"static_graph": True, "bucket_cap_mb": 0.0005})
     for m in (ours, ref):
         m.register_comm_hook(None, _mean_hook)
-    _train(ours, ref, _vec, steps=4)
+    train_both(ours, ref, rand_vec, steps=4)
     assert ours.module.never.weight.grad is None
     return "ok"
 
 
-def test_python_hook_with_static_graph() -> None:
-    assert run_distributed(_python_hook_static, world_size=2) == ["ok", "ok"]
+def test_python_hook_with_static_graph(ranks) -> None:
+    assert ranks.run(_python_hook_static, world_size=2) == ["ok", "ok"]
 
 
 def _bad_size_hook(state, bucket):
@@ -208,64 +249,95 @@ def _raising_hook(state, bucket):
     raise ValueError("boom from the hook")
 
 
-def _errors(rank: int, world_size: int) -> list[str]:
-    msgs = []
+# The misuses whose exception type is not torch DDP's contract: any of these, with the message.
+_ERRORS = (NotImplementedError, RuntimeError, ValueError, TypeError)
 
-    def attempt(fn) -> None:
-        try:
-            fn()
-        except (NotImplementedError, RuntimeError, ValueError, TypeError) as exc:
-            msgs.append(f"{type(exc).__name__}: {exc}")
-        else:
-            msgs.append("no error")
 
-    model = fastddp.DDPWrapper(_mlp())
-    state = powerSGD_hook.PowerSGDState(process_group=None)
-    attempt(lambda: model.register_comm_hook(state, powerSGD_hook.powerSGD_hook))
-    attempt(lambda: model.register_comm_hook(None, default_hooks.bf16_compress_hook))  # twice
-    late = fastddp.DDPWrapper(_mlp())
+def _hooked(hook, **kwargs) -> fastddp.DDPWrapper:
+    model = fastddp.DDPWrapper(mlp(), **kwargs)
+    model.register_comm_hook(None, hook)
+    return model
+
+
+def _misuse_powersgd_runs(rank: int, world_size: int) -> None:
+    """PowerSGD runs through the Python hook path (not a misuse: no error)."""
+    model = fastddp.DDPWrapper(mlp())
+    model.register_comm_hook(powerSGD_hook.PowerSGDState(process_group=None), powerSGD_hook.powerSGD_hook)
+    model(torch.randn(2, 8)).sum().backward()
+
+
+def _misuse_twice(rank: int, world_size: int) -> None:
+    model = _hooked(default_hooks.fp16_compress_hook)
+    with pytest.raises(RuntimeError, match=r"^DDPWrapper\.register_comm_hook can only be called once"):
+        model.register_comm_hook(None, default_hooks.allreduce_hook)
+
+
+def _misuse_after_backward(rank: int, world_size: int) -> None:
+    late = fastddp.DDPWrapper(mlp())
     late(torch.randn(2, 8)).sum().backward()
-    attempt(lambda: late.register_comm_hook(None, default_hooks.fp16_compress_hook))
-    both = fastddp.DDPWrapper(_mlp(), comm_dtype=torch.bfloat16)
-    attempt(lambda: both.register_comm_hook(None, default_hooks.fp16_compress_hook))
-    other = fastddp.DDPWrapper(_mlp())
-    attempt(lambda: other.register_comm_hook(object(),
-                                             default_hooks.allreduce_hook))
-    attempt(lambda: fastddp.DDPWrapper(_mlp()).register_comm_hook(None, "not a hook"))
-    attempt(lambda: fastddp.DDPWrapper(_mlp()).register_comm_hook(None, lambda bucket: bucket))
-    attempt(lambda: fastddp.DDPWrapper(_mlp(), comm_dtype=torch.bfloat16).register_comm_hook(None, _mean_hook))
-    # a hook whose Future holds the wrong size, and a hook that raises: named in backward
-    for bad in (_bad_size_hook, _raising_hook):
-        m = fastddp.DDPWrapper(_mlp())
-        m.register_comm_hook(None, bad)
-        attempt(lambda m=m: m(torch.randn(2, 8)).sum().backward())
-    return msgs
+    with pytest.raises(_ERRORS, match="before the first backward"):
+        late.register_comm_hook(None, default_hooks.fp16_compress_hook)
 
 
-def test_misused_hooks_are_clear_errors() -> None:
-    msgs = run_distributed(_errors, world_size=1)[0]
-    assert msgs[0] == "no error"  # PowerSGD runs through the Python hook path
-    assert msgs[1].startswith("RuntimeError: DDPWrapper.register_comm_hook can only be called once"), msgs[1]
-    assert "before the first backward" in msgs[2], msgs[2]
-    assert "conflicts with comm_dtype=torch.bfloat16" in msgs[3], msgs[3]
-    assert "state must be None or this wrapper's process group" in msgs[4], msgs[4]
-    assert msgs[5].startswith("TypeError: DDPWrapper.register_comm_hook: the hook must be callable"), msgs[5]
-    assert msgs[6].startswith("TypeError: DDPWrapper.register_comm_hook: ") and \
-        "<lambda> must take two arguments, (state, bucket)" in msgs[6], msgs[6]
-    assert "cannot be combined with comm_dtype=torch.bfloat16" in msgs[7], msgs[7]
-    assert "communication hook's Future for bucket 0 holds 1 elements" in msgs[8], msgs[8]
-    assert "boom from the hook" in msgs[9], msgs[9]
+def _misuse_conflicting_comm_dtype(rank: int, world_size: int) -> None:
+    both = fastddp.DDPWrapper(mlp(), comm_dtype=torch.bfloat16)
+    with pytest.raises(_ERRORS, match=r"conflicts with comm_dtype=torch\.bfloat16"):
+        both.register_comm_hook(None, default_hooks.fp16_compress_hook)
+
+
+def _misuse_foreign_state(rank: int, world_size: int) -> None:
+    other = fastddp.DDPWrapper(mlp())
+    with pytest.raises(_ERRORS, match="state must be None or this wrapper's process group"):
+        other.register_comm_hook(object(), default_hooks.allreduce_hook)
+
+
+def _misuse_not_callable(rank: int, world_size: int) -> None:
+    with pytest.raises(TypeError, match=r"^DDPWrapper\.register_comm_hook: the hook must be callable"):
+        fastddp.DDPWrapper(mlp()).register_comm_hook(None, "not a hook")
+
+
+def _misuse_wrong_arity(rank: int, world_size: int) -> None:
+    with pytest.raises(TypeError, match=r"^DDPWrapper\.register_comm_hook: .*<lambda> must take two "
+                       r"arguments, \(state, bucket\)"):
+        fastddp.DDPWrapper(mlp()).register_comm_hook(None, lambda bucket: bucket)
+
+
+def _misuse_python_hook_with_comm_dtype(rank: int, world_size: int) -> None:
+    model = fastddp.DDPWrapper(mlp(), comm_dtype=torch.bfloat16)
+    with pytest.raises(_ERRORS, match=r"cannot be combined with comm_dtype=torch\.bfloat16"):
+        model.register_comm_hook(None, _mean_hook)
+
+
+def _misuse_wrong_size_future(rank: int, world_size: int) -> None:
+    """A hook whose Future holds the wrong size: named in backward."""
+    model = _hooked(_bad_size_hook)
+    with pytest.raises(_ERRORS, match="communication hook's Future for bucket 0 holds 1 elements"):
+        model(torch.randn(2, 8)).sum().backward()
+
+
+def _misuse_raising_hook(rank: int, world_size: int) -> None:
+    model = _hooked(_raising_hook)
+    with pytest.raises(_ERRORS, match="boom from the hook"):
+        model(torch.randn(2, 8)).sum().backward()
+
+
+@pytest.mark.parametrize("case", [
+    _misuse_powersgd_runs, _misuse_twice, _misuse_after_backward, _misuse_conflicting_comm_dtype,
+    _misuse_foreign_state, _misuse_not_callable, _misuse_wrong_arity, _misuse_python_hook_with_comm_dtype,
+    _misuse_wrong_size_future, _misuse_raising_hook], ids=lambda f: f.__name__[len("_misuse_"):])
+def test_misused_hooks_are_clear_errors(ranks, case) -> None:
+    ranks.run(case, world_size=1)
 
 
 @pytest.mark.cuda
 def test_nccl_world_one_python_hook() -> None:
     """A Python hook on CUDA buckets (NCCL, one rank): its Future is a CUDA future that the
     end of backward waits on; same results as torch DDP with the same hook."""
-    from .test_ddp import _nccl_world_one
+    from .ddp_common import nccl_world_one
 
-    with _nccl_world_one():
+    with nccl_world_one():
         torch.manual_seed(0)
-        a, b = _mlp().cuda(), _mlp().cuda()
+        a, b = mlp().cuda(), mlp().cuda()
         b.load_state_dict(a.state_dict())
         ours = fastddp.DDPWrapper(a, device_ids=[0], bucket_cap_mb=0.001)
         ref = TorchDDP(b, device_ids=[0], bucket_cap_mb=0.001)

@@ -16,8 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 import fastddp
 from fastddp.ddp import assign_buckets
 
-from .distributed import run_distributed
-from .test_ddp import _conv_bn, _mlp, _pair, _train, _vec
+from .ddp_common import conv_bn, make_pair, mlp, rand_vec, train_both
 
 _TORCH_KWARGS = set(inspect.signature(TorchDDP.__init__).parameters)
 
@@ -31,7 +30,7 @@ def _gathered(t: torch.Tensor) -> list[torch.Tensor]:
 def _conv_bn_apart() -> tuple[nn.Module, nn.Module]:
     """Two equal conv+BatchNorm models whose BatchNorm statistics differ between ranks."""
     torch.manual_seed(7)
-    a, b = _conv_bn(), _conv_bn()
+    a, b = conv_bn(), conv_bn()
     b.load_state_dict(a.state_dict())
     with torch.no_grad():
         for m in (a, b):
@@ -41,27 +40,25 @@ def _conv_bn_apart() -> tuple[nn.Module, nn.Module]:
     return a, b
 
 
-def _options(rank: int, world_size: int) -> list[str]:
-    os.environ["FASTDDP_SHM_ALLREDUCE"] = "1"
-    done = []
-    image = lambda g: torch.randn(4, 3, 6, 6, generator=g)  # noqa: E731
-
-    # init_sync=False: nothing is verified or broadcast; ranks keep their own start weights
-    ours, ref = _pair(_mlp, {"init_sync": False})
+def _opt_init_sync_false(rank: int, world_size: int) -> None:
+    """init_sync=False: nothing is verified or broadcast; ranks keep their own start weights."""
+    ours, ref = make_pair(mlp, {"init_sync": False})
     first = _gathered(ours.module[0].weight)
-    assert not torch.equal(first[0], first[1])  # _pair offsets each rank's weights
-    _train(ours, ref, _vec)
-    done.append("init_sync=False")
+    assert not torch.equal(first[0], first[1])  # make_pair offsets each rank's weights
+    train_both(ours, ref, rand_vec)
 
-    # broadcast_buffers=False: buffers are neither synced at construction nor per forward
+
+def _opt_broadcast_buffers_false(rank: int, world_size: int) -> None:
+    """broadcast_buffers=False: buffers are neither synced at construction nor per forward."""
     a, b = _conv_bn_apart()
     ours = fastddp.DDPWrapper(a, broadcast_buffers=False)
     ref = TorchDDP(b, broadcast_buffers=False)
     assert not torch.equal(*_gathered(ours.module[1].running_mean)[:2])
-    _train(ours, ref, image)
-    done.append("broadcast_buffers=False")
+    train_both(ours, ref, _image)
 
-    # forward_sync_buffers=False (torch 2.13+): synced once at construction, then rank-local
+
+def _opt_forward_sync_buffers_false(rank: int, world_size: int) -> None:
+    """forward_sync_buffers=False (torch 2.13+): synced once at construction, then rank-local."""
     a, b = _conv_bn_apart()
     ours = fastddp.DDPWrapper(a, forward_sync_buffers=False)
     assert ours.broadcast_buffers is False and ours.forward_sync_buffers is False
@@ -73,79 +70,100 @@ def _options(rank: int, world_size: int) -> list[str]:
         for buf in b.buffers():
             dist.broadcast(buf, src=0)
         ref = TorchDDP(b, broadcast_buffers=False)
-    _train(ours, ref, image)
-    done.append("forward_sync_buffers=False")
+    train_both(ours, ref, _image)
 
-    # a 1-D device mesh instead of a process group
+
+def _opt_device_mesh(rank: int, world_size: int) -> None:
+    """A 1-D device mesh instead of a process group."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world_size,))
-    ours, ref = _pair(_mlp, {"device_mesh": mesh})
+    ours, ref = make_pair(mlp, {"device_mesh": mesh})
     assert ours.process_group is mesh.get_group(0) and ours.device_mesh is mesh
-    _train(ours, ref, _vec)
+    train_both(ours, ref, rand_vec)
     with pytest.raises(ValueError, match="cannot specify both process_group and device_mesh"):
-        fastddp.DDPWrapper(_mlp(), process_group=dist.group.WORLD, device_mesh=mesh)
-    done.append("device_mesh")
+        fastddp.DDPWrapper(mlp(), process_group=dist.group.WORLD, device_mesh=mesh)
 
-    # per-bucket caps (torch 2.14's bucket_cap_mb_list): the buckets follow the list
+
+def _opt_bucket_cap_mb_list(rank: int, world_size: int) -> None:
+    """Per-bucket caps (torch 2.14's bucket_cap_mb_list): the buckets follow the list."""
     caps = [0.0005, 0.001]
     kwargs = {"bucket_cap_mb_list": caps} if "bucket_cap_mb_list" in _TORCH_KWARGS else {}
-    ours, ref = _pair(_mlp, kwargs, {"bucket_cap_mb_list": caps})
+    ours, ref = make_pair(mlp, kwargs, {"bucket_cap_mb_list": caps})
     expected = assign_buckets(list(ours.module.parameters()), max(caps), caps_mb=caps)
-    assert [list(b) for b in ours._reducer.bucket_indices()] == expected
-    _train(ours, ref, _vec)
-    done.append("bucket_cap_mb_list")
+    names = dict(enumerate(n for n, _ in ours.module.named_parameters()))
+    assert [b["params"] for b in ours.bucket_report()["buckets"]] == [[names[i] for i in b] for b in expected]
+    train_both(ours, ref, rand_vec)
 
-    # batched_grad_copy=True: one multi-tensor copy per bucket (also on the CPU)
+
+def _opt_batched_grad_copy(rank: int, world_size: int) -> None:
+    """batched_grad_copy=True: one multi-tensor copy per bucket (also on the CPU)."""
     kwargs = {"batched_grad_copy": True} if "batched_grad_copy" in _TORCH_KWARGS else {}
-    ours, ref = _pair(_mlp, {**kwargs, "bucket_cap_mb": 0.001}, {"batched_grad_copy": True})
+    ours, ref = make_pair(mlp, {**kwargs, "bucket_cap_mb": 0.001}, {"batched_grad_copy": True})
     assert ours.bucket_report()["batch_copies"] is True
-    _train(ours, ref, _vec)
-    done.append("batched_grad_copy")
-    return done
+    train_both(ours, ref, rand_vec)
 
 
-def test_newer_constructor_options_match_torch_ddp() -> None:
-    assert run_distributed(_options, world_size=2, timeout=300) == [
-        ["init_sync=False", "broadcast_buffers=False", "forward_sync_buffers=False", "device_mesh",
-         "bucket_cap_mb_list", "batched_grad_copy"]] * 2
+@pytest.mark.parametrize("case", [_opt_init_sync_false, _opt_broadcast_buffers_false,
+                                  _opt_forward_sync_buffers_false, _opt_device_mesh, _opt_bucket_cap_mb_list,
+                                  _opt_batched_grad_copy], ids=lambda f: f.__name__[len("_opt_"):])
+def test_newer_constructor_options_match_torch_ddp(ranks, case) -> None:
+    ranks.run(_with_shm, world_size=2, args=(case,))
 
 
-def _refused(rank: int, world_size: int) -> list[str]:
-    seen = []
+def _with_shm(rank: int, world_size: int, case) -> None:
+    os.environ["FASTDDP_SHM_ALLREDUCE"] = "1"
+    case(rank, world_size)
+
+
+def _image(g: torch.Generator) -> torch.Tensor:
+    return torch.randn(4, 3, 6, 6, generator=g)
+
+
+REFUSED_OPTIONS = {
+    "delay_all_reduce_named_params": lambda lin: {"delay_all_reduce_named_params": list(lin.named_parameters())},
+    "param_to_hook_all_reduce": lambda lin: {"param_to_hook_all_reduce": lin.weight},
+    "mixed_precision": lambda lin: {"mixed_precision": object()},
+    "skip_all_reduce_unused_params": lambda lin: {"skip_all_reduce_unused_params": True},
+}
+
+
+def _refused_option(rank: int, world_size: int, name: str) -> None:
     lin = nn.Linear(4, 4)
-    cases = {
-        "delay_all_reduce_named_params": {"delay_all_reduce_named_params": list(lin.named_parameters())},
-        "param_to_hook_all_reduce": {"param_to_hook_all_reduce": lin.weight},
-        "mixed_precision": {"mixed_precision": object()},
-        "skip_all_reduce_unused_params": {"skip_all_reduce_unused_params": True},
-    }
-    for name, kwargs in cases.items():
-        with pytest.raises(NotImplementedError, match=name.split("_params")[0]) as info:
-            fastddp.DDPWrapper(lin, **kwargs)
-        assert "DDPWrapper" in str(info.value)
-        seen.append(name)
+    with pytest.raises(NotImplementedError, match=name.split("_params")[0]) as info:
+        fastddp.DDPWrapper(lin, **REFUSED_OPTIONS[name](lin))
+    assert "DDPWrapper" in str(info.value)
+
+
+@pytest.mark.parametrize("name", list(REFUSED_OPTIONS))
+def test_unimplemented_options_are_refused_by_name(ranks, name: str) -> None:
+    ranks.run(_refused_option, world_size=1, args=(name,))
+
+
+def _refused_2d_mesh(rank: int, world_size: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     with pytest.raises(ValueError, match="only a 1-D device_mesh"):
-        fastddp.DDPWrapper(lin, device_mesh=init_device_mesh("cpu", (1, 1), mesh_dim_names=("a", "b")))
-    seen.append("2-D mesh")
+        fastddp.DDPWrapper(nn.Linear(4, 4), device_mesh=init_device_mesh("cpu", (1, 1), mesh_dim_names=("a", "b")))
+
+
+def _refused_bad_caps(rank: int, world_size: int) -> None:
     with pytest.raises(ValueError, match="bucket_cap_mb_list entry must be > 0"):
-        fastddp.DDPWrapper(lin, bucket_cap_mb_list=[1, 0])
-    seen.append("bad caps")
+        fastddp.DDPWrapper(nn.Linear(4, 4), bucket_cap_mb_list=[1, 0])
+
+
+def _refused_lazy(rank: int, world_size: int) -> None:
     lazy = nn.Sequential(nn.LazyLinear(4), nn.ReLU(), nn.Linear(4, 2))
     with pytest.raises(RuntimeError, match=r"parameter '0\.weight' is not initialised yet.*run one forward pass"):
         fastddp.DDPWrapper(lazy)
     lazy(torch.randn(2, 3))  # initialised: now it wraps
     fastddp.DDPWrapper(lazy)
-    seen.append("lazy")
-    return seen
 
 
-def test_unsupported_options_are_refused_clearly() -> None:
-    assert run_distributed(_refused, world_size=1) == [
-        ["delay_all_reduce_named_params", "param_to_hook_all_reduce", "mixed_precision",
-         "skip_all_reduce_unused_params", "2-D mesh", "bad caps", "lazy"]]
+@pytest.mark.parametrize("case", [_refused_2d_mesh, _refused_bad_caps, _refused_lazy],
+                         ids=lambda f: f.__name__[len("_refused_"):])
+def test_invalid_arguments_are_refused_clearly(ranks, case) -> None:
+    ranks.run(case, world_size=1)
 
 
 def test_per_bucket_caps() -> None:
@@ -158,48 +176,62 @@ def test_per_bucket_caps() -> None:
     assert assign_buckets(mixed, 2, caps_mb=[1, 2]) == [[2], [1], [0]]
 
 
-def _copies(rank: int, world_size: int) -> list[str]:
-    import copy
-    import io
-
+def _trained_conv_pair():
     os.environ["FASTDDP_SHM_ALLREDUCE"] = "1"
-    image = lambda g: torch.randn(4, 3, 6, 6, generator=g)  # noqa: E731
-    done = []
-    ours, ref = _pair(_conv_bn, {})
-    _train(ours, ref, image, steps=2)
-    # deepcopy (e.g. an EMA model of the wrapped model): the copy is a working wrapper, trained
-    # step for step like torch DDP's own deepcopy
+    ours, ref = make_pair(conv_bn, {})
+    train_both(ours, ref, _image, steps=2)
+    return ours, ref
+
+
+def _copy_deepcopy(rank: int, world_size: int) -> None:
+    """deepcopy (e.g. an EMA model of the wrapped model): the copy is a working wrapper, trained
+    step for step like torch DDP's own deepcopy; the original keeps working."""
+    import copy
+
+    ours, ref = _trained_conv_pair()
     ours_c, ref_c = copy.deepcopy(ours), copy.deepcopy(ref)
     assert isinstance(ours_c, fastddp.DDPWrapper) and ours_c.module is not ours.module
     assert ours.transport == "shm" and ours_c.transport == "c10d"  # no set-up collective for a copy
-    _train(ours_c, ref_c, image, steps=2)
-    _train(ours, ref, image, steps=1)  # the original keeps working
-    done.append("deepcopy")
-    # torch.save(model) / torch.load(weights_only=False): the same
+    train_both(ours_c, ref_c, _image, steps=2)
+    train_both(ours, ref, _image, steps=1)
+
+
+def _copy_pickle(rank: int, world_size: int) -> None:
+    """torch.save(model) / torch.load(weights_only=False): a working wrapper, as torch DDP's."""
+    import io
+
     blobs = []
-    for m in (ours, ref):
+    for m in _trained_conv_pair():
         buf = io.BytesIO()
         torch.save(m, buf)
         buf.seek(0)
         blobs.append(torch.load(buf, weights_only=False))
-    _train(*blobs, image, steps=2)
-    done.append("pickle")
-    # a copy made on one rank only issues no collective (the other rank goes on to a barrier)
+    train_both(*blobs, _image, steps=2)
+
+
+def _copy_on_one_rank(rank: int, world_size: int) -> None:
+    """A copy made on one rank only issues no collective (the other rank goes on to a barrier)."""
+    import copy
+
+    ours, _ = _trained_conv_pair()
     if rank == 0:
         copy.deepcopy(ours).eval()
     dist.barrier()
-    done.append("one-rank copy")
-    # a wrapper on another process group cannot be pickled (as with torch DDP): one clear error
-    sub = fastddp.DDPWrapper(_mlp(), process_group=dist.new_group(list(range(world_size))))
+
+
+def _copy_subgroup_refused(rank: int, world_size: int) -> None:
+    """A wrapper on another process group cannot be pickled (as with torch DDP): one clear error."""
+    import copy
+
+    sub = fastddp.DDPWrapper(mlp(), process_group=dist.new_group(list(range(world_size))))
     with pytest.raises(RuntimeError, match="supported only for a wrapper on the default process group"):
         copy.deepcopy(sub)
-    done.append("subgroup refused")
-    return done
 
 
-def test_deepcopy_and_pickle_like_torch_ddp() -> None:
-    assert run_distributed(_copies, world_size=2, timeout=300) == [
-        ["deepcopy", "pickle", "one-rank copy", "subgroup refused"]] * 2
+@pytest.mark.parametrize("case", [_copy_deepcopy, _copy_pickle, _copy_on_one_rank, _copy_subgroup_refused],
+                         ids=lambda f: f.__name__[len("_copy_"):])
+def test_deepcopy_and_pickle_like_torch_ddp(ranks, case) -> None:
+    ranks.run(case, world_size=2)
 
 
 class _LocalHead(nn.Module):
@@ -228,9 +260,9 @@ def _ignored(rank: int, world_size: int) -> list[str]:
     TorchDDP._set_params_and_buffers_to_ignore_for_model(b, ignore)
     ours, ref = fastddp.DDPWrapper(a), TorchDDP(b)
     assert ours.will_sync_module_buffers() == ref.will_sync_module_buffers() is True
-    reduced = {n for indices in ours._reducer.bucket_indices() for n in (ours._param_names[i] for i in indices)}
+    reduced = {n for b in ours.bucket_report()["buckets"] for n in b["params"]}
     assert reduced == {n for n, _ in a.named_parameters()} - set(ignore)
-    _train(ours, ref, _vec, steps=3)  # every parameter, gradient and buffer equals torch's
+    train_both(ours, ref, rand_vec, steps=3)  # every parameter, gradient and buffer equals torch's
     ours.eval()
     with torch.no_grad():  # broadcasts the synced buffers; eval mode leaves them as they are
         ours(torch.randn(2, 8))
@@ -241,50 +273,53 @@ def _ignored(rank: int, world_size: int) -> list[str]:
     return ["ignored"]
 
 
-def test_params_and_buffers_to_ignore_like_torch_ddp() -> None:
-    assert run_distributed(_ignored, world_size=2) == [["ignored"]] * 2
+def test_params_and_buffers_to_ignore_like_torch_ddp(ranks) -> None:
+    assert ranks.run(_ignored, world_size=2) == [["ignored"]] * 2
 
 
-def _private_api(rank: int, world_size: int) -> list[str]:
-    from .test_ddp import _SharedCheckpointed
+def _private_set_static_graph(rank: int, world_size: int) -> None:
+    """_set_static_graph() after construction: reentrant checkpointing reaches `shared` twice,
+    which only static_graph accepts."""
+    from .ddp_common import SharedCheckpointed
 
     os.environ["FASTDDP_SHM_ALLREDUCE"] = "1"
-    done = []
-    # _set_static_graph() after construction: reentrant checkpointing reaches `shared` twice,
-    # which only static_graph accepts
-    ours, ref = _pair(_SharedCheckpointed, {"bucket_cap_mb": 0.0005})
+    ours, ref = make_pair(SharedCheckpointed, {"bucket_cap_mb": 0.0005})
     for m in (ours, ref):
         m._set_static_graph()
     assert ours.static_graph and ours.transport == "shm"
-    _train(ours, ref, _vec, steps=3)
+    train_both(ours, ref, rand_vec, steps=3)
     with pytest.warns(UserWarning, match="static_graph is True already"):
         ours._set_static_graph()
-    late = fastddp.DDPWrapper(_mlp())
+    late = fastddp.DDPWrapper(mlp())
     late(torch.randn(2, 8)).sum().backward()
     with pytest.raises(RuntimeError, match="before the first backward"):
         late._set_static_graph()
-    done.append("_set_static_graph")
-    # _register_builtin_comm_hook(FP16_COMPRESS) is comm_dtype=torch.float16, as torch's C++ hook
-    ours, ref = _pair(_mlp, {})
+
+
+def _private_builtin_comm_hook(rank: int, world_size: int) -> None:
+    """_register_builtin_comm_hook(FP16_COMPRESS) is comm_dtype=torch.float16, as torch's C++ hook."""
+    os.environ["FASTDDP_SHM_ALLREDUCE"] = "1"
+    ours, ref = make_pair(mlp, {})
     for m in (ours, ref):
         m._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)
     assert ours.comm_dtype == torch.float16
-    _train(ours, ref, _vec, steps=2, tol={"rtol": 5e-3, "atol": 5e-4})  # fp16: 2**-11 per value
-    done.append("_register_builtin_comm_hook")
-    # the descriptive attributes code written for torch DDP reads
+    train_both(ours, ref, rand_vec, steps=2, tol={"rtol": 2**-10, "atol": 2**-20})  # as test_ddp_hooks.PARITY
+
+
+def _private_attributes(rank: int, world_size: int) -> None:
+    """The descriptive attributes code written for torch DDP reads."""
     for kwargs in ({}, {"bucket_cap_mb": 0.5}):
-        ours, ref = _pair(_mlp, kwargs)
+        ours, ref = make_pair(mlp, kwargs)
         for name in ("bucket_bytes_cap", "is_multi_device_module", "device_type", "device", "mixed_precision",
                      "require_backward_grad_sync", "static_graph", "find_unused_parameters", "dim",
                      "broadcast_buffers", "device_ids", "output_device"):
             assert getattr(ours, name) == getattr(ref, name), (name, getattr(ours, name), getattr(ref, name))
-    done.append("attributes")
-    return done
 
 
-def test_private_torch_ddp_api_used_by_libraries() -> None:
-    assert run_distributed(_private_api, world_size=2) == [
-        ["_set_static_graph", "_register_builtin_comm_hook", "attributes"]] * 2
+@pytest.mark.parametrize("case", [_private_set_static_graph, _private_builtin_comm_hook, _private_attributes],
+                         ids=lambda f: f.__name__[len("_private_"):])
+def test_private_torch_ddp_api_used_by_libraries(ranks, case) -> None:
+    ranks.run(case, world_size=2)
 
 
 def test_inputs_are_moved_like_torch_ddp_moves_them() -> None:
@@ -310,11 +345,11 @@ def test_inputs_are_moved_like_torch_ddp_moves_them() -> None:
 
 @pytest.mark.cuda
 def test_cpu_inputs_reach_a_cuda_module_like_torch_ddp() -> None:
-    from .test_ddp import _nccl_world_one
+    from .ddp_common import nccl_world_one
 
-    with _nccl_world_one():
+    with nccl_world_one():
         torch.manual_seed(0)
-        a, b = _mlp().cuda(), _mlp().cuda()
+        a, b = mlp().cuda(), mlp().cuda()
         b.load_state_dict(a.state_dict())
         ours, ref = fastddp.DDPWrapper(a, device_ids=[0]), TorchDDP(b, device_ids=[0])
         x = torch.randn(6, 8).pin_memory()
@@ -324,103 +359,3 @@ def test_cpu_inputs_reach_a_cuda_module_like_torch_ddp() -> None:
             out.pow(2).mean().backward()
         for p, q in zip(ours.parameters(), ref.parameters()):
             torch.testing.assert_close(p.grad, q.grad)
-
-
-def _legacy_methods(rank: int, world_size: int) -> str:
-    ours, ref = fastddp.DDPWrapper(_mlp()), TorchDDP(_mlp())
-    x, y = torch.ones(2), torch.zeros(3)
-    mine, theirs = ours.to_kwargs((x, [y]), {"k": y}, 0), ref.to_kwargs((x, [y]), {"k": y}, 0)
-    assert repr(mine) == repr(theirs), (mine, theirs)  # same structure, types and values
-    return "ok"
-
-
-def test_to_kwargs_like_torch_ddp() -> None:
-    assert run_distributed(_legacy_methods, world_size=1) == ["ok"]
-
-
-def _dcp_state(rank: int, world_size: int) -> str:
-    """torch.distributed.checkpoint's get_state_dict strips torch DDP's ``module.`` prefix by
-    type; given ``ddp.module`` it yields, for DDPWrapper, exactly what torch DDP gets."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    ours, ref = _pair(_mlp, {})
-    opt_a = torch.optim.SGD(ours.parameters(), lr=0.1, momentum=0.9)
-    opt_b = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    g = torch.Generator().manual_seed(rank)
-    for _ in range(2):
-        x = _vec(g)
-        for m, o in ((ours, opt_a), (ref, opt_b)):
-            o.zero_grad()
-            m(x).pow(2).mean().backward()
-            o.step()
-    mine, theirs = get_state_dict(ours.module, opt_a), get_state_dict(ref, opt_b)
-    assert list(mine[0]) == list(theirs[0]) and list(mine[1]["state"]) == list(theirs[1]["state"])
-    for k in mine[0]:
-        torch.testing.assert_close(mine[0][k], theirs[0][k])
-    for k in mine[1]["state"]:
-        torch.testing.assert_close(mine[1]["state"][k], theirs[1]["state"][k])
-    # and a torch DDP state loads into the DDPWrapper's module
-    with torch.no_grad():
-        for p in ours.parameters():
-            p.zero_()
-    set_state_dict(ours.module, opt_a, model_state_dict=theirs[0], optim_state_dict=theirs[1])
-    for p, q in zip(ours.parameters(), ref.parameters()):
-        torch.testing.assert_close(p, q)
-    return "ok"
-
-
-def test_distributed_checkpoint_state_via_module() -> None:
-    assert run_distributed(_dcp_state, world_size=2) == ["ok", "ok"]
-
-
-def _buffer_sync_rule(rank: int, world_size: int, transport: str) -> list[str]:
-    """Which forwards sync the buffers follows torch DDP's rule: only a forward whose
-    predecessor was a reducing one (grad enabled, outside no_sync) — so evaluation forwards
-    after the first, the first training forward after them and no_sync micro-steps after the
-    first use each rank's own BatchNorm statistics, exactly as under torch DDP."""
-    from .test_ddp import _compare
-
-    os.environ["FASTDDP_SHM_ALLREDUCE"] = "1" if transport == "shm" else "0"
-    ours, ref = _pair(_conv_bn, {})
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, ref)]
-    g = torch.Generator().manual_seed(10 + rank)  # each rank its own data: its own statistics
-    seen = []
-
-    def forward(kind: str) -> None:
-        x = torch.randn(4, 3, 6, 6, generator=g)
-        expect = ours.will_sync_module_buffers()
-        assert expect == ref.will_sync_module_buffers(), kind
-        outs = []
-        for m, o in zip((ours, ref), opts):
-            if kind == "train":
-                o.zero_grad()
-                out = m(x)
-                out.pow(2).mean().backward()
-                o.step()
-            elif kind == "no_sync":
-                with m.no_sync():
-                    out = m(x)
-                    out.pow(2).mean().backward()
-            else:
-                with torch.inference_mode() if kind == "inference" else torch.no_grad():
-                    out = m(x)
-            outs.append(out.detach())
-        torch.testing.assert_close(outs[0], outs[1], msg=lambda m: f"{kind}: {m}")
-        _compare(ours, ref, grads=False)
-        seen.append(f"{kind}{'+sync' if expect else ''}")
-
-    for kind in ("train", "train", "no_grad", "no_grad", "inference", "train", "train",
-                 "no_sync", "no_sync", "no_sync", "train", "train"):
-        forward(kind)
-    ours.eval()
-    ref.eval()
-    forward("no_grad")
-    forward("no_grad")
-    return seen
-
-
-@pytest.mark.parametrize("transport", ["shm", "c10d"])
-def test_buffers_are_synced_when_torch_ddp_syncs_them(transport: str) -> None:
-    assert run_distributed(_buffer_sync_rule, world_size=2, args=(transport,)) == [[
-        "train+sync", "train+sync", "no_grad+sync", "no_grad", "inference", "train", "train+sync",
-        "no_sync+sync", "no_sync", "no_sync", "train", "train+sync", "no_grad+sync", "no_grad"]] * 2

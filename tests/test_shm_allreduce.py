@@ -27,36 +27,49 @@ import fastddp
 from fastddp._ext import C
 from fastddp.train import lost_peer_message
 
-from .distributed import run_distributed
 
-
-def _agreement(rank: int, world_size: int) -> dict:
-    torch.manual_seed(0)
-    pids = [None] * world_size
+def _rank0_segments() -> list[str]:
+    pids = [None] * dist.get_world_size()
     dist.all_gather_object(pids, os.getpid())
+    return glob.glob(f"/dev/shm/fastddp-{pids[0]}-*")
+
+
+def _auto_transport(rank: int, world_size: int) -> tuple[str, list[str]]:
+    torch.manual_seed(0)
     auto = fastddp.DDPWrapper(nn.Linear(8, 8))
     dist.barrier()  # rank 0 unlinks the name right after the handshake's last collective
-    leftovers = glob.glob(f"/dev/shm/fastddp-{pids[0]}-*")
-    # One rank opts out: every rank falls back to the process group, none hangs.
+    auto(torch.ones(2, 8)).sum().backward()
+    return auto.transport, _rank0_segments()
+
+
+def test_ranks_agree_on_shared_memory_and_leave_nothing_in_dev_shm(ranks) -> None:
+    assert ranks.run(_auto_transport, world_size=3) == [("shm", [])] * 3
+
+
+def _one_rank_opts_out(rank: int, world_size: int) -> tuple[str, str]:
+    """One rank opts out: every rank falls back to the process group, none hangs."""
     mixed = fastddp.DDPWrapper(nn.Linear(8, 8), shm_allreduce=False if rank == 1 else None)
     mixed(torch.ones(2, 8)).sum().backward()
+    return mixed.transport, mixed.bucket_report()["transport_note"]
+
+
+def test_one_rank_opting_out_moves_every_rank_to_the_process_group(ranks) -> None:
+    for transport, note in ranks.run(_one_rank_opts_out, world_size=3):
+        assert transport == "c10d" and "disabled on some rank" in note, (transport, note)
+
+
+def _forced(rank: int, world_size: int) -> tuple[str, bool, list[str]]:
     forced = fastddp.DDPWrapper(nn.Linear(8, 8), shm_allreduce=True)
     x = torch.full((2, 8), float(rank + 1))
     forced(x).sum().backward()
     # d(sum(Wx+b))/dW[i, j] = sum over the batch of x[j] = 2 * (rank + 1); averaged over ranks
     expected = 2 * sum(r + 1 for r in range(world_size)) / world_size
-    return {"auto": auto.transport, "mixed": mixed.transport,
-            "mixed_note": mixed.bucket_report()["transport_note"], "forced": forced.transport,
-            "grad_ok": bool(torch.equal(forced.module.weight.grad, torch.full((8, 8), expected))),
-            "leftovers": leftovers + glob.glob(f"/dev/shm/fastddp-{pids[0]}-*")}
+    return forced.transport, bool(torch.equal(forced.module.weight.grad, torch.full((8, 8), expected))), \
+        _rank0_segments()
 
 
-def test_ranks_agree_on_the_transport_and_leave_nothing_in_dev_shm() -> None:
-    results = run_distributed(_agreement, world_size=3)
-    for r in results:
-        assert r["auto"] == "shm" and r["forced"] == "shm" and r["grad_ok"], r
-        assert r["mixed"] == "c10d" and "disabled on some rank" in r["mixed_note"], r
-        assert r["leftovers"] == [], r
+def test_forced_shared_memory_averages_the_gradients(ranks) -> None:
+    assert ranks.run(_forced, world_size=3) == [("shm", True, [])] * 3
 
 
 class _Buffers(nn.Module):
@@ -80,8 +93,8 @@ def _buffers(rank: int, world_size: int) -> list:
     return [model.transport, *(b.tolist() for b in model.module.buffers())]
 
 
-def test_buffers_broadcast_from_rank_0_through_shared_memory() -> None:
-    results = run_distributed(_buffers, world_size=3)
+def test_buffers_broadcast_from_rank_0_through_shared_memory(ranks) -> None:
+    results = ranks.run(_buffers, world_size=3)
     assert results[0][0] == "shm"
     assert all(r == results[0] for r in results)
     assert results[0][1:] == [[[10.0] * 5] * 3, 10, [[10.0] * 6] * 4]
@@ -101,8 +114,8 @@ def _world_one(rank: int, world_size: int) -> str:
     return model.transport, [b["allreduce_ms"] for b in model.bucket_report()["buckets"]]
 
 
-def test_world_of_one_issues_no_collective() -> None:
-    assert run_distributed(_world_one, world_size=1) == [("c10d", [0.0])]
+def test_world_of_one_issues_no_collective(ranks) -> None:
+    assert ranks.run(_world_one, world_size=1) == [("c10d", [0.0])]
 
 
 def _faulty_peer(rank: int, init_file: str, fault: str, results) -> None:
@@ -237,8 +250,8 @@ def _grad_stats(rank: int, world_size: int, shm: bool, comm_dtype) -> list:
 
 @pytest.mark.parametrize("shm", [True, False])
 @pytest.mark.parametrize("comm_dtype", [None, torch.bfloat16])
-def test_reducer_grad_stats_equal_the_reduced_buckets(shm: bool, comm_dtype) -> None:
-    results = run_distributed(_grad_stats, world_size=3, args=(shm, comm_dtype))
+def test_reducer_grad_stats_equal_the_reduced_buckets(ranks, shm: bool, comm_dtype) -> None:
+    results = ranks.run(_grad_stats, world_size=3, args=(shm, comm_dtype))
     for rows in results:
         for step, (transport, buckets, stats, expected) in enumerate(rows):
             assert transport == ("shm" if shm else "c10d") and buckets > 1

@@ -1,5 +1,6 @@
-"""Soak: 10,000 training steps keep resident memory flat (about 13 s here), and loaders leave
-no threads (or device memory) behind over 100 epochs of create/iterate/break."""
+"""Soak: 10,000 training steps keep resident memory flat, and loaders leave no threads (or
+device memory) behind over 100 epochs of create/iterate/break. The 10,000-step runs are marked
+``slow``: ``pytest tests/test_soak.py --run-slow`` runs them (CI does)."""
 
 from __future__ import annotations
 
@@ -81,6 +82,7 @@ def _soak(tmp_path: Path, steps: int) -> tuple[float, int]:
 MAX_SLOPE = 256.0  # bytes per step
 
 
+@pytest.mark.slow
 def test_memory_flat_over_10000_steps(tmp_path: Path) -> None:
     slope, growth = _soak(tmp_path, 10_000)
     print(f"RSS slope {slope:.1f} B/step, growth after warm-up {growth / 2**20:.2f} MiB")
@@ -117,6 +119,8 @@ def _shm_soak(rank: int, world_size: int, steps: int) -> tuple[float, int, int, 
     return _slope(points), points[-1][1] - points[0][1], extra_threads, mappings
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_shared_memory_allreduce_flat_over_10000_steps() -> None:
     from .distributed import run_distributed
 
@@ -172,6 +176,7 @@ def test_cuda_loader_leaves_no_device_memory_or_threads(pin: bool) -> None:
 
 
 @pytest.mark.cuda
+@pytest.mark.slow
 def test_cuda_training_device_memory_flat_over_10000_steps(tmp_path: Path) -> None:
     """10,000 GPU steps (NCCL world 1, DDPWrapper, fp16 autocast + fused GradScaler step with
     clipping, fused AdamW, direct-path PrefetchLoader): allocated device memory is flat after

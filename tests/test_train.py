@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from fastddp._net import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -137,7 +139,7 @@ def test_nan_loss_is_skipped_then_aborts(tmp_path: Path) -> None:
 
 def test_selftest_passes_on_cpu() -> None:
     proc = subprocess.run([sys.executable, "-m", "fastddp.selftest"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120, env=dict(os.environ, MASTER_PORT="29587"))
+                          text=True, timeout=120, env=dict(os.environ, MASTER_PORT=str(free_port())))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = [line for line in proc.stdout.splitlines() if line.startswith("all-reduce (gloo, 1 rank(s))")]
     assert len(rows) == 1 and "PASS" in rows[0] and "got 1, expected 1" in rows[0], proc.stdout

@@ -56,6 +56,14 @@ def hosts() -> Iterator[tuple[str, str]]:
         _ip("netns", "del", b)
 
 
+def _free_port_in(ns: str) -> int:
+    """A TCP port the OS picks as free inside namespace ``ns`` (for the rendezvous store)."""
+    code = "import socket; s = socket.socket(); s.bind(('', 0)); print(s.getsockname()[1])"
+    out = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", code], capture_output=True,
+                         text=True, timeout=60, check=True)
+    return int(out.stdout.strip())
+
+
 def _node(ns: str, ifname: str, port: int, extra: list[str], save_dir: Path,
           host_store: bool, log: Path | None = None) -> subprocess.Popen:
     # fastddp is imported as the test process imports it (installed, or PYTHONPATH=python)
@@ -90,7 +98,8 @@ def test_two_hosts_train_like_one_host_with_two_processes(hosts, tmp_path: Path)
     a, b = hosts
     tag = a[-6:]
     two = tmp_path / "two_hosts"
-    procs = [_node(a, f"va{tag}", 29611, [], two, True), _node(b, f"vb{tag}", 29611, [], two, False)]
+    port = _free_port_in(a)  # host A serves the rendezvous store
+    procs = [_node(a, f"va{tag}", port, [], two, True), _node(b, f"vb{tag}", port, [], two, False)]
     outs = [p.communicate(timeout=400) for p in procs]
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, f"{out[-2000:]}\n{err[-3000:]}"
@@ -117,8 +126,9 @@ def test_cutting_the_link_ends_both_sides_with_a_clear_error(hosts, tmp_path: Pa
     extra = ["--epochs", "200", "--timeout", "10"]
     logs = [tmp_path / "a.err", tmp_path / "b.err"]
     save = tmp_path / "run"
-    procs = [_node(a, f"va{tag}", 29612, extra, save, True, logs[0]),
-             _node(b, f"vb{tag}", 29612, extra, save, False, logs[1])]
+    port = _free_port_in(a)
+    procs = [_node(a, f"va{tag}", port, extra, save, True, logs[0]),
+             _node(b, f"vb{tag}", port, extra, save, False, logs[1])]
     try:
         deadline = time.monotonic() + 120
         while not (save / "metrics.csv").exists():  # training runs: an epoch was written

@@ -1,0 +1,115 @@
+"""What code written for torch DDP does with the wrapper besides training: to_kwargs, the
+distributed-checkpoint state of ``ddp.module``, and which forwards sync the buffers, each the
+same as torch DDP; one case per test on a pool of gloo ranks."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+import fastddp
+
+from .ddp_common import conv_bn, make_pair, mlp, rand_vec
+
+
+def _legacy_methods(rank: int, world_size: int) -> str:
+    ours, ref = fastddp.DDPWrapper(mlp()), TorchDDP(mlp())
+    x, y = torch.ones(2), torch.zeros(3)
+    mine, theirs = ours.to_kwargs((x, [y]), {"k": y}, 0), ref.to_kwargs((x, [y]), {"k": y}, 0)
+    assert repr(mine) == repr(theirs), (mine, theirs)  # same structure, types and values
+    return "ok"
+
+
+def test_to_kwargs_like_torch_ddp(ranks) -> None:
+    assert ranks.run(_legacy_methods, world_size=1) == ["ok"]
+
+
+def _dcp_state(rank: int, world_size: int) -> str:
+    """torch.distributed.checkpoint's get_state_dict strips torch DDP's ``module.`` prefix by
+    type; given ``ddp.module`` it yields, for DDPWrapper, exactly what torch DDP gets."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    ours, ref = make_pair(mlp, {})
+    opt_a = torch.optim.SGD(ours.parameters(), lr=0.1, momentum=0.9)
+    opt_b = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(2):
+        x = rand_vec(g)
+        for m, o in ((ours, opt_a), (ref, opt_b)):
+            o.zero_grad()
+            m(x).pow(2).mean().backward()
+            o.step()
+    mine, theirs = get_state_dict(ours.module, opt_a), get_state_dict(ref, opt_b)
+    assert list(mine[0]) == list(theirs[0]) and list(mine[1]["state"]) == list(theirs[1]["state"])
+    for k in mine[0]:
+        torch.testing.assert_close(mine[0][k], theirs[0][k])
+    for k in mine[1]["state"]:
+        torch.testing.assert_close(mine[1]["state"][k], theirs[1]["state"][k])
+    # and a torch DDP state loads into the DDPWrapper's module
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.zero_()
+    set_state_dict(ours.module, opt_a, model_state_dict=theirs[0], optim_state_dict=theirs[1])
+    for p, q in zip(ours.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q)
+    return "ok"
+
+
+def test_distributed_checkpoint_state_via_module(ranks) -> None:
+    assert ranks.run(_dcp_state, world_size=2) == ["ok", "ok"]
+
+
+def _buffer_sync_rule(rank: int, world_size: int, transport: str) -> list[str]:
+    """Which forwards sync the buffers follows torch DDP's rule: only a forward whose
+    predecessor was a reducing one (grad enabled, outside no_sync) — so evaluation forwards
+    after the first, the first training forward after them and no_sync micro-steps after the
+    first use each rank's own BatchNorm statistics, exactly as under torch DDP."""
+    from .ddp_common import compare_models
+
+    os.environ["FASTDDP_SHM_ALLREDUCE"] = "1" if transport == "shm" else "0"
+    ours, ref = make_pair(conv_bn, {})
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, ref)]
+    g = torch.Generator().manual_seed(10 + rank)  # each rank its own data: its own statistics
+    seen = []
+
+    def forward(kind: str) -> None:
+        x = torch.randn(4, 3, 6, 6, generator=g)
+        expect = ours.will_sync_module_buffers()
+        assert expect == ref.will_sync_module_buffers(), kind
+        outs = []
+        for m, o in zip((ours, ref), opts):
+            if kind == "train":
+                o.zero_grad()
+                out = m(x)
+                out.pow(2).mean().backward()
+                o.step()
+            elif kind == "no_sync":
+                with m.no_sync():
+                    out = m(x)
+                    out.pow(2).mean().backward()
+            else:
+                with torch.inference_mode() if kind == "inference" else torch.no_grad():
+                    out = m(x)
+            outs.append(out.detach())
+        torch.testing.assert_close(outs[0], outs[1], msg=lambda m: f"{kind}: {m}")
+        compare_models(ours, ref, grads=False)
+        seen.append(f"{kind}{'+sync' if expect else ''}")
+
+    for kind in ("train", "train", "no_grad", "no_grad", "inference", "train", "train",
+                 "no_sync", "no_sync", "no_sync", "train", "train"):
+        forward(kind)
+    ours.eval()
+    ref.eval()
+    forward("no_grad")
+    forward("no_grad")
+    return seen
+
+
+@pytest.mark.parametrize("transport", ["shm", "c10d"])
+def test_buffers_are_synced_when_torch_ddp_syncs_them(ranks, transport: str) -> None:
+    assert ranks.run(_buffer_sync_rule, world_size=2, args=(transport,)) == [[
+        "train+sync", "train+sync", "no_grad+sync", "no_grad", "inference", "train", "train+sync",
+        "no_sync+sync", "no_sync", "no_sync", "train", "train+sync", "no_grad+sync", "no_grad"]] * 2
