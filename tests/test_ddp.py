@@ -373,11 +373,11 @@ def test_nccl_world_one_sync_batchnorm_parity() -> None:
 
 
 def test_env_settings_are_checked(monkeypatch) -> None:
-    from fastddp.ddp import _env_flag
+    from fastddp.ddp.checks import env_flag
 
     for value, expected in (("1", True), ("off", False), ("auto", None), ("", None)):
         monkeypatch.setenv("FASTDDP_BATCH_GRAD_COPIES", value)
-        assert _env_flag("FASTDDP_BATCH_GRAD_COPIES") is expected
+        assert env_flag("FASTDDP_BATCH_GRAD_COPIES") is expected
     monkeypatch.setenv("FASTDDP_WORLD1_PASSTHROUGH", "maybe")
     with pytest.raises(ValueError, match=r"FASTDDP_WORLD1_PASSTHROUGH='maybe' is not understood; set it to 1, 0"):
-        _env_flag("FASTDDP_WORLD1_PASSTHROUGH")
+        env_flag("FASTDDP_WORLD1_PASSTHROUGH")

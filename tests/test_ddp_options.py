@@ -327,20 +327,20 @@ def test_inputs_are_moved_like_torch_ddp_moves_them() -> None:
     below runs it end to end): tensors inside containers move, the containers keep their kinds."""
     from collections import OrderedDict, namedtuple
 
-    from fastddp.ddp import _to_device
+    from fastddp.ddp.inputs import to_device
 
     Pair = namedtuple("Pair", "x y")
     meta = torch.device("meta")
     args = (torch.ones(2), [torch.ones(1), "tag", 3], {"k": Pair(torch.ones(3), None)},
             OrderedDict(a=torch.ones(1)), (), [])
-    moved = _to_device(args, meta)
+    moved = to_device(args, meta)
     assert isinstance(moved, tuple) and len(moved) == len(args)
     assert moved[0].is_meta and moved[1][0].is_meta and moved[1][1:] == ["tag", 3]
     assert isinstance(moved[2]["k"], Pair) and moved[2]["k"].x.is_meta and moved[2]["k"].y is None
     assert type(moved[3]) is OrderedDict and moved[3]["a"].is_meta
     assert moved[4] == () and moved[5] == []
     on_device = torch.empty(1, device="meta")
-    assert _to_device(on_device, meta) is on_device  # nothing to move: the same tensor
+    assert to_device(on_device, meta) is on_device  # nothing to move: the same tensor
 
 
 @pytest.mark.cuda
