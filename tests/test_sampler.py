@@ -246,3 +246,13 @@ def test_seed_torch_refuses(seed, epoch) -> None:
         list(_ours(50, 3, 1, True, seed, epoch, False))
     assert str(want.value) in str(got.value)
     assert list(_ours(50, 3, 1, False, seed, epoch, False)) == _torch_order(50, 3, 1, False, seed, epoch, False)
+
+
+def test_pending_state_dict_is_where_the_next_iterator_starts() -> None:
+    s = fastddp.DistributedSampler(10, num_replicas=2, rank=0, shuffle=False)
+    assert list(s) == [0, 2, 4, 6, 8]
+    assert s.state_dict()["position"] == 5  # the finished iterator's position
+    assert s.pending_state_dict()["position"] == 0  # a new iterator starts the epoch over
+    s.load_state_dict({**s.state_dict(), "position": 2})
+    assert s.pending_state_dict()["position"] == 2
+    assert list(s) == [4, 6, 8] and s.pending_state_dict()["position"] == 0

@@ -189,6 +189,12 @@ class DistributedSampler(torch.utils.data.Sampler[int]):
                 "num_replicas": self.num_replicas, "rank": self.rank, "shuffle": self.shuffle,
                 "drop_last": self.drop_last, "order": self.order, "length": self.length}
 
+    def pending_state_dict(self) -> dict[str, Any]:
+        """:meth:`state_dict` as the next iterator will start: its position is the pending
+        resume offset, not the latest iterator's. A loader that counts delivered batches itself
+        saves this at the start of a pass (it reads the sampler ahead of delivery)."""
+        return {**self.state_dict(), "position": self._resume}
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`: the next iterator resumes after the last yielded index.
         Everything is checked before anything changes, so a refused state leaves the sampler

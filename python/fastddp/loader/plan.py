@@ -41,6 +41,9 @@ def reads_ahead_unobserved(index_sampler: Any) -> bool:
                            TorchDistributedSampler, FastSampler, EpochShuffle, range, list, tuple)
 
 
+_BOOLS = frozenset((bool, np.bool_))  # neither type can be subclassed: a type test suffices
+
+
 class PlanEntry:
     """One batch of the plan: ``indices`` as an int64 tensor of rows in range (gathered
     natively), or ``raw`` (the sampler's own output, read through the dataset in Python: an
@@ -56,7 +59,7 @@ def to_entry(number: int, batch: Any, rows: int) -> PlanEntry:
     """Classify the sampler's ``batch``: integer indices in ``[-rows, rows)`` are gathered
     natively (negative ones count from the end, as indexing does); anything else is read in
     Python, so that it fails or succeeds exactly as DataLoader's indexing does."""
-    if isinstance(batch, (list, tuple)) and any(isinstance(i, (bool, np.bool_)) for i in batch):
+    if isinstance(batch, (list, tuple)) and not _BOOLS.isdisjoint(map(type, batch)):
         return PlanEntry(number, None, batch)  # as_tensor would read True as 1; indexing does not
     try:
         idx = torch.as_tensor(batch)
@@ -66,9 +69,12 @@ def to_entry(number: int, batch: Any, rows: int) -> PlanEntry:
             or idx.is_floating_point() or idx.is_complex()):
         return PlanEntry(number, None, batch)
     idx = idx.to(torch.int64)
-    if bool(((idx < -rows) | (idx >= rows)).any()):
+    # The range check costs a few microseconds per batch: on a list (the usual BatchSampler
+    # output, integers once as_tensor says so) Python's min/max beat tensor reductions.
+    lo, hi = (min(batch), max(batch)) if isinstance(batch, list) else (int(idx.min()), int(idx.max()))
+    if lo < -rows or hi >= rows:
         return PlanEntry(number, None, batch)
-    return PlanEntry(number, torch.where(idx < 0, idx + rows, idx), batch)
+    return PlanEntry(number, torch.where(idx < 0, idx + rows, idx) if lo < 0 else idx, batch)
 
 
 class SkippingSampler:

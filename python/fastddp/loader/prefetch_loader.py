@@ -284,8 +284,16 @@ class PrefetchLoader:
         return state
 
     def _current_sampler_states(self) -> dict[str, Any]:
-        return {name: getattr(self, name).state_dict() for name in ("sampler", "batch_sampler")
-                if hasattr(getattr(self, name), "state_dict")}
+        """The samplers' states as a pass starting now finds them: a sampler that can say where
+        its next iterator starts (``pending_state_dict``, fastddp's) says so; the delivered
+        batches are counted by the loader, not by the sampler's position."""
+        states = {}
+        for name in ("sampler", "batch_sampler"):
+            obj = getattr(self, name)
+            get = getattr(obj, "pending_state_dict", None) or getattr(obj, "state_dict", None)
+            if get is not None:
+                states[name] = get()
+        return states
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume: the next pass redraws the saved pass's order and starts after the last batch
