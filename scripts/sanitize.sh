@@ -30,7 +30,7 @@ else
   export TSAN_OPTIONS="halt_on_error=1:exitcode=66:suppressions=$PWD/scripts/tsan.supp"
 fi
 status=0
-PYTHONPATH=python "$PY" -m pytest tests/test_sampler.py tests/test_loader.py tests/test_amp.py \
+PYTHONPATH=python "$PY" -m pytest tests/test_sampler.py tests/test_loader.py tests/test_loader_sources.py tests/test_amp.py tests/test_amp_ddp.py \
   tests/test_ddp.py tests/test_ddp_join.py tests/test_ddp_hooks.py tests/test_ddp_options.py \
   tests/test_shm_allreduce.py \
   -q -p no:cacheprovider "$@" || status=$?
