@@ -1,0 +1,263 @@
+"""PrefetchLoader against DataLoader, side by side (continued): exceptions at their batch, len(),
+samplers and dataset forms, errors while a pass starts, the iterator protocol and warnings."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import pytest
+import torch
+from torch.utils.data import (
+    DataLoader,
+    Dataset,
+    IterableDataset,
+    get_worker_info,
+)
+
+import fastddp
+from tests.contracts.loader_harness import (
+    N,
+    Noisy,
+    Stream,
+    outcomes,
+    same,
+    side_by_side,
+    tensors,
+)
+
+
+# ---------------------------------------------------------------------------- errors at a batch
+@pytest.mark.parametrize("workers", [0, 2])
+def test_dataset_exception_at_its_batch_then_the_next_batches(workers: int) -> None:
+    side_by_side(lambda: Noisy(fail_at=13), batch_size=5, num_workers=workers, passes=1)
+
+
+def test_stream_exception_ends_the_pass_as_dataloader() -> None:
+    side_by_side(lambda: Stream(fail_at=9), batch_size=4, passes=2)
+
+
+@pytest.mark.parametrize("sampler", [
+    [0.0, 1.5, 2.0, 3.0],          # a float index: IndexError at its batch
+    [0, 1, -1, 2, -N, 5],          # negative indices count from the end
+    [0, 1, N + 4, 2, 3, -N - 1, 4],  # out of range either way: IndexError at its batch
+    [0, True, 2, 3],               # a bool index is what indexing a tensor makes of it
+])
+def test_sampler_indices_as_dataloader(sampler: list) -> None:
+    side_by_side(tensors, batch_size=2, sampler=sampler, passes=1)
+
+
+def test_batch_sampler_outputs_as_dataloader() -> None:
+    side_by_side(tensors, batch_sampler=[[0, 1], [], [2.5], [3, -1], [N]], passes=1)
+
+
+def test_own_form_float_index_raises_indexerror_at_its_batch() -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(N, 3, generator=g)
+    got = outcomes(fastddp.PrefetchLoader((x,), batch_size=2, sampler=[0.0, 1.5, 2.0, 3.0, -1]))
+    assert [o[0] for o in got] == ["error", "error", "batch"]  # 2.0 is a float too
+    assert got[0][1] is IndexError and "only integers" in got[0][2]
+    assert torch.equal(got[2][1][0], x[[-1]])
+
+
+# ---------------------------------------------------------------------------- len()
+class Growing(Dataset):
+    def __init__(self) -> None:
+        self.n = 10
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+@pytest.mark.parametrize("kwargs", [{"batch_size": 3}, {"batch_size": 3, "drop_last": True},
+                                    {"batch_size": None}, {"batch_size": 4, "shuffle": True}])
+def test_len_follows_the_dataset_at_call_time(kwargs: dict) -> None:
+    for make in (Growing,):
+        ref_ds, our_ds = make(), make()
+        ref, ours = DataLoader(ref_ds, **kwargs), fastddp.PrefetchLoader(our_ds, **kwargs)
+        assert len(ref) == len(ours)
+        ref_ds.n = our_ds.n = 17
+        assert len(ref) == len(ours)
+        torch.manual_seed(0)
+        a = outcomes(ref)
+        torch.manual_seed(0)
+        same(a, outcomes(ours))
+
+
+def test_len_follows_replaced_tensors() -> None:
+    ref_ds, our_ds = tensors(), tensors()
+    ref, ours = DataLoader(ref_ds, batch_size=4), fastddp.PrefetchLoader(our_ds, batch_size=4)
+    ref_ds.tensors = our_ds.tensors = (torch.arange(30.0),)
+    assert len(ref) == len(ours) == 8
+    same(outcomes(ref), outcomes(ours))
+
+
+@pytest.mark.parametrize(("kwargs", "sized"), [({"batch_size": 4}, True), ({"batch_size": 4, "drop_last": True}, True),
+                                               ({"batch_size": None}, True), ({"batch_size": 4}, False)])
+def test_len_of_an_iterable_dataset(kwargs: dict, sized: bool) -> None:
+    ref, ours = DataLoader(Stream(sized=sized), **kwargs), fastddp.PrefetchLoader(Stream(sized=sized), **kwargs)
+    if not sized:
+        for loader in (ref, ours):
+            with pytest.raises(TypeError, match="Stream has no length"):
+                len(loader)
+        return
+    want = N if kwargs["batch_size"] is None else (N // 4 if kwargs.get("drop_last") else math.ceil(N / 4))
+    assert len(ref) == len(ours) == want
+
+
+class PerWorker(IterableDataset):
+    """Each worker process yields its own share (worker k: range(sizes[k]))."""
+
+    def __init__(self, sizes: list[int]) -> None:
+        self.sizes = sizes
+
+    def __iter__(self):
+        info = get_worker_info()
+        return iter(range(sum(self.sizes) if info is None else self.sizes[info.id]))
+
+    def __len__(self) -> int:
+        return sum(self.sizes)
+
+
+@pytest.mark.parametrize("kwargs", [{"batch_size": None}, {"batch_size": 3}, {"batch_size": 3, "drop_last": True}])
+def test_iterable_dataset_split_across_workers(kwargs: dict) -> None:
+    side_by_side(lambda: PerWorker([0, 4, 9]), num_workers=3, passes=1, **kwargs)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_iterable_dataset_longer_than_reported_warns_as_dataloader(workers: int) -> None:
+    import warnings
+
+    texts = []
+    for cls in (DataLoader, fastddp.PrefetchLoader):
+        loader = cls(Stream(n=6), batch_size=None, num_workers=workers)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            list(loader)  # no len() asked: no warning
+            assert len(loader) == 6
+            got = list(loader)  # twice the data with two workers: warned from the 7th on
+        texts.append(([str(w.message).replace(repr(loader.dataset), "") for w in caught], len(got)))
+    assert texts[0] == texts[1]
+
+
+def test_list_of_tensors_is_a_sequence_of_samples() -> None:
+    """DataLoader reads a list of tensors as samples (it may grow between passes); a tuple of
+    tensors is PrefetchLoader's columns form (docs/compatibility.md)."""
+    ref_ds, our_ds = [torch.full((3,), float(i)) for i in range(5)], [torch.full((3,), float(i)) for i in range(5)]
+    ref, ours = DataLoader(ref_ds, batch_size=2), fastddp.PrefetchLoader(our_ds, batch_size=2)
+    same(outcomes(ref), outcomes(ours))
+    ref_ds.append(torch.ones(3))
+    our_ds.append(torch.ones(3))
+    assert len(ref) == len(ours) == 3
+    same(outcomes(ref), outcomes(ours))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_batch_sampler_of_tuples(workers: int) -> None:
+    batches = [tuple(range(i, i + 2)) for i in range(0, 20, 5)] + [tuple(range(i + 2, i + 5)) for i in range(0, 20, 5)]
+    side_by_side(tensors, batch_sampler=batches, num_workers=workers, passes=1)
+
+
+def test_range_sampler() -> None:
+    side_by_side(tensors, sampler=range(2, 12), batch_size=2, passes=1)
+
+
+class NumpySamples(Dataset):
+    def __len__(self) -> int:
+        return 30
+
+    def __getitem__(self, i: int) -> Any:
+        import numpy as np
+
+        return np.ones((2, 3)) * i
+
+
+def test_numpy_samples_become_double_tensors() -> None:
+    side_by_side(NumpySamples, batch_size=12, passes=1)
+
+
+class Doubled(torch.utils.data.Subset):
+    """A Subset whose batched read (``__getitems__``) transforms samples."""
+
+    def __getitem__(self, idx: int) -> torch.Tensor:
+        return self.dataset[self.indices[idx]][1] * 2
+
+    def __getitems__(self, indices: list[int]) -> list[torch.Tensor]:
+        return [self[i] for i in indices]
+
+
+def test_dataset_getitems_is_used() -> None:
+    side_by_side(lambda: Doubled(tensors(), [0, 1, 2, 3, 7]), batch_size=2, passes=1)
+
+
+class FailingStream(IterableDataset):
+    def __iter__(self):
+        raise RuntimeError("Error in __iter__")
+
+
+def _failing_init(worker_id: int) -> None:
+    raise RuntimeError("Error in worker_init_fn")
+
+
+@pytest.mark.parametrize(("make", "kwargs"), [
+    # (with workers, DataLoader itself sometimes reports a worker that exited instead, under load)
+    (FailingStream, {"num_workers": 0}),
+    (tensors, {"num_workers": 2, "worker_init_fn": _failing_init}),
+])
+def test_errors_while_a_pass_starts(make: Callable[[], Any], kwargs: dict) -> None:
+    for cls in (DataLoader, fastddp.PrefetchLoader):
+        with pytest.raises(RuntimeError, match="Error in"):
+            list(cls(make(), **kwargs))
+
+
+class Bulk(Dataset):
+    """Reads a whole list of indices at once (unbatched mode with a sampler of lists)."""
+
+    def __len__(self) -> int:
+        return 35
+
+    def __getitem__(self, indices: list[int]) -> torch.Tensor:
+        assert isinstance(indices, list)
+        return torch.as_tensor(indices)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_unbatched_sampler_of_lists(workers: int) -> None:
+    side_by_side(Bulk, batch_size=None, num_workers=workers, passes=1,
+                 sampler=[list(range(i, min(i + 4, 35))) for i in range(0, 35, 4)])
+
+
+def test_private_collation_view() -> None:
+    for kwargs in ({"batch_size": 2}, {"batch_size": None}):
+        ref, ours = DataLoader(tensors(), **kwargs), fastddp.PrefetchLoader(tensors(), **kwargs)
+        assert ref._auto_collation == ours._auto_collation
+        assert type(ref._index_sampler) is type(ours._index_sampler)
+
+
+def test_too_many_workers_warns_as_dataloader() -> None:
+    for cls in (DataLoader, fastddp.PrefetchLoader):
+        with pytest.warns(UserWarning, match="excessive worker creation might get DataLoader running slow"):
+            cls(tensors(), batch_size=2, num_workers=1000)
+
+
+def test_iterator_protocol() -> None:
+    for cls in (DataLoader, fastddp.PrefetchLoader):
+        loader = cls(tensors(), batch_size=5)
+        it = iter(loader)
+        assert iter(it) is it and len(it) == len(loader) == 5
+        stream_it = iter(cls(Stream(), batch_size=5))
+        with pytest.raises(TypeError, match="has no len"):
+            len(stream_it)  # its sampler is endless, whatever the stream's length
+
+
+def test_pin_memory_warnings_without_an_accelerator() -> None:
+    if torch.accelerator.is_available():
+        pytest.skip("what happens without an accelerator")
+    for cls in (DataLoader, fastddp.PrefetchLoader):
+        loader = cls(tensors(), batch_size=5, pin_memory=True)
+        with pytest.warns(UserWarning, match="'pin_memory' argument is set as true but no accelerator is found"):
+            got = outcomes(loader)
+        assert len(got) == 5 and not got[0][1][0].is_pinned()
