@@ -169,7 +169,7 @@ def _zoo(plt, rows: list[dict[str, Any]], path: Path) -> str:
     ax.axhline(1.05, color="k", linestyle="--", linewidth=1, label="target 1.05")
     ax.set_xticks(list(xs), [f"{r['model']} {r['precision']} w{r['world_size']}" for r in rows],
                   rotation=35, ha="right", fontsize="small")
-    ax.set_ylim(bottom=0.8)
+    ax.set_ylim(bottom=0.5)
     return _finish(plt, fig, ax, path, "", "step time / bare model's", "Model zoo (benchmarks/zoo)")
 
 
