@@ -32,7 +32,6 @@ from .outputs import GpuMonitor, make_tensorboard, metrics_csv, plot_curves, wri
 from .resume import find_resume_state
 from .setup import (
     Context,
-    ShardSampler,
     check_save_dir,
     class_weights,
     load_data,
@@ -199,8 +198,9 @@ def make_loaders(args: argparse.Namespace, ctx: Context, train_set: Any, test_se
     loader = fastddp.PrefetchLoader(train_set, batch_size=args.batch_size, sampler=sampler,
                                     num_workers=args.num_workers, device=ctx.device,
                                     drop_last=True, device_resident=resident)
+    # Every world-th test sample from this rank's: each sample is evaluated exactly once.
     val_loader = fastddp.PrefetchLoader(test_set, batch_size=max(256, args.batch_size),
-                                        sampler=ShardSampler(len(test_set), ctx.rank, ctx.world),
+                                        sampler=range(ctx.rank, len(test_set), ctx.world),
                                         num_workers=args.num_workers, device=ctx.device,
                                         drop_last=False, device_resident=resident)
     return loader, val_loader

@@ -133,22 +133,6 @@ def load_data(args: argparse.Namespace) -> tuple[Any, Any]:
     return (TensorDataset(data.x_train, data.y_train), TensorDataset(data.x_test, data.y_test))
 
 
-class ShardSampler:
-    """Every ``world``-th index from ``rank``: each test sample is evaluated exactly once."""
-
-    def __init__(self, length: int, rank: int, world: int) -> None:
-        self._indices = torch.arange(rank, length, world, dtype=torch.int64)
-
-    def indices(self) -> torch.Tensor:
-        return self._indices
-
-    def __iter__(self):
-        return iter(self._indices.tolist())
-
-    def __len__(self) -> int:
-        return len(self._indices)
-
-
 def class_weights(train: Any, device: torch.device) -> torch.Tensor:
     y = train.tensors[1] if hasattr(train, "tensors") else torch.tensor([int(s[1]) for s in train])
     counts = torch.bincount(y.to(torch.int64), minlength=CLASSES).to(torch.float32).clamp_min(1)
