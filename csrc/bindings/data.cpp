@@ -14,6 +14,8 @@ void bind_data(py::module_& m) {
       .def_readwrite("num_workers", &PipelineOptions::num_workers, "Gather threads (>= 1).")
       .def_readwrite("prefetch", &PipelineOptions::prefetch, "Ring slots (batches in flight).")
       .def_readwrite("pin_memory", &PipelineOptions::pin_memory, "Page-locked staging buffers.")
+      .def_readwrite("batch_rows", &PipelineOptions::batch_rows,
+                     "Rows of the largest batch when known (slots are then allocated up front).")
       .def_property(
           "device", [](const PipelineOptions& o) { return o.device.str(); },
           [](PipelineOptions& o, const std::string& d) { o.device = c10::Device(d); },
@@ -26,6 +28,9 @@ void bind_data(py::module_& m) {
            py::call_guard<py::gil_scoped_release>())
       .def("submit", &PrefetchPipeline::submit, py::arg("indices"),
            "Queue the next batch (1-D int64 CPU tensor of row numbers in [0, rows)).",
+           py::call_guard<py::gil_scoped_release>())
+      .def("submit_split", &PrefetchPipeline::submit_split, py::arg("indices"), py::arg("batch_size"),
+           "Queue consecutive batches of batch_size rows of indices (the last may be shorter).",
            py::call_guard<py::gil_scoped_release>())
       .def("finish", &PrefetchPipeline::finish, "No batch follows the ones submitted.",
            py::call_guard<py::gil_scoped_release>())

@@ -17,6 +17,7 @@ struct PipelineOptions {
   int64_t prefetch = 4;     // ring slots
   bool pin_memory = false;  // page-locked staging (needs a CUDA-capable torch at run time)
   c10::Device device = c10::Device(c10::kCPU);
+  int64_t batch_rows = 0;   // rows of the largest batch when known: slots are allocated up front
 };
 
 // One ring slot's device buffers and whatever the stage needs to order their use.

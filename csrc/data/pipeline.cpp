@@ -51,32 +51,58 @@ PrefetchPipeline::PrefetchPipeline(std::vector<at::Tensor> sources, PipelineOpti
   // Never fewer slots than workers, or workers would queue behind each other's slots; one
   // more than asked for because a slot is refilled one batch after the consumer left it.
   const int64_t nslots = std::max(options_.prefetch, options_.num_workers + 1) + 1;
-  for (int64_t i = 0; i < nslots; ++i) slots_.push_back(std::make_unique<Slot>());
+  TORCH_CHECK(options_.batch_rows >= 0, "PrefetchLoader: batch_rows must be >= 0, got ", options_.batch_rows);
+  for (int64_t i = 0; i < nslots; ++i) {
+    slots_.push_back(std::make_unique<Slot>());
+    // Allocated here, on the caller's thread, when the batch size is known: the first batches
+    // then wait for no allocation, and the buffers come from the caller's warm heap.
+    if (options_.batch_rows > 0) prepare_host(*slots_.back(), options_.batch_rows);
+  }
   for (int64_t i = 0; i < options_.num_workers; ++i) workers_.emplace_back([this, i] { worker_loop(i); });
 }
 
 PrefetchPipeline::~PrefetchPipeline() { close(); }
 
-void PrefetchPipeline::submit(at::Tensor indices) {
+// A copy of `indices` the pipeline alone owns, checked: its workers drop their references
+// without the GIL, which the last reference to a tensor Python also holds would need; a bad
+// index is an error of the submitting call, raised on the caller's thread, never a worker's.
+at::Tensor PrefetchPipeline::owned_indices(at::Tensor indices) const {
   TORCH_CHECK(indices.scalar_type() == at::kLong && indices.dim() == 1 && indices.device().is_cpu(),
               "PrefetchLoader: batch indices must be a 1-D int64 CPU tensor, got ",
               indices.scalar_type(), " of shape ", indices.sizes());
-  // A copy the pipeline alone owns: its workers drop their references without the GIL,
-  // which the last reference to a tensor Python also holds would need.
   indices = indices.clone(at::MemoryFormat::Contiguous);
   const int64_t rows = sources_[0].size(0);
   const int64_t* ids = indices.data_ptr<int64_t>();
-  // Checked on the caller's thread: a bad index is an error of this call, never a worker's.
   for (int64_t i = 0; i < indices.size(0); ++i) {
     TORCH_CHECK(ids[i] >= 0 && ids[i] < rows, "PrefetchLoader: index ", ids[i],
                 " is out of range for a dataset of ", rows, " samples");
   }
+  return indices;
+}
+
+void PrefetchPipeline::enqueue(std::vector<at::Tensor> batches) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     TORCH_CHECK(!finished_, "PrefetchLoader: submit() after finish()");
-    batches_.push_back(std::move(indices));
+    for (auto& b : batches) batches_.push_back(std::move(b));
   }
   cv_.notify_all();
+}
+
+void PrefetchPipeline::submit(at::Tensor indices) {
+  std::vector<at::Tensor> one;
+  one.push_back(owned_indices(std::move(indices)));
+  enqueue(std::move(one));
+}
+
+void PrefetchPipeline::submit_split(at::Tensor indices, int64_t batch_size) {
+  TORCH_CHECK(batch_size >= 1, "PrefetchLoader: batch_size must be >= 1, got ", batch_size);
+  at::Tensor owned = owned_indices(std::move(indices));
+  std::vector<at::Tensor> batches;
+  const int64_t n = owned.size(0);
+  for (int64_t start = 0; start < n; start += batch_size)
+    batches.push_back(owned.narrow(0, start, std::min(batch_size, n - start)));
+  enqueue(std::move(batches));
 }
 
 void PrefetchPipeline::finish() {
@@ -141,19 +167,24 @@ void PrefetchPipeline::worker_loop(int64_t worker) {
 }
 
 void PrefetchPipeline::prepare(Slot& slot, int64_t rows) {
-  if (!direct() && (slot.capacity < rows || held_elsewhere(slot.host))) {
-    const int64_t capacity = std::max(rows, slot.capacity);
-    slot.host.clear();
-    for (const auto& s : sources_) {
-      auto shape = s.sizes().vec();
-      shape[0] = capacity;
-      slot.host.push_back(at::empty(shape, s.options().pinned_memory(options_.pin_memory)));
-    }
-    slot.capacity = capacity;
-  }
+  prepare_host(slot, rows);
+  // Device buffers are allocated on the worker (its current stream is the default one), so a
+  // buffer the consumer keeps is freed by the consumer with no record_stream.
   if (stage_ && (!slot.dev || slot.dev->capacity < rows || held_elsewhere(slot.dev->buffers))) {
     slot.dev = stage_->allocate(std::max(rows, slot.dev ? slot.dev->capacity : 0));
   }
+}
+
+void PrefetchPipeline::prepare_host(Slot& slot, int64_t rows) {
+  if (direct() || (slot.capacity >= rows && !held_elsewhere(slot.host))) return;
+  const int64_t capacity = std::max(rows, slot.capacity);
+  slot.host.clear();
+  for (const auto& s : sources_) {
+    auto shape = s.sizes().vec();
+    shape[0] = capacity;
+    slot.host.push_back(at::empty(shape, s.options().pinned_memory(options_.pin_memory)));
+  }
+  slot.capacity = capacity;
 }
 
 void PrefetchPipeline::fill(Slot& slot, const at::Tensor& indices) {

@@ -30,6 +30,9 @@ class PrefetchPipeline {
 
   // Queues the next batch: a 1-D int64 CPU tensor of row numbers in [0, rows).
   void submit(at::Tensor indices);
+  // Queues consecutive batches of `batch_size` rows of `indices` (the last one may be
+  // shorter): a whole pass planned at once costs one call and one copy of its indices.
+  void submit_split(at::Tensor indices, int64_t batch_size);
   // No batch follows the ones submitted so far.
   void finish();
 
@@ -50,8 +53,11 @@ class PrefetchPipeline {
   struct Slot;
 
   void worker_loop(int64_t worker);
+  at::Tensor owned_indices(at::Tensor indices) const;
+  void enqueue(std::vector<at::Tensor> batches);
   bool take(int64_t& batch, at::Tensor& indices);
   void prepare(Slot& slot, int64_t rows);
+  void prepare_host(Slot& slot, int64_t rows);
   void fill(Slot& slot, const at::Tensor& indices);
 
   std::vector<at::Tensor> sources_;

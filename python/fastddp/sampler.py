@@ -62,9 +62,9 @@ class DistributedSampler(torch.utils.data.Sampler[int]):
             bijection of which each rank computes only its own share, in O(N / replicas) time
             and memory — for huge datasets where even one full permutation is too costly.
 
-    Beyond torch's API: :meth:`indices`, :meth:`batches`, :meth:`state_dict` and
-    :meth:`load_state_dict` (resume mid-epoch: the next iterator, and only it, starts after
-    the indices already yielded).
+    Beyond torch's API: :meth:`indices`, :meth:`batches`, :meth:`iter_indices` (an iterator's
+    indices as one tensor), :meth:`state_dict` and :meth:`load_state_dict` (resume mid-epoch:
+    the next iterator, and only it, starts after the indices already yielded).
     """
 
     def __init__(
@@ -169,6 +169,16 @@ class DistributedSampler(torch.utils.data.Sampler[int]):
         self._generation += 1
         self._position = start
         return self._yield(idx, start, self._generation)
+
+    def iter_indices(self) -> torch.Tensor:
+        """What a new iterator yields, all at once, as an int64 CPU tensor (read-only): it
+        starts an iterator as ``iter()`` does (a pending resume offset goes to it) and reads it
+        to the end, so :meth:`state_dict` then reports the whole epoch as yielded."""
+        idx = self.indices()
+        start, self._resume = self._resume, 0
+        self._generation += 1
+        self._position = len(idx)
+        return idx[start:]
 
     def _yield(self, idx: torch.Tensor, start: int, generation: int) -> Iterator[int]:
         position = start

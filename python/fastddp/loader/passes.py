@@ -14,7 +14,7 @@ from torch.utils._pytree import tree_map_only
 from torch.utils.data import DataLoader
 
 from .._ext import C
-from .plan import PlanEntry, SkippingSampler, draw_base_seed, replaying, to_entry
+from .plan import PlanEntry, SkippingSampler, draw_base_seed, read_whole_pass, replaying, to_entry
 from .sources import Sources
 
 
@@ -57,6 +57,8 @@ class NativeSettings:
     device: torch.device
     start_reads: int                       # batches read from the plan when the pass starts
     first_next_reads: int                  # batches read at the first next()
+    whole_pass: bool                       # the first read reads every batch (reads_ahead_unobserved)
+    batch_rows: int                        # rows of the largest batch, 0 when unknown
 
 
 class NativePass:
@@ -83,18 +85,45 @@ class NativePass:
             opts = C.PipelineOptions()
             opts.num_workers, opts.prefetch = self.s.threads, self.s.ring
             opts.pin_memory, opts.device = self.s.pin, str(self.s.device)
+            opts.batch_rows = self.s.batch_rows
             self.pipe = C.PrefetchPipeline([t.contiguous() for t in self.s.tensors], opts)
             self.direct = bool(self.pipe.direct)
         with replaying(replay.rng_state, generator, replay.generator_state):
             self.it = iter(self.index_sampler)  # DataLoader's order: the sampler, then the seed
             if draw_seed:
                 draw_base_seed(generator)
+            if replay.skip and self.s.whole_pass:
+                self._read_whole_pass(replay.skip)
             for _ in range(replay.skip):
                 if next(self.it, None) is None:
                     break
             self._read(self.s.start_reads)
 
+    def _read_whole_pass(self, skip: int) -> None:
+        """Reads every batch of the pass (dropping the first ``skip``) and submits them to the
+        pipeline in one call when they are all gathered natively."""
+        idx, entries = read_whole_pass(self.index_sampler, self.rows)
+        self.it = iter(())
+        self.exhausted = True
+        self.read = len(entries) - skip
+        for number, entry in enumerate(entries[skip:]):
+            entry.number = number
+            self.entries.append(entry)
+        if self.pipe is None:
+            return
+        if idx is not None:
+            size = self.index_sampler.batch_size
+            self.pipe.submit_split(idx[skip * size:], size)
+        else:
+            for entry in self.entries:
+                if entry.indices is not None:
+                    self.pipe.submit(entry.indices)
+        self.pipe.finish()
+
     def _read(self, count: int) -> None:
+        if count > 0 and self.s.whole_pass and not self.exhausted:
+            self._read_whole_pass(0)
+            return
         for _ in range(count):
             if self.exhausted:
                 return

@@ -4,7 +4,9 @@ a given one's) happens in DataLoader's order; plus the pieces a resumed pass nee
 
 from __future__ import annotations
 
+import array
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any, Optional
 
@@ -75,6 +77,83 @@ def to_entry(number: int, batch: Any, rows: int) -> PlanEntry:
     if lo < -rows or hi >= rows:
         return PlanEntry(number, None, batch)
     return PlanEntry(number, torch.where(idx < 0, idx + rows, idx) if lo < 0 else idx, batch)
+
+
+def read_whole_pass(index_sampler: BatchSampler, rows: int) -> tuple[Optional[torch.Tensor], list[PlanEntry]]:
+    """Every batch one iterator of ``index_sampler`` yields, read at once (for samplers whose
+    reads ahead are unobserved, see :func:`reads_ahead_unobserved`). When every index is an
+    integer in range, the batches are consecutive slices of the returned tensor (the caller
+    submits it in one call); otherwise each batch is the list BatchSampler yields, classified
+    by :func:`to_entry`."""
+    from ..sampler import DistributedSampler as FastSampler
+
+    inner, size = index_sampler.sampler, index_sampler.batch_size
+    items: Any
+    if type(inner) is FastSampler:
+        items = inner.iter_indices()
+    elif type(inner) is SequentialSampler:
+        items = torch.arange(len(inner.data_source), dtype=torch.int64)
+    elif type(inner) is RandomSampler and inner.generator is None and not inner.replacement \
+            and random_sampler_replay_matches():
+        items = replay_random_sampler(inner)
+    else:
+        items = list(iter(inner))
+    end = len(items) - len(items) % size if index_sampler.drop_last else len(items)
+    if end < len(items):
+        items = items[:end]
+    idx = _in_range(items, rows)
+    if idx is not None:
+        return idx, [PlanEntry(k, chunk, None) for k, chunk in enumerate(idx.split(size))]
+    if isinstance(items, torch.Tensor):
+        items = items.tolist()
+    return None, [to_entry(k, items[start:start + size], rows) for k, start in enumerate(range(0, end, size))]
+
+
+def replay_random_sampler(sampler: RandomSampler) -> torch.Tensor:
+    """What one iterator of ``sampler`` (no generator, no replacement) yields, computed as a
+    tensor with the same draws: a seed from the global generator, then one ``randperm`` per full
+    pass over the data and one for the remainder. Used only while
+    :func:`random_sampler_replay_matches` says the installed torch draws this way."""
+    n, total = len(sampler.data_source), sampler.num_samples
+    seed = int(torch.empty((), dtype=torch.int64).random_().item())
+    generator = torch.Generator().manual_seed(seed)
+    parts = [torch.randperm(n, generator=generator) for _ in range(total // n)]
+    parts.append(torch.randperm(n, generator=generator)[: total % n])
+    return torch.cat(parts)
+
+
+@functools.cache
+def random_sampler_replay_matches() -> bool:
+    """True when :func:`replay_random_sampler` gives what torch's RandomSampler gives, values
+    and global random state alike (checked once per process, on a small case)."""
+    with torch.random.fork_rng(devices=[]):
+        sampler = RandomSampler(range(7), num_samples=17)
+        torch.manual_seed(20261125)
+        expected = list(iter(sampler))
+        expected_state = torch.random.get_rng_state()
+        torch.manual_seed(20261125)
+        got = replay_random_sampler(sampler).tolist()
+        return got == expected and torch.equal(torch.random.get_rng_state(), expected_state)
+
+
+def _in_range(items: Any, rows: int) -> Optional[torch.Tensor]:
+    """``items`` as an int64 tensor of rows (negative ones counted from the end), or None when
+    any item is not an integer index in ``[-rows, rows)``."""
+    if isinstance(items, torch.Tensor):
+        idx = items
+    elif not items or set(map(type, items)) != {int}:
+        return None  # bools, floats, tensors, strings...: classified batch by batch
+    else:
+        try:
+            idx = torch.frombuffer(array.array("q", items), dtype=torch.int64)  # 4x torch.tensor's speed
+        except OverflowError:
+            return None
+    if idx.numel() == 0:
+        return None
+    lo, hi = int(idx.min()), int(idx.max())
+    if lo < -rows or hi >= rows:
+        return None
+    return torch.where(idx < 0, idx + rows, idx) if lo < 0 else idx
 
 
 class SkippingSampler:

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Optional, Union
 
 import torch
-from torch.utils.data import default_collate
+from torch.utils.data import BatchSampler, default_collate
 
 from .iterator import LoaderHooks, LoaderIterator
 from .passes import NativePass, NativeSettings, Replay, TorchPass, build_runner
@@ -168,7 +168,15 @@ class PrefetchLoader:
             start, first = 0, (self.prefetch - 1 if reads_ahead_unobserved(self.batch_sampler) else 0)
         pin = (self.pin_memory and torch.accelerator.is_available()) or self.device.type == "cuda"
         return NativeSettings(tensors=tensors, resident=resident, threads=workers or 2, ring=self.prefetch,
-                              pin=pin, device=self.device, start_reads=start, first_next_reads=first)
+                              pin=pin, device=self.device, start_reads=start, first_next_reads=first,
+                              whole_pass=reads_ahead_unobserved(self.batch_sampler),
+                              batch_rows=self._batch_rows(len(tensors[0])))
+
+    def _batch_rows(self, rows: int) -> int:
+        """Rows of the largest batch the index sampler yields (0 when it does not say)."""
+        if type(self.batch_sampler) is not BatchSampler:
+            return 0
+        return min(self.batch_sampler.batch_size, rows)
 
     def _start(self, pass_: Any, draw_seed: bool) -> None:
         replay, self._replay = self._replay, Replay()
