@@ -3,6 +3,8 @@
 #include "reducer/layout.h"
 #include "reducer/reducer.h"
 
+#include "diag/status.h"
+
 #include <ATen/ops/empty.h>
 #include <ATen/ops/tensor.h>
 #include <ATen/ops/zeros.h>
@@ -113,6 +115,7 @@ void Reducer::install_buckets_locked(const std::vector<std::vector<int64_t>>& bu
 }
 
 bool Reducer::rebuild_buckets_in_arrival_order() {
+  diag::PhaseScope rebuilding(diag::Phase::kRebuild);
   const int64_t n = static_cast<int64_t>(params_.size());
   std::vector<int64_t> order = arrival_order();
   std::vector<char> seen(params_.size(), 0);

@@ -1,5 +1,7 @@
 #include "reducer/reducer.h"
 
+#include "diag/status.h"
+
 #include "reducer/layout.h"
 
 #include <ATen/ops/_foreach_copy.h>
@@ -141,6 +143,7 @@ void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs, bool 
   }
   hooks_seen_ = false;
   expect_sync_ = sync;
+  if (sync) diag::status().step_started();
   if (sync) invalidate_visitors_locked();  // what visitors took from an earlier backward is stale
   callback_queued_ = false;
   next_launch_ = 0;
@@ -273,6 +276,7 @@ void Reducer::mark_ready(int64_t index) {
     if (grad.defined() && !grad.is_alias_of(bucket_view(index))) buckets_hold_grads_ = false;
     return;
   }
+  diag::status().backward_started();  // a reducing backward (no_sync's stay "outside")
   hooks_seen_ = true;
   if (static_graph_) {
     if (static_first_iteration_) {
@@ -463,12 +467,15 @@ void Reducer::finalize_backward() {
     // The gradients are autograd's own and a world of one sums nothing: no bucket to wait
     // for, no gradient to put back (parameters unused here keep .grad, as in torch DDP).
     for (auto& bucket : buckets_) bucket.last_allreduce_ms = 0.0;
+    diag::status().step_finished();
+    diag::status().enter(diag::Phase::kOutside);
     return;
   }
 
   at::Tensor global_used = static_global_used_;
   if ((find_unused_ && !static_graph_) || static_first) {
     // Which parameters were used on any rank: those unused everywhere keep their .grad.
+    diag::PhaseScope waiting(diag::Phase::kUsedMap);
     global_used = allreduce_used_locked(locally_used_);
     // static_graph: the parameters unused on every rank in the first iteration stay unused.
     if (static_first) static_global_used_ = global_used;
@@ -482,10 +489,12 @@ void Reducer::finalize_backward() {
     auto& bucket = buckets_[index];
     std::optional<double> fused_squares;  // the reduction already summed this bucket's squares
     if (bucket.hook_future) {
+      diag::PhaseScope waiting(diag::Phase::kAllreduce, index);
       take_comm_hook_result_locked(index);
       bucket.last_allreduce_ms =
           std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - bucket.launched).count();
     } else if (bucket.work) {
+      diag::PhaseScope waiting(diag::Phase::kAllreduce, index);
       bucket.work->wait();
       bucket.last_allreduce_ms =
           std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - bucket.launched).count();
@@ -523,6 +532,8 @@ void Reducer::finalize_backward() {
     }
   }
   buckets_hold_grads_ = gradient_as_bucket_view_;
+  diag::status().step_finished();
+  diag::status().enter(diag::Phase::kOutside);
 }
 
 void Reducer::set_reduction_scale(double scale) {
@@ -539,6 +550,7 @@ void Reducer::shadow_reduction() {
               "and it cannot stand in for the other ranks' reductions; run backward after every such "
               "forward inside the join() block");
   if (passthrough_ || process_group_->getSize() == 1) return;
+  diag::PhaseScope joining(diag::Phase::kJoin);
   // The same collectives as a reduced backward (launch_ready_buckets_locked, then
   // finalize_backward's used map), in the same order, with zero contributions; with a
   // communication hook, the hook's (as torch DDP's joined ranks run it on zero buckets).
@@ -601,6 +613,7 @@ bool Reducer::broadcast_buffers(const std::vector<at::Tensor>& tensors) {
     if (!t.device().is_cpu() || t.layout() != at::kStrided) return false;
   // Buffers a forward replaced by larger ones no longer fit the room reserved at construction.
   if (packed_bytes(tensors) > shm_->broadcast_bytes()) return false;
+  diag::PhaseScope broadcasting(diag::Phase::kBroadcast);
   shm_->broadcast_from_root(tensors);
   return true;
 }

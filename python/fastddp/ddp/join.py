@@ -9,6 +9,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, JoinHook, _JoinConfig
 
+from .. import diag
+
 
 class UnevenInputs:
     """DDPWrapper's side of :class:`~torch.distributed.algorithms.Join` (a part of the wrapper:
@@ -55,7 +57,8 @@ class UnevenInputs:
         if active:
             flags[0], flags[1], flags[2], flags[3 + self.rank] = int(sync), int(rebuild), int(sync_buffers), 1
         flags = flags.to(self.join_device)
-        dist.all_reduce(flags, group=self.process_group)
+        with diag.phase(diag.Phase.JOIN):
+            dist.all_reduce(flags, group=self.process_group)
         values = flags.tolist()
         ranks = [r for r, v in enumerate(values[3:]) if v]
         return values[0] > 0, values[1] > 0, len(ranks), max(ranks, default=-1), values[2] > 0
@@ -65,7 +68,8 @@ class UnevenInputs:
         last joiner (the ranks that joined early skipped optimizer steps)."""
         flags = torch.tensor([self.rank if is_last_joiner else -1], dtype=torch.int64,
                              device=self.join_device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.process_group)
+        with diag.phase(diag.Phase.JOIN):
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.process_group)
         with torch.no_grad():
             tensors = self._synced_params()
             if self.broadcast_buffers:

@@ -15,6 +15,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.algorithms.join import Join, Joinable
 
+from .. import diag
 from . import checks
 from .buckets import Buckets
 from .comm_hooks import CommHooks
@@ -130,6 +131,7 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, nn.Module, Joinable):
         *,
         comm_dtype: Optional[torch.dtype] = None,
         shm_allreduce: Optional[bool] = None,
+        stall_threshold_s: Optional[float] = None,
     ) -> None:
         super().__init__()
         Joinable.__init__(self)
@@ -169,7 +171,7 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, nn.Module, Joinable):
         self.require_forward_param_sync = True
         self.world_size = dist.get_world_size(self.process_group)
         self.rank = dist.get_rank(self.process_group)
-
+        diag.ensure_started(stall_threshold_s)  # before the first collective, so its hangs are reported
         checks.check_lazy(module)
         # torch DDP's hook for parameters and buffers that stay rank-local (set with
         # DistributedDataParallel._set_params_and_buffers_to_ignore_for_model or by hand)
@@ -181,8 +183,9 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, nn.Module, Joinable):
         self._input_device = checks.input_device(named, device_ids)  # forward moves the inputs there
         checks.check_dense(module, self.world_size)
         if init_sync:
-            checks.verify_across_ranks(named, self.process_group, self.world_size)
-            self._sync_module_states(init_sync_buffers)
+            with diag.phase(diag.Phase.SETUP):
+                checks.verify_across_ranks(named, self.process_group, self.world_size)
+                self._sync_module_states(init_sync_buffers)
         self._param_names = [n for n, _ in named]
         self._params = [p for _, p in named]
         self._module_buffers = self._synced_buffers()  # broadcast from rank 0 before forwards
@@ -201,7 +204,8 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, nn.Module, Joinable):
         self._is_copy = False  # made by deepcopy / unpickling (see __setstate__)
         self._divide_by_initial_world_size = True  # join()'s setting
         self._bucket_visitors: list[Any] = []  # see register_bucket_visitor
-        self._build_reducer()
+        with diag.phase(diag.Phase.SETUP):  # the shared-memory handshake is a collective
+            self._build_reducer()
 
     def _current_buffers(self) -> list[torch.Tensor]:
         """The module's buffers now: a forward may have replaced one (``self.avg = self.avg *
@@ -259,6 +263,10 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, nn.Module, Joinable):
 
     def _broadcast_coalesced(self, tensors: list[torch.Tensor], src: int = 0) -> None:
         """Broadcast ``tensors`` from group rank ``src``, one collective per (device, dtype)."""
+        with diag.phase(diag.Phase.BROADCAST):
+            self._broadcast_grouped(tensors, src)
+
+    def _broadcast_grouped(self, tensors: list[torch.Tensor], src: int) -> None:
         groups: dict[tuple, list[torch.Tensor]] = {}
         for t in tensors:
             groups.setdefault((t.device, t.dtype), []).append(t)
@@ -335,6 +343,7 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, nn.Module, Joinable):
                 # fit the room reserved at construction); else c10d
                 elif not self._reducer.broadcast_buffers(buffers):
                     self._broadcast_coalesced(buffers)
+        diag.enter(diag.Phase.FORWARD)
         output = self.module(*inputs, **kwargs)
         self.require_forward_param_sync = grad_enabled and self.require_backward_grad_sync
         if grad_enabled:
@@ -343,6 +352,7 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, nn.Module, Joinable):
             # in its first iteration to reduce at the end of the outermost backward.
             wants_outputs = sync and (self.find_unused_parameters or self.static_graph)
             self._reducer.prepare_for_backward(find_tensors(output) if wants_outputs else [], sync)
+        diag.enter(diag.Phase.OUTSIDE)
         return output
 
     def _syncs_buffers(self) -> bool:

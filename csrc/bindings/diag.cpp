@@ -1,0 +1,65 @@
+#include "bindings/registry.h"
+#include "diag/status.h"
+#include "diag/watchdog.h"
+
+#include <torch/csrc/utils/pybind.h>
+
+#include <memory>
+
+namespace py = pybind11;
+using fastddp::diag::Phase;
+using fastddp::diag::Watchdog;
+using fastddp::diag::WatchdogOptions;
+
+namespace {
+
+// A Python callable the watchdog may call from its own threads: each call takes the GIL, and
+// the last reference is dropped under the GIL too.
+Watchdog::StackFn stack_function(py::function fn) {
+  std::shared_ptr<py::function> held(new py::function(std::move(fn)), [](py::function* f) {
+    py::gil_scoped_acquire gil;
+    delete f;
+  });
+  return [held]() -> std::string {
+    py::gil_scoped_acquire gil;
+    return (*held)().cast<std::string>();
+  };
+}
+
+void bind(py::module_& m) {
+  m.def(
+      "diag_enter",
+      [](int32_t phase, int64_t detail) {
+        TORCH_CHECK(phase >= 0 && phase <= static_cast<int32_t>(Phase::kRebuild), "diag_enter: unknown phase ", phase);
+        fastddp::diag::status().enter(static_cast<Phase>(phase), detail);
+      },
+      py::arg("phase"), py::arg("detail") = -1, "Record the phase this process is in (for the stall watchdog).");
+  m.def(
+      "diag_snapshot",
+      []() {
+        const auto s = fastddp::diag::status().snapshot();
+        return py::make_tuple(static_cast<int32_t>(s.phase), s.detail, s.step, s.steps_done, s.seconds_in_phase);
+      },
+      "(phase, detail, reducing steps started, finished, seconds in the phase).");
+  py::class_<WatchdogOptions>(m, "WatchdogOptions", "How the stall watchdog runs (csrc/diag/watchdog.h).")
+      .def(py::init<>())
+      .def_readwrite("rank", &WatchdogOptions::rank)
+      .def_readwrite("world", &WatchdogOptions::world)
+      .def_readwrite("threshold_s", &WatchdogOptions::threshold_s)
+      .def_readwrite("timeout_s", &WatchdogOptions::timeout_s)
+      .def_readwrite("poll_s", &WatchdogOptions::poll_s)
+      .def_readwrite("stack_timeout_s", &WatchdogOptions::stack_timeout_s)
+      .def_readwrite("exit_on_timeout", &WatchdogOptions::exit_on_timeout);
+  py::class_<Watchdog, std::shared_ptr<Watchdog>>(
+      m, "Watchdog", "A thread that reports stalled waits of this rank with every rank's status (one per process).")
+      .def(py::init([](c10::intrusive_ptr<c10d::Store> store, WatchdogOptions options, py::function stack) {
+             return std::make_shared<Watchdog>(std::move(store), options, stack_function(std::move(stack)));
+           }),
+           py::arg("store"), py::arg("options"), py::arg("stack"))
+      .def("stop", &Watchdog::stop, "Stop and join the thread.", py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("last_report", &Watchdog::last_report, "The last stall report (empty when none).");
+}
+
+}  // namespace
+
+FASTDDP_BINDING(diag, bind);

@@ -1,0 +1,239 @@
+#include "diag/watchdog.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <future>
+#include <memory>
+#include <sstream>
+#include <vector>
+
+namespace fastddp::diag {
+namespace {
+
+using Seconds = std::chrono::duration<double>;
+
+std::vector<uint8_t> bytes(const std::string& s) { return {s.begin(), s.end()}; }
+std::string text(const std::vector<uint8_t>& b) { return {b.begin(), b.end()}; }
+
+// One rank's answer: "phase detail step steps_done seconds\n<python stack>".
+struct Answer {
+  bool present = false;
+  Phase phase = Phase::kOutside;
+  int64_t detail = -1, step = 0, done = 0;
+  double seconds = 0.0;
+  std::string stack;
+};
+
+Answer parse(const std::string& s) {
+  Answer a;
+  std::istringstream in(s);
+  int32_t phase = 0;
+  if (!(in >> phase >> a.detail >> a.step >> a.done >> a.seconds)) return a;
+  a.present = true;
+  a.phase = static_cast<Phase>(phase);
+  std::getline(in, a.stack);  // the rest of the first line (empty)
+  std::string line;
+  a.stack.clear();
+  while (std::getline(in, line)) a.stack += (a.stack.empty() ? "" : "\n") + line;
+  return a;
+}
+
+std::string doing(const Answer& a) {
+  std::ostringstream o;
+  o << phase_name(a.phase);
+  if (a.phase == Phase::kAllreduce) o << " of bucket " << a.detail;
+  o << " for " << std::fixed;
+  o.precision(1);
+  o << a.seconds << " s (reducing steps: " << a.step << " started, " << a.done << " finished)";
+  return o.str();
+}
+
+std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
+
+std::string indent(const std::string& s, const std::string& pad) {
+  std::string out = pad;
+  for (char c : s) {
+    out += c;
+    if (c == '\n') out += pad;
+  }
+  return out;
+}
+
+}  // namespace
+
+Watchdog::Watchdog(c10::intrusive_ptr<c10d::Store> store, WatchdogOptions options, StackFn stack)
+    : store_(std::move(store)), options_(options), stack_(std::move(stack)) {
+  TORCH_CHECK(store_, "fastddp watchdog: needs a c10d store");
+  TORCH_CHECK(options_.world >= 1 && options_.rank >= 0 && options_.rank < options_.world,
+              "fastddp watchdog: rank ", options_.rank, " outside a world of ", options_.world);
+  TORCH_CHECK(options_.threshold_s > 0 && options_.threshold_s < options_.timeout_s,
+              "fastddp watchdog: the stall threshold (", options_.threshold_s, " s) must be > 0 and below the "
+              "process-group timeout (", options_.timeout_s, " s); set FASTDDP_STALL_THRESHOLD_S (or "
+              "DDPWrapper(stall_threshold_s=...)) below the timeout given to init_process_group");
+  TORCH_CHECK(options_.poll_s > 0 && options_.stack_timeout_s > 0, "fastddp watchdog: poll_s (", options_.poll_s,
+              ") and stack_timeout_s (", options_.stack_timeout_s, ") must be > 0");
+  thread_ = std::thread([this] { run(); });
+}
+
+Watchdog::~Watchdog() { stop(); }
+
+void Watchdog::stop() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+std::string Watchdog::last_report() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return last_report_;
+}
+
+void Watchdog::run() {
+  const auto period = Seconds(options_.poll_s);
+  while (true) {
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      if (cv_.wait_for(lock, period, [this] { return stop_; })) return;
+    }
+    try {
+      check_abort();
+      answer_requests();
+      watch_own_wait();
+    } catch (const std::exception& e) {
+      // The store is gone (its host rank exited): nothing more can be collected.
+      std::fprintf(stderr, "fastddp watchdog (rank %lld): the c10d store failed (%s); stall reports are off\n",
+                   static_cast<long long>(options_.rank), e.what());
+      return;
+    }
+  }
+}
+
+void Watchdog::check_abort() {
+  if (!store_->check({"abort"})) return;
+  end_process(text(store_->get("abort")));
+}
+
+void Watchdog::answer_requests() {
+  const int64_t generation = store_->add("request", 0);
+  if (generation <= answered_) return;
+  answered_ = generation;
+  store_->set("status/" + std::to_string(generation) + "/" + std::to_string(options_.rank), bytes(status_line()));
+}
+
+void Watchdog::watch_own_wait() {
+  const Snapshot mine = status().snapshot();
+  if (!waits_on_peers(mine.phase) || mine.seconds_in_phase < options_.threshold_s) return;
+  const int64_t since = status().phase_since_ns();
+  if (since != reported_since_) {
+    reported_since_ = since;
+    const std::string report = report_stall(mine);
+    std::fprintf(stderr, "%s\n", report.c_str());
+    std::fflush(stderr);
+    std::lock_guard<std::mutex> lock(mutex_);
+    last_report_ = report;
+  }
+  // Before the timeout, by the time it takes to post the report and for the others to read
+  // it, so that it reaches every rank before the process group's own timeout errors do.
+  const double margin = std::min(std::max(5.0, 2 * options_.poll_s + options_.stack_timeout_s + 2), 0.5 * options_.timeout_s);
+  if (options_.exit_on_timeout && mine.seconds_in_phase >= std::max(options_.timeout_s - margin, options_.threshold_s)) {
+    std::string report;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      report = last_report_;
+    }
+    store_->set("abort", bytes(report + "\nfastddp: rank " + std::to_string(options_.rank) + " has waited " +
+                               std::to_string(static_cast<int64_t>(mine.seconds_in_phase)) +
+                               " s, close to the process-group timeout (" +
+                               std::to_string(static_cast<int64_t>(options_.timeout_s)) + " s); every rank ends."));
+    // The other ranks read the report on their next poll: leaving before that would break
+    // their collectives first, and they would end with a connection error instead of it.
+    std::this_thread::sleep_for(Seconds(2 * options_.poll_s + 0.5));
+    end_process(text(store_->get("abort")));
+  }
+}
+
+std::string Watchdog::status_line() {
+  const Snapshot s = status().snapshot();
+  std::ostringstream o;
+  o << static_cast<int32_t>(s.phase) << ' ' << s.detail << ' ' << s.step << ' ' << s.steps_done << ' '
+    << s.seconds_in_phase << '\n'
+    << python_stack();
+  return o.str();
+}
+
+std::string Watchdog::python_stack() {
+  if (!stack_) return "Python stack not available";
+  auto done = std::make_shared<std::promise<std::string>>();
+  auto answer = done->get_future();
+  // Its own thread: taking the GIL blocks for as long as the training thread holds it.
+  std::thread([stack = stack_, done] {
+    try {
+      done->set_value(stack());
+    } catch (const std::exception& e) {
+      done->set_value(std::string("Python stack not available: ") + e.what());
+    }
+  }).detach();
+  if (answer.wait_for(Seconds(options_.stack_timeout_s)) != std::future_status::ready)
+    return "Python stack not available: the training thread has held the GIL for " +
+           std::to_string(options_.stack_timeout_s) + " s (it is stuck in native code)";
+  return answer.get();
+}
+
+std::string Watchdog::report_stall(const Snapshot& mine) {
+  const int64_t generation = store_->add("request", 1);
+  const std::string prefix = "status/" + std::to_string(generation) + "/";
+  answered_ = generation;
+  store_->set(prefix + std::to_string(options_.rank), bytes(status_line()));
+  std::vector<Answer> answers(static_cast<size_t>(options_.world));
+  const auto deadline = std::chrono::steady_clock::now() + Seconds(2 * options_.poll_s + options_.stack_timeout_s + 1);
+  for (int64_t r = 0; r < options_.world; ++r) {
+    const std::string key = prefix + std::to_string(r);
+    while (!store_->check({key}) && std::chrono::steady_clock::now() < deadline)
+      std::this_thread::sleep_for(Seconds(options_.poll_s / 5));
+    if (store_->check({key})) answers[static_cast<size_t>(r)] = parse(text(store_->get(key)));
+  }
+  Answer self;
+  self.present = true;
+  self.phase = mine.phase, self.detail = mine.detail, self.step = mine.step, self.done = mine.steps_done;
+  self.seconds = mine.seconds_in_phase;
+  std::ostringstream o;
+  o << "fastddp stall report: rank " << options_.rank << " has been waiting in " << doing(self) << ".\n";
+  std::string lagging, silent;
+  for (int64_t r = 0; r < options_.world; ++r) {
+    const Answer& a = answers[static_cast<size_t>(r)];
+    o << "  rank " << r << ": ";
+    if (!a.present) {
+      o << "no answer (the process is gone or its watchdog cannot reach the store)\n";
+      silent += (silent.empty() ? "" : ", ") + std::to_string(r);
+      continue;
+    }
+    o << doing(a) << "\n" << indent(a.stack, "      ") << "\n";
+    if (!waits_on_peers(a.phase))
+      lagging += (lagging.empty() ? "" : "; ") + ("rank " + std::to_string(r) + " (" + phase_name(a.phase) + ", " +
+                                                  first_line(a.stack) + ")");
+  }
+  if (!lagging.empty())
+    o << "  lagging: " << lagging << ". The other ranks wait for it in fastddp.";
+  else if (!silent.empty())
+    o << "  lagging: rank(s) " << silent << " did not answer.";
+  else
+    o << "  every rank waits on the others: they issued different collectives (see above).";
+  return o.str();
+}
+
+void Watchdog::end_process(const std::string& report) {
+  std::fprintf(stderr, "%s\nfastddp: rank %lld exits with status 1 (stalled past the process-group timeout).\n",
+               report.c_str(), static_cast<long long>(options_.rank));
+  std::fflush(stderr);
+  std::fflush(stdout);
+  std::_Exit(1);
+}
+
+}  // namespace fastddp::diag

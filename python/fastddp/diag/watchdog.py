@@ -1,0 +1,103 @@
+"""This process's stall watchdog (csrc/diag/watchdog.h): started by the first DDPWrapper of a
+job, on by default. It reads the status board the reducer and the wrapper keep, and reaches the
+other ranks through the default group's c10d store.
+
+Settings: ``DDPWrapper(stall_threshold_s=...)`` or ``FASTDDP_STALL_THRESHOLD_S`` (seconds a wait on
+the other ranks may last before it is reported; default 30, or half the process-group timeout
+when that is shorter); ``FASTDDP_WATCHDOG=0`` switches it off."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from .._ext import C
+from .stacks import describe_thread
+
+DEFAULT_THRESHOLD_S = 30.0
+_STORE_PREFIX = "fastddp/diag/"
+
+
+class _Running:
+    """The process's one watchdog and the default group it watches."""
+
+    watchdog: Any = None
+    group: Any = None
+
+
+def group_timeout_s(group: Any) -> float:
+    """The process group's timeout in seconds (torch's default when the backend hides it)."""
+    try:
+        return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+    except (AttributeError, RuntimeError):
+        default = getattr(dist, "default_pg_timeout", timedelta(minutes=30))
+        return default.total_seconds()
+
+
+def stall_threshold_s(given: Optional[float], timeout_s: float) -> float:
+    """The threshold from the argument, else the environment, else the default; checked."""
+    source = "stall_threshold_s"
+    value: Any = given
+    if value is None and os.environ.get("FASTDDP_STALL_THRESHOLD_S"):
+        source, value = "FASTDDP_STALL_THRESHOLD_S", os.environ["FASTDDP_STALL_THRESHOLD_S"]
+    if value is None:
+        return min(DEFAULT_THRESHOLD_S, timeout_s / 2)
+    try:
+        threshold = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"DDPWrapper: {source} must be a number of seconds, got {value!r}") from None
+    if not 0 < threshold < timeout_s:
+        raise ValueError(f"DDPWrapper: {source}={threshold:g} s must be > 0 and below the process-group "
+                         f"timeout ({timeout_s:g} s): a stall is reported before the group gives up. "
+                         "Lower it, or pass a longer timeout to init_process_group.")
+    return threshold
+
+
+def enabled() -> bool:
+    """False when ``FASTDDP_WATCHDOG=0`` switches the watchdog off."""
+    return os.environ.get("FASTDDP_WATCHDOG", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def ensure_started(threshold_s: Optional[float] = None) -> Any:
+    """Start the watchdog for the default process group unless it runs already (or is off, or
+    the world has one rank). Returns the running ``C.Watchdog`` or None."""
+    if not enabled() or not dist.is_initialized():
+        return None
+    world = dist.group.WORLD
+    timeout = group_timeout_s(world)
+    threshold = stall_threshold_s(threshold_s, timeout)  # checked even when one already runs
+    if _Running.watchdog is not None and _Running.group is world:
+        return _Running.watchdog
+    stop()
+    if dist.get_world_size() == 1:
+        return None
+    store = dist.PrefixStore(_STORE_PREFIX, dist.distributed_c10d._get_default_store())
+    options = C.WatchdogOptions()
+    options.rank, options.world = dist.get_rank(), dist.get_world_size()
+    options.threshold_s, options.timeout_s = threshold, timeout
+    options.poll_s = min(0.5, threshold / 4)
+    thread = threading.get_ident()  # the thread that trains: its stack goes into the reports
+    _Running.watchdog = C.Watchdog(store, options, lambda: describe_thread(thread))
+    _Running.group = world
+    return _Running.watchdog
+
+
+def stop() -> None:
+    """Stop the watchdog (at exit, or when the default group it watched is gone)."""
+    if _Running.watchdog is not None:
+        _Running.watchdog.stop()
+    _Running.watchdog = _Running.group = None
+
+
+def last_report() -> str:
+    """The last stall report this process printed or received ('' when none)."""
+    return _Running.watchdog.last_report if _Running.watchdog is not None else ""
+
+
+atexit.register(stop)

@@ -1,0 +1,91 @@
+"""One rank of a two-rank job in which one rank misbehaves (tests/test_hang_reports.py).
+
+Usage: python tests/faults/hang_worker.py FAULT RANK WORLD INIT_FILE PG_TIMEOUT_S SHM(0|1) [torch]
+The misbehaving rank is rank 1; rank 0 trains normally and ends up waiting for it. With
+``torch`` the model is wrapped in torch's DistributedDataParallel instead (to compare what torch
+reports, e.g. under TORCH_DISTRIBUTED_DEBUG=DETAIL)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+import fastddp
+
+STEPS = 4
+STUCK_STEP = 2
+
+
+class Net(nn.Module):
+    def __init__(self, stuck_in_forward: bool) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 2)
+        self.stuck_in_forward = stuck_in_forward
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.stuck_in_forward and self.calls == STUCK_STEP:
+            print("FAULT-START", flush=True)
+            time.sleep(600)  # a stuck forward (e.g. waiting on a remote resource)
+        return self.b(torch.relu(self.a(x)))
+
+
+class Samples(Dataset):
+    def __init__(self, stuck: bool) -> None:
+        self.stuck = stuck
+
+    def __len__(self) -> int:
+        return 4 * STEPS
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.stuck and i == 4 * (STUCK_STEP - 1):
+            print("FAULT-START", flush=True)
+            time.sleep(600)  # a stuck data source
+        g = torch.Generator().manual_seed(i)
+        return torch.randn(8, generator=g), torch.tensor(i % 2)
+
+
+def main() -> None:
+    fault, rank, world, init_file, timeout_s, shm = sys.argv[1:7]
+    stock = sys.argv[7:] == ["torch"]
+    rank, world = int(rank), int(world)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=float(timeout_s)))
+    bad = rank == 1
+    net = Net(bad and fault == "stuck_forward")
+    model = (torch.nn.parallel.DistributedDataParallel(net) if stock
+             else fastddp.DDPWrapper(net, shm_allreduce=shm == "1"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if bad and fault == "killed":  # dies while the reduction of its first step is in flight
+        model.module.a.weight.register_hook(lambda g: os.kill(os.getpid(), signal.SIGKILL))
+    loader = DataLoader(Samples(bad and fault == "stuck_data"), batch_size=4)
+    steps = STEPS - 1 if bad and fault in ("extra_step", "fewer_batches") else STEPS
+    for step, (x, y) in enumerate(loader):
+        if step == steps:
+            break
+        loss = nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    if bad and fault in ("extra_step", "fewer_batches"):
+        print("FAULT-START", flush=True)
+    if fault == "extra_step":
+        dist.barrier()  # rank 1 went on to a barrier while rank 0 takes one more step
+    elif fault == "fewer_batches":
+        out = [torch.zeros(1) for _ in range(world)]
+        dist.all_gather(out, torch.ones(1))  # rank 1's evaluation, rank 0 still training
+    dist.destroy_process_group()
+    print("DONE", flush=True)
+
+
+if __name__ == "__main__":
+    main()

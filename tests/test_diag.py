@@ -1,0 +1,98 @@
+"""The status board, the stall watchdog's settings and the stack summaries of its reports
+(the multi-rank fault matrix is tests/test_hang_reports.py)."""
+
+from __future__ import annotations
+
+import traceback
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import fastddp
+from fastddp import diag
+from fastddp._ext import C
+from fastddp.diag import stacks
+from fastddp.diag.watchdog import stall_threshold_s
+
+
+def _frame(path: str, line: int, name: str) -> traceback.FrameSummary:
+    return traceback.FrameSummary(path, line, name, lookup_line=False)
+
+
+def test_summary_names_the_torch_collective_and_the_line_that_called_it() -> None:
+    frames = [_frame("/job/train.py", 10, "<module>"), _frame("/job/train.py", 40, "evaluate"),
+              _frame(stacks._TORCH + "distributed/c10d_logger.py", 83, "wrapper"),
+              _frame(stacks._TORCH_C10D, 4000, "all_gather"), _frame(stacks._TORCH_C10D, 4100, "_inner")]
+    assert stacks.summarize(frames) == "in torch.distributed.all_gather called at /job/train.py:40 in evaluate"
+
+
+def test_summary_says_data_loading_and_else_the_innermost_user_line() -> None:
+    loader = [_frame("/job/train.py", 12, "main"), _frame(stacks._TORCH + "utils/data/dataloader.py", 700, "__next__"),
+              _frame("/job/data.py", 5, "__getitem__")]
+    assert stacks.summarize(loader) == "loading data (__next__ in dataloader.py) called at /job/train.py:12 in main"
+    plain = [_frame("/job/train.py", 12, "main"), _frame("/job/model.py", 30, "forward"),
+             _frame(stacks._TORCH + "nn/modules/linear.py", 125, "forward")]
+    assert stacks.summarize(plain) == "at /job/model.py:30 in forward"
+
+
+def test_describe_thread_lists_this_test() -> None:
+    import threading
+
+    text = stacks.describe_thread(threading.get_ident())
+    assert "test_describe_thread_lists_this_test" in text.splitlines()[0]
+
+
+@pytest.mark.parametrize("given, env, message", [
+    (0, None, "stall_threshold_s=0 s must be > 0 and below the process-group timeout (60 s)"),
+    (60, None, "stall_threshold_s=60 s must be > 0"),
+    (None, "90", "FASTDDP_STALL_THRESHOLD_S=90 s must be > 0"),
+    (None, "soon", "FASTDDP_STALL_THRESHOLD_S must be a number of seconds, got 'soon'"),
+])
+def test_bad_thresholds_are_refused_naming_the_setting(monkeypatch, given, env, message) -> None:
+    if env is not None:
+        monkeypatch.setenv("FASTDDP_STALL_THRESHOLD_S", env)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        stall_threshold_s(given, 60.0)
+
+
+def test_threshold_defaults(monkeypatch) -> None:
+    monkeypatch.delenv("FASTDDP_STALL_THRESHOLD_S", raising=False)
+    assert stall_threshold_s(None, 1800.0) == 30.0
+    assert stall_threshold_s(None, 20.0) == 10.0  # half a short timeout
+    monkeypatch.setenv("FASTDDP_STALL_THRESHOLD_S", "2.5")
+    assert stall_threshold_s(None, 20.0) == 2.5
+    assert stall_threshold_s(4, 20.0) == 4.0  # the argument wins
+
+
+def test_native_options_are_checked() -> None:
+    store = dist.HashStore()
+    options = C.WatchdogOptions()
+    options.world, options.threshold_s, options.timeout_s = 2, 10.0, 5.0
+    with pytest.raises(RuntimeError, match=r"stall threshold \(10 s\) must be > 0 and below the process-group timeout"):
+        C.Watchdog(store, options, lambda: "")
+    options.threshold_s, options.rank = 1.0, 2
+    with pytest.raises(RuntimeError, match="rank 2 outside a world of 2"):
+        C.Watchdog(store, options, lambda: "")
+
+
+def test_phases_of_a_training_step_on_the_board(tmp_path) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/init", rank=0, world_size=1,
+                            timeout=timedelta(seconds=60))
+    try:
+        model = fastddp.DDPWrapper(nn.Linear(4, 2))
+        assert C.diag_snapshot()[0] == diag.Phase.OUTSIDE
+        before = C.diag_snapshot()[2]
+        loss = model(torch.randn(3, 4)).sum()
+        assert C.diag_snapshot()[0] == diag.Phase.OUTSIDE  # forward done
+        assert C.diag_snapshot()[2] == before + 1  # a reducing step started
+        loss.backward()
+        phase, _, started, finished, _ = C.diag_snapshot()
+        assert (phase, started, finished) == (diag.Phase.OUTSIDE, before + 1, before + 1)
+        with diag.phase(diag.Phase.JOIN):
+            assert C.diag_snapshot()[0] == diag.Phase.JOIN
+        assert C.diag_snapshot()[0] == diag.Phase.OUTSIDE
+    finally:
+        dist.destroy_process_group()
