@@ -9,6 +9,7 @@ import warnings
 from typing import Any, Optional
 
 import torch
+from torch.distributed.constants import default_pg_timeout
 
 from .._ext import C
 from .checks import env_flag
@@ -107,11 +108,12 @@ class Buckets:
         return C.Reducer.packed_bytes(self._module_buffers)
 
     def _timeout_s(self) -> float:
-        """The process group's timeout (a shared-memory wait for a live peer gives up after it)."""
+        """The process group's timeout (a shared-memory wait for a live peer gives up after it):
+        its CPU backend's, else torch's default for process groups."""
         try:
-            return self.process_group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
-        except (AttributeError, RuntimeError):
-            return 1800.0
+            return float(self.process_group._get_backend(torch.device("cpu")).options._timeout.total_seconds())
+        except (AttributeError, RuntimeError, ValueError):
+            return default_pg_timeout.total_seconds()
 
     def _rebuild_buckets(self) -> None:
         """Once, after the first reduced backward: the reducer re-buckets in the order gradients

@@ -18,9 +18,10 @@ def hook_name(hook: Any) -> str:
 
 
 def check_annotations(hook: Any, name: str) -> None:
-    """torch DDP's check of a hook's annotations, with its exception type (ValueError): an
-    annotated ``bucket`` must be ``dist.GradBucket``, an annotated return type
-    ``torch.futures.Future[torch.Tensor]`` (compared as torch compares them)."""
+    """torch DDP's check of a hook's signature, with its exception types: the second argument
+    must be named ``bucket`` (KeyError); an annotated ``bucket`` must be ``dist.GradBucket``, an
+    annotated return type ``torch.futures.Future[torch.Tensor]`` (ValueError; compared as torch
+    compares them)."""
     if not callable(hook):
         return  # refused with TypeError where the hook is registered
     try:
@@ -28,7 +29,12 @@ def check_annotations(hook: Any, name: str) -> None:
     except (TypeError, ValueError):  # no signature to inspect (a builtin): let the call decide
         return
     bucket = sig.parameters.get("bucket")
-    if bucket is not None and bucket.annotation not in (inspect.Parameter.empty, dist.GradBucket):
+    if bucket is None:
+        # torch DDP looks the argument up by name (sig.parameters["bucket"]): KeyError
+        raise KeyError(f"DDPWrapper.register_comm_hook: {name} has no argument named 'bucket' (its arguments: "
+                       f"{', '.join(sig.parameters) or 'none'}); torch DDP requires the signature "
+                       "hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor].")
+    if bucket.annotation not in (inspect.Parameter.empty, dist.GradBucket):
         raise ValueError(f"DDPWrapper.register_comm_hook: {name}'s bucket argument is annotated "
                          f"{bucket.annotation!r}; torch DDP requires dist.GradBucket (or no annotation).")
     if sig.return_annotation not in (inspect.Signature.empty, torch.futures.Future[torch.Tensor]):

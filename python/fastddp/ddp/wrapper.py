@@ -133,10 +133,11 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, nn.Module, Joinable):
     ) -> None:
         super().__init__()
         Joinable.__init__(self)
-        if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError("DDPWrapper: the default process group is not initialised. Call "
-                               "torch.distributed.init_process_group(...) first (torchrun sets "
-                               "up the environment for it).")
+        # every collective (broadcasts, checks, reduction, join) goes to this group, with its own
+        # ranks: it need not be known to the default group, or there need not be one
+        self.process_group = checks.resolve_group(process_group, device_mesh)
+        if not dist.is_available():
+            raise RuntimeError("DDPWrapper: this torch build has no torch.distributed support.")
         checks.refuse_unsupported(delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision,
                                   skip_all_reduce_unused_params)
         checks.check_comm_dtype(comm_dtype)
@@ -160,15 +161,14 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, nn.Module, Joinable):
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = static_graph
         self.comm_dtype = comm_dtype
-        self.process_group = checks.resolve_group(process_group, device_mesh)
         self.device_mesh = device_mesh
         self.batched_grad_copy = batched_grad_copy
         self.require_backward_grad_sync = True
         # torch DDP's rule for the per-forward buffer sync: a forward syncs the buffers only when
         # the forward before it was a reducing one (grad enabled, outside no_sync); the first does
         self.require_forward_param_sync = True
-        self.world_size = dist.get_world_size(self.process_group)
-        self.rank = dist.get_rank(self.process_group)
+        self.world_size = self.process_group.size()
+        self.rank = self.process_group.rank()
 
         checks.check_lazy(module)
         # torch DDP's hook for parameters and buffers that stay rank-local (set with
@@ -264,9 +264,7 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, nn.Module, Joinable):
             groups.setdefault((t.device, t.dtype), []).append(t)
         for group in groups.values():
             flat = _flatten_dense_tensors(group)
-            dist.broadcast(flat, src=dist.get_global_rank(self.process_group, src)
-                           if self.process_group is not dist.group.WORLD else src,
-                           group=self.process_group)
+            dist.broadcast(flat, group=self.process_group, group_src=src)
             for t, synced in zip(group, _unflatten_dense_tensors(flat, group)):
                 t.copy_(synced)
 
