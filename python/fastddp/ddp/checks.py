@@ -76,8 +76,8 @@ def resolve_group(process_group: Optional[dist.ProcessGroup], device_mesh: Any) 
                         "dist.ProcessGroup.BackendType.GLOO, backend); pg._set_default_backend("
                         "dist.ProcessGroup.BackendType.GLOO); or use dist.new_group(...).")
     if not isinstance(process_group, dist.ProcessGroup):
-        if process_group == dist.GroupMember.NON_GROUP_MEMBER:
-            raise ValueError("DDPWrapper: this rank is not a member of process_group (dist.new_group returned "
+        if process_group == dist.GroupMember.NON_GROUP_MEMBER:  # torch DDP: TypeError too
+            raise TypeError("DDPWrapper: this rank is not a member of process_group (dist.new_group returned "
                              "GroupMember.NON_GROUP_MEMBER here); wrap the model only on the group's ranks.")
         raise TypeError(f"DDPWrapper: process_group must be a torch.distributed.ProcessGroup, got "
                         f"{type(process_group).__name__}")
