@@ -13,7 +13,6 @@ from __future__ import annotations
 import datetime
 import os
 import queue
-import tempfile
 import traceback
 from collections.abc import Callable
 from typing import Any, Optional
@@ -81,7 +80,7 @@ def train_side_by_side(ours: nn.Module, ref: nn.Module, rank: int, steps: int = 
     found = []
     for step in range(steps):
         x = torch.randn(5, 6, generator=g) + rank
-        for model, opt in zip((ours, ref), opts):
+        for model in (ours, ref):
             if accumulate and step % 2 == 0:
                 with model.no_sync():
                     model(x).pow(2).mean().backward()
@@ -282,7 +281,7 @@ def _hook_on_subgroup(rank: int, world_size: int) -> Any:
         model.register_comm_hook(sub, default_hooks.allreduce_hook)
     ours2, ref2 = build_pair(bn_mlp, sub, rank)
 
-    def python_allreduce(state, bucket):  # noqa: ANN001 (torch checks the annotations); its collectives use `state`
+    def python_allreduce(state, bucket):  # unannotated, as torch checks annotations; collectives on `state`
         return default_hooks.allreduce_hook(state, bucket)
 
     for model in (ours2, ref2):
