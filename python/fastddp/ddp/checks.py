@@ -1,5 +1,5 @@
 """DDPWrapper's argument checks and cross-rank diagnostics: options the reducer does not
-implement, bucket caps, the process group, devices, sparse layers, and torch DDP's check that
+implement, bucket caps, the process group, devices, and torch DDP's check that
 every rank built the same model. Each refusal names the argument and the fix."""
 
 from __future__ import annotations
@@ -131,19 +131,6 @@ def input_device(named: list[tuple[str, nn.Parameter]], device_ids: Any) -> Opti
         raise ValueError(f"DDPWrapper: module spans devices {sorted(map(str, devices))}; "
                          "multi-device modules need device_ids=None and are not supported")
     return None
-
-
-def check_dense(module: nn.Module, world_size: int) -> None:
-    """Sparse gradients cannot go into the flat buckets: say so before training starts
-    (a world of one reduces nothing, so it does not mind)."""
-    if world_size == 1:
-        return
-    for name, sub in module.named_modules():
-        if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse and sub.weight.requires_grad:
-            raise ValueError(f"DDPWrapper: {name or 'the module'} is {type(sub).__name__}(sparse=True), whose "
-                             "sparse gradients the reducer cannot all-reduce (it reduces dense flat "
-                             "buckets). Use sparse=False for that layer, or torch's "
-                             "DistributedDataParallel for sparse gradients.")
 
 
 def verify_across_ranks(named: list[tuple[str, nn.Parameter]], group: dist.ProcessGroup, world_size: int) -> None:

@@ -11,6 +11,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from . import sparse
+
 
 def hook_name(hook: Any) -> str:
     """How messages and bucket_report() name a communication hook."""
@@ -49,6 +51,7 @@ class CommHooks:
 
     _comm_hook: Optional[Callable]
     _python_hook: Optional[tuple[object, Callable]]
+    _sparse_names: list[str]
 
     def register_comm_hook(self, state: object, hook: Callable) -> None:
         """torch DDP's communication hook: ``hook(state, bucket) -> torch.futures.Future`` is
@@ -77,6 +80,8 @@ class CommHooks:
         if self._reducer.arrival_order():
             raise RuntimeError("DDPWrapper.register_comm_hook must be called before the first backward "
                                "pass (as in torch DDP); register it right after wrapping the model.")
+        if hook is not default_hooks.allreduce_hook:  # the others change what a sparse gradient becomes
+            sparse.refuse(self._sparse_names, f"the communication hook {name}")
         if not any(hook is k for k in known):
             self._register_python_hook(state, hook, name)
             return
@@ -115,6 +120,7 @@ class CommHooks:
         if self._reducer.arrival_order():
             raise RuntimeError("DDPWrapper._set_static_graph() must be called before the first backward pass "
                                "(as in torch DDP); better, pass static_graph=True to the constructor.")
+        sparse.refuse(self._sparse_names, "_set_static_graph()")
         self.static_graph = True
         self._replace_reducer()
 

@@ -15,7 +15,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.algorithms.join import Join, Joinable
 
-from . import checks
+from . import checks, sparse
 from .buckets import Buckets
 from .comm_hooks import CommHooks
 from .inputs import find_tensors, to_device
@@ -179,21 +179,27 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, nn.Module, Joinable):
         if not named:
             raise RuntimeError("DDPWrapper: the module has no parameter that requires a gradient")
         self._input_device = checks.input_device(named, device_ids)  # forward moves the inputs there
-        checks.check_dense(module, self.world_size)
+        # parameters with sparse gradients stay out of the C++ reducer (see sparse.py)
+        sparse_names = sparse.sparse_parameter_names(module, [n for n, _ in named])
+        self._sparse_names = [n for n, _ in named if n in sparse_names]
+        sparse.refuse(self._sparse_names, "static_graph=True" if static_graph else
+                      f"comm_dtype={comm_dtype}" if comm_dtype is not None else "")
         if init_sync:
             checks.verify_across_ranks(named, self.process_group, self.world_size)
             self._sync_module_states(init_sync_buffers)
-        self._param_names = [n for n, _ in named]
-        self._params = [p for _, p in named]
+        self._param_names = [n for n, _ in named if n not in sparse_names]  # the C++ reducer's
+        self._params = [p for n, p in named if n not in sparse_names]
+        self._sparse_params = [p for n, p in named if n in sparse_names]
+        self._reduced_params = [p for _, p in named]
         self._module_buffers = self._synced_buffers()  # broadcast from rank 0 before forwards
         self._buckets_rebuilt = False
         self._bucket_caps_mb = caps
         self._bucket_cap_mb = bucket_cap_mb
         # torch DDP's descriptive attributes, which code written for it reads
         self.bucket_bytes_cap = int(bucket_cap_mb * 1024 * 1024)
-        self.is_multi_device_module = len({p.device for p in self._params}) > 1
-        self.device_type = self._params[0].device.type
-        self.device = self._params[0].device
+        self.is_multi_device_module = len({p.device for p in self._reduced_params}) > 1
+        self.device_type = self._reduced_params[0].device.type
+        self.device = self._reduced_params[0].device
         self.mixed_precision = None
         self._shm_requested = shm_allreduce
         self._comm_hook: Optional[Callable] = None
@@ -228,7 +234,7 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, nn.Module, Joinable):
     def to_kwargs(self, inputs: tuple, kwargs: Optional[dict], device_id: int) -> tuple[tuple, tuple]:
         """torch DDP's (kept for compatibility) input move: ``((inputs,), (kwargs,))`` with their
         tensors on device ``device_id`` of the parameters' device type."""
-        device = torch.device(self._params[0].device.type, device_id)
+        device = torch.device(self.device_type, device_id)
         return (to_device(tuple(inputs), device),), (to_device(dict(kwargs or {}), device),)
 
     def scatter(self, inputs: tuple, kwargs: Optional[dict], device_ids: list[int]) -> tuple[tuple, tuple]:
@@ -279,7 +285,7 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, nn.Module, Joinable):
                                "process_group= or device_mesh=. Copy or save ddp.module (or its state_dict()) "
                                "instead.")
         state = dict(self.__dict__)
-        for name in ("process_group", "_reducer", "device_mesh", "_bucket_visitors"):
+        for name in ("process_group", "_reducer", "_sparse", "device_mesh", "_bucket_visitors"):
             state.pop(name, None)
         return state
 
@@ -341,6 +347,7 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, nn.Module, Joinable):
             # in its first iteration to reduce at the end of the outermost backward.
             wants_outputs = sync and (self.find_unused_parameters or self.static_graph)
             self._reducer.prepare_for_backward(find_tensors(output) if wants_outputs else [], sync)
+            self._sparse.prepare_for_backward(sync)
         return output
 
     def _syncs_buffers(self) -> bool:
