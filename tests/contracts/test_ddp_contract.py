@@ -10,6 +10,7 @@ Sparse gradients: tests/contracts/test_ddp_contract_sparse.py.
 
 from __future__ import annotations
 
+import copy
 import datetime
 import os
 import queue
@@ -180,14 +181,17 @@ def _without_default_group(rank: int, world_size: int, path: str) -> dict[str, A
                 "torch": outcome(lambda: TorchDDP(nn.Linear(2, 2)))}
     group = store_group(path, rank, world_size)
     ours, ref = build_pair(bn_mlp, group, rank, ours_kwargs={"shm_allreduce": False})
-    return {"no group": no_group, "differences": train_side_by_side(ours, ref, rank)}
+    copies = {"ours": outcome(lambda: copy.deepcopy(ours)), "torch": outcome(lambda: copy.deepcopy(ref))}
+    return {"no group": no_group, "deepcopy": copies, "differences": train_side_by_side(ours, ref, rank)}
 
 
 def test_group_without_default_group(tmp_path) -> None:
     """In processes that never called init_process_group: a store-built group trains as torch
-    DDP on it, bit for bit; no group at all raises torch's exception type."""
+    DDP on it, bit for bit; no group at all, and deepcopy (which needs the default group), raise
+    torch's exception type."""
     results = run_without_default_group(_without_default_group, 2, (str(tmp_path / "store"),))
     assert [r["no group"] for r in results] == [{"ours": "ValueError", "torch": "ValueError"}] * 2
+    assert [r["deepcopy"] for r in results] == [{"ours": "ValueError", "torch": "ValueError"}] * 2
     assert [r["differences"] for r in results] == [[], []]
 
 
@@ -215,8 +219,9 @@ def _subgroup_training(rank: int, world_size: int, transport: str) -> Any:
         return refused
     ours, ref = build_pair(bn_mlp, sub, rank, ours_kwargs={"shm_allreduce": transport == "shm"})
     found = train_side_by_side(ours, ref, rank, accumulate=True)
+    copies = (outcome(lambda: copy.deepcopy(ours)), outcome(lambda: copy.deepcopy(ref)))
     dist.barrier()  # the rank outside the group takes part in nothing until here
-    return ours.transport, found
+    return ours.transport, found, copies
 
 
 @pytest.mark.parametrize("transport", ["c10d", "shm"])
@@ -225,7 +230,7 @@ def test_subgroup_trains_as_torch(ranks, transport: str) -> None:
     rank 1), the reduction over its two ranks, bit for bit as torch DDP on gloo (the shared
     memory maps that group's ranks; equal up to the summation order). On the rank outside the group both refuse with one type."""
     results = ranks.run(_subgroup_training, world_size=3, args=(transport,))
-    assert results[1:] == [(transport, []), (transport, [])]
+    assert results[1:] == [(transport, [], ("RuntimeError", "RuntimeError"))] * 2  # deepcopy: default group only
     assert results[0]["ours"] == results[0]["torch"], results[0]
 
 

@@ -21,7 +21,7 @@ from .test_ddp_contract import build_pair, outcome
 
 class BagThenLinear(nn.Module):
     """A sparse EmbeddingBag and Embedding feeding two dense heads (``use_side=False``: the
-    side head is unused)."""
+    side head is unused; ``use_sparse=False``: both sparse layers are)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -30,8 +30,8 @@ class BagThenLinear(nn.Module):
         self.head = nn.Linear(6, 3)
         self.side = nn.Linear(6, 3)
 
-    def forward(self, ids: torch.Tensor, use_side: bool = True) -> torch.Tensor:
-        h = self.bag(ids) + self.emb(ids).mean(1)
+    def forward(self, ids: torch.Tensor, use_side: bool = True, use_sparse: bool = True) -> torch.Tensor:
+        h = self.bag(ids) + self.emb(ids).mean(1) if use_sparse else torch.ones(ids.shape[0], 6)
         return self.head(h) + self.side(h) if use_side else self.head(h)
 
 
@@ -60,17 +60,21 @@ def grad_differences(ours: nn.Module, ref: nn.Module) -> list[str]:
 
 
 def train_sparse(ours: nn.Module, ref: nn.Module, rank: int, steps: int = 4, accumulate: bool = False,
-                 side_on: int = -1) -> list[str]:
+                 side_on: int = -1, sparse_off_on: int = -1) -> list[str]:
     """SGD (plain: sparse gradients) steps with rank-dependent ids; every difference by step.
     ``accumulate``: every other step under no_sync(); ``side_on``: the rank whose forward leaves
-    the side head unused (unused parameters differ between ranks)."""
+    the side head unused (unused parameters differ between ranks); ``sparse_off_on``: the rank
+    whose reducing forwards leave the sparse layers unused (what no_sync() accumulated is
+    reduced)."""
     opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (ours, ref)]
     g = torch.Generator().manual_seed(10 + rank)
     found = []
     for step in range(steps):
         ids = torch.randint(0, 20, (4, 3), generator=g)
-        kwargs = {"use_side": False} if rank == side_on else {}
         quiet = accumulate and step % 2 == 0
+        kwargs = {"use_side": False} if rank == side_on else {}
+        if rank == sparse_off_on and not quiet:
+            kwargs["use_sparse"] = False
         for model in (ours, ref):
             if quiet:
                 with model.no_sync():
@@ -89,18 +93,21 @@ def train_sparse(ours: nn.Module, ref: nn.Module, rank: int, steps: int = 4, acc
 
 
 def _sparse_training(rank: int, world_size: int, factory: str, options: dict[str, Any], accumulate: bool,
-                     side_on: int) -> list[str]:
+                     side_on: int, sparse_off_on: int = -1) -> list[str]:
     make = {"bag then linear": BagThenLinear, "sparse only": sparse_only}[factory]
     ours, ref = build_pair(make, None, rank, **options)
-    return train_sparse(ours, ref, rank, accumulate=accumulate, side_on=side_on)
+    return train_sparse(ours, ref, rank, accumulate=accumulate, side_on=side_on, sparse_off_on=sparse_off_on)
 
 
 CASES = {
-    # name: (world size, model, options, no_sync accumulation, rank using the side head)
+    # name: (world size, model, options, no_sync accumulation, rank leaving the side head unused[,
+    #        rank leaving the sparse layers unused in reducing steps])
     "embedding and bag with a dense head": (2, "bag then linear", {}, False, -1),
     "no_sync accumulation (uncoalesced local sums)": (2, "bag then linear", {}, True, -1),
     "find_unused_parameters, side head unused on rank 1": (
         2, "bag then linear", {"find_unused_parameters": True}, True, 1),
+    "find_unused_parameters, sparse layers unused on rank 1 after no_sync": (
+        2, "bag then linear", {"find_unused_parameters": True}, True, -1, 1),
     "sparse parameters only": (2, "sparse only", {}, False, -1),
     "world of one": (1, "bag then linear", {}, True, -1),
     "gradient_as_bucket_view=False": (2, "bag then linear", {"gradient_as_bucket_view": False}, False, -1),
@@ -110,9 +117,8 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_sparse_gradients_match_torch(ranks, case: str) -> None:
     """Reduced sparse gradients and the parameters after SGD are torch DDP's, bit for bit."""
-    world_size, factory, options, accumulate, side_on = CASES[case]
-    results = ranks.run(_sparse_training, world_size=world_size,
-                        args=(factory, options, accumulate, side_on))
+    world_size, *args = CASES[case]
+    results = ranks.run(_sparse_training, world_size=world_size, args=tuple(args))
     assert results == [[]] * world_size
 
 
@@ -141,9 +147,10 @@ def _unused_sparse(rank: int, world_size: int) -> dict[str, str]:
 
 
 def test_unused_sparse_parameter_raises(ranks) -> None:
-    """find_unused_parameters=True and a sparse parameter without a gradient: torch raises
-    RuntimeError ('Expected sparse gradient to be defined', at forward), DDPWrapper raises
-    RuntimeError naming the parameter (at the end of backward). One rank: a peer would wait."""
+    """find_unused_parameters=True and a sparse parameter the forward does not use and that
+    has no gradient: both raise RuntimeError in backward (torch: 'Expected sparse gradient to
+    be defined'; DDPWrapper names the parameter). One rank: a peer would wait for the
+    reduction."""
     assert ranks.run(_unused_sparse, world_size=1) == [{"ours": "RuntimeError", "torch": "RuntimeError"}]
 
 

@@ -137,7 +137,8 @@ class Buckets:
         :class:`fastddp.GradScaler`'s ``grads=``: the flat bucket buffers (``param.grad`` are
         views into them with ``gradient_as_bucket_view=True``), or, in a world of one where
         nothing is bucketed (see the class documentation), the parameters' ``.grad`` tensors
-        themselves (those that exist)."""
+        themselves (those that exist). Sparse gradients (``nn.Embedding(sparse=True)``) are never
+        among them: for a model with such layers, use the parameters' ``.grad``."""
         if self._reducer.passthrough:
             return [p.grad for p in self._params if p.grad is not None]
         return self._reducer.bucket_buffers()

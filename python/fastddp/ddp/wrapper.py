@@ -52,6 +52,11 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, nn.Module, Joinable):
     the copies of a bucket are made with one multi-tensor copy once the bucket is full
     (``FASTDDP_BATCH_GRAD_COPIES=0|1`` forces one copy per gradient / batched copies).
 
+    ``process_group`` may be any ``ProcessGroup`` (a ``dist.new_group`` subgroup, or one built on
+    a store without a default group): every collective goes to it, with its own ranks.
+    Parameters of ``nn.Embedding``/``nn.EmbeddingBag(sparse=True)`` get sparse gradients, which
+    stay out of the buckets and are all-reduced as torch DDP does (see sparse.py).
+
     In a world of one (and no ``comm_dtype``) there is nothing to reduce: the gradients stay
     where autograd put them, as without the wrapper, and no bucket memory is allocated (the
     checks of unused or twice-ready parameters still apply). ``FASTDDP_WORLD1_PASSTHROUGH=0`` keeps
@@ -279,7 +284,11 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, nn.Module, Joinable):
         """``copy.deepcopy(model)`` and ``torch.save(model)`` as with torch DDP: everything but
         the process group and the C++ reducer, which the copy rebuilds. Like torch, only for a
         wrapper on the default process group."""
-        if not dist.is_initialized() or self.process_group is not dist.group.WORLD:
+        if not dist.is_initialized():  # torch DDP's type: its look-up of the default group raises
+            raise ValueError("DDPWrapper: pickling or deep-copying needs the default process group, and none is "
+                             "initialised (this wrapper was built on process_group=). Copy or save ddp.module "
+                             "(or its state_dict()) instead.")
+        if self.process_group is not dist.group.WORLD:
             raise RuntimeError("DDPWrapper: pickling or deep-copying is supported only for a wrapper on the "
                                "default process group (as with torch DDP); this one was built with "
                                "process_group= or device_mesh=. Copy or save ddp.module (or its state_dict()) "
