@@ -138,11 +138,11 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, nn.Module, Joinable):
     ) -> None:
         super().__init__()
         Joinable.__init__(self)
+        if not dist.is_available():
+            raise RuntimeError("DDPWrapper: this torch build has no torch.distributed support.")
         # every collective (broadcasts, checks, reduction, join) goes to this group, with its own
         # ranks: it need not be known to the default group, or there need not be one
         self.process_group = checks.resolve_group(process_group, device_mesh)
-        if not dist.is_available():
-            raise RuntimeError("DDPWrapper: this torch build has no torch.distributed support.")
         checks.refuse_unsupported(delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision,
                                   skip_all_reduce_unused_params)
         checks.check_comm_dtype(comm_dtype)
