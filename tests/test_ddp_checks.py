@@ -1,5 +1,6 @@
 """DDPWrapper's construction checks beside torch DDP's, one case per test: models that differ
-across ranks (full shape, dtype) and ``bucket_cap_mb`` values torch accepts or refuses."""
+across ranks (full shape, dtype), ``bucket_cap_mb`` values torch accepts or refuses, and the
+shared-memory timeout of a group whose backend has none."""
 
 from __future__ import annotations
 
@@ -102,3 +103,19 @@ def test_negative_bucket_cap_mb_is_refused_on_purpose() -> None:
     for (ours, msg), (ref, _) in run_distributed(_cap_outcomes, world_size=1, args=(-1,)):
         assert ref == "ok"
         assert ours == "ValueError" and "bucket_cap_mb must be a finite number >= 0" in msg, msg
+
+
+def test_shared_memory_timeout_falls_back_to_torchs_default() -> None:
+    """A group whose backend exposes no timeout (no CPU backend, or options without one): the
+    shared-memory wait takes torch's default process-group timeout."""
+    from types import SimpleNamespace
+
+    from torch.distributed.constants import default_pg_timeout
+
+    class NoCpuBackend:
+        def _get_backend(self, device: torch.device) -> None:
+            raise RuntimeError(f"no backend for {device}")
+
+    for group in (NoCpuBackend(), SimpleNamespace(_get_backend=lambda device: SimpleNamespace(options=None))):
+        holder = SimpleNamespace(process_group=group)
+        assert fastddp.DDPWrapper._timeout_s(holder) == default_pg_timeout.total_seconds()

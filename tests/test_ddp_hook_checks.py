@@ -22,6 +22,10 @@ def _bucket_is_tensor(state, bucket: torch.Tensor):
     return None
 
 
+def _second_argument_not_bucket(state, grads):
+    return None
+
+
 def _well_annotated(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(bucket.buffer())
@@ -34,7 +38,9 @@ _returns_int.__annotations__ = {"return": int}
 _bucket_is_tensor.__annotations__ = {"bucket": torch.Tensor}
 _well_annotated.__annotations__ = {"state": object, "bucket": dist.GradBucket,
                                    "return": torch.futures.Future[torch.Tensor]}
-HOOKS = {"returns int": _returns_int, "bucket is a tensor": _bucket_is_tensor, "well annotated": _well_annotated}
+HOOKS = {"returns int": _returns_int, "bucket is a tensor": _bucket_is_tensor, "well annotated": _well_annotated,
+         "second argument not named bucket": _second_argument_not_bucket}
+EXPECTED = {"well annotated": "ok", "second argument not named bucket": "KeyError"}
 
 
 def _register(rank: int, world_size: int, hook_key: str) -> tuple[str, str]:
@@ -42,6 +48,8 @@ def _register(rank: int, world_size: int, hook_key: str) -> tuple[str, str]:
         try:
             make().register_comm_hook(None, HOOKS[hook_key])
         except Exception as exc:  # the type is what the test compares
+            if isinstance(exc, KeyError) and "DDPWrapper" in str(exc):
+                assert "'bucket'" in str(exc) and "grads" in str(exc), str(exc)  # names the argument
             return type(exc).__name__
         return "ok"
 
@@ -51,4 +59,4 @@ def _register(rank: int, world_size: int, hook_key: str) -> tuple[str, str]:
 @pytest.mark.parametrize("hook_key", list(HOOKS))
 def test_hook_annotations_are_checked_like_torch(hook_key: str) -> None:
     [(ours, ref)] = run_distributed(_register, world_size=1, args=(hook_key,))
-    assert ours == ref == ("ok" if hook_key == "well annotated" else "ValueError")
+    assert ours == ref == EXPECTED.get(hook_key, "ValueError")

@@ -9,10 +9,12 @@ import warnings
 from typing import Any, Optional
 
 import torch
+from torch.distributed.constants import default_pg_timeout
 
 from .._ext import C
 from .checks import env_flag
 from .comm_hooks import hook_name
+from .sparse import SparseGradients
 
 FIRST_BUCKET_MB = 1.0  # a small first bucket so communication starts early in backward
 
@@ -64,6 +66,11 @@ class Buckets:
         state, hook = self._python_hook if self._python_hook is not None else (None, None)
         self._reducer = C.Reducer(self._params, self._param_names, self.process_group, self._reducer_options(),
                                   comm_hook_state=state, comm_hook=hook)
+        previous = getattr(self, "_sparse", None)
+        if previous is not None:  # its hooks would queue a second reduction
+            previous.close()
+        self._sparse = SparseGradients(self._sparse_names, self._sparse_params, self._reduced_params,
+                                       self.process_group, self.find_unused_parameters)
         for visitor in self._bucket_visitors:  # a replaced reducer keeps them
             self._reducer.add_bucket_visitor(visitor)
         requested = self._shm_requested
@@ -89,7 +96,7 @@ class Buckets:
     def _shm_wish(self, params: list[torch.Tensor], requested: Optional[bool]) -> Optional[bool]:
         """None: no shared-memory handshake (one process, or not a CPU model). Otherwise this
         rank's wish, agreed with the other ranks' in the handshake."""
-        if self.world_size == 1 or any(p.device.type != "cpu" for p in params):
+        if self.world_size == 1 or not params or any(p.device.type != "cpu" for p in params):
             if requested:
                 raise ValueError("DDPWrapper: shm_allreduce=True needs CPU parameters and more than one "
                                  f"process (world size {self.world_size}, devices "
@@ -107,11 +114,12 @@ class Buckets:
         return C.Reducer.packed_bytes(self._module_buffers)
 
     def _timeout_s(self) -> float:
-        """The process group's timeout (a shared-memory wait for a live peer gives up after it)."""
+        """The process group's timeout (a shared-memory wait for a live peer gives up after it):
+        its CPU backend's, else torch's default for process groups."""
         try:
-            return self.process_group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
-        except (AttributeError, RuntimeError):
-            return 1800.0
+            return float(self.process_group._get_backend(torch.device("cpu")).options._timeout.total_seconds())
+        except (AttributeError, RuntimeError, ValueError):
+            return default_pg_timeout.total_seconds()
 
     def _rebuild_buckets(self) -> None:
         """Once, after the first reduced backward: the reducer re-buckets in the order gradients
@@ -129,23 +137,26 @@ class Buckets:
         :class:`fastddp.GradScaler`'s ``grads=``: the flat bucket buffers (``param.grad`` are
         views into them with ``gradient_as_bucket_view=True``), or, in a world of one where
         nothing is bucketed (see the class documentation), the parameters' ``.grad`` tensors
-        themselves (those that exist)."""
+        themselves (those that exist). Sparse gradients (``nn.Embedding(sparse=True)``) are never
+        among them: for a model with such layers, use the parameters' ``.grad``."""
         if self._reducer.passthrough:
             return [p.grad for p in self._params if p.grad is not None]
         return self._reducer.bucket_buffers()
 
     def reduced_parameters(self) -> list[torch.nn.Parameter]:
         """The parameters whose gradients this wrapper reduces (those that require a gradient
-        and are not ignored), in registration order."""
-        return list(self._params)
+        and are not ignored, sparse ones included), in registration order."""
+        return list(self._reduced_params)
 
     def reduced_gradients(self) -> Optional[list[torch.Tensor]]:
         """The flat bucket buffers when they hold the reduced gradients now (``param.grad`` are
         views into them: ``gradient_as_bucket_view=True``, not a world of one, and no backward
         since the last reduced one put a gradient elsewhere), so that a consumer such as
         :class:`fastddp.GradScaler` can work on a few flat tensors; else None (use the
-        parameters' ``.grad``)."""
-        return self._reducer.bucket_buffers() if self._reducer.grads_in_buckets else None
+        parameters' ``.grad``): never with sparse gradients, which are not in the buckets."""
+        if self._sparse_names or not self._reducer.grads_in_buckets:
+            return None
+        return self._reducer.bucket_buffers()
 
     def register_bucket_visitor(self, visitor: Any) -> None:
         """Registers a post-reduction visitor (a ``fastddp._C.BucketVisitor``, e.g. the one

@@ -1,5 +1,5 @@
 """DDPWrapper's argument checks and cross-rank diagnostics: options the reducer does not
-implement, bucket caps, the process group, devices, sparse layers, and torch DDP's check that
+implement, bucket caps, the process group, devices, and torch DDP's check that
 every rank built the same model. Each refusal names the argument and the fix."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._C._distributed_c10d import Backend as C10dBackend
 
 
 def refuse_unsupported(delay_all_reduce_named_params: Any, param_to_hook_all_reduce: Any,
@@ -50,17 +51,46 @@ def bucket_cap(bucket_cap_mb: Any) -> float:
 
 def resolve_group(process_group: Optional[dist.ProcessGroup], device_mesh: Any) -> dist.ProcessGroup:
     """torch DDP's rule: the given process group, or the group of a 1-D ``device_mesh``, or
-    the default group; not both."""
-    if device_mesh is None:
-        return process_group if process_group is not None else dist.group.WORLD
-    if process_group is not None:
-        raise ValueError("DDPWrapper: cannot specify both process_group and device_mesh; pass one of them.")
-    if device_mesh.ndim != 1:
-        raise ValueError(f"DDPWrapper: only a 1-D device_mesh is supported, got {device_mesh} "
-                         f"({device_mesh.ndim} dimensions); slice the data-parallel dimension, e.g. "
-                         "mesh['dp'].")
-    return device_mesh.get_group(mesh_dim=0)
+    the default group; not both. The group may be any ``ProcessGroup``: a ``dist.new_group``
+    subgroup or one built on a store without a default group."""
+    if device_mesh is not None:
+        if process_group is not None:
+            raise ValueError("DDPWrapper: cannot specify both process_group and device_mesh; pass one of them.")
+        if device_mesh.ndim != 1:
+            raise ValueError(f"DDPWrapper: only a 1-D device_mesh is supported, got {device_mesh} "
+                             f"({device_mesh.ndim} dimensions); slice the data-parallel dimension, e.g. "
+                             "mesh['dp'].")
+        return device_mesh.get_group(mesh_dim=0)
+    if process_group is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            # torch DDP's type (its _get_default_group raises ValueError)
+            raise ValueError("DDPWrapper: no process_group was given and the default process group is not "
+                             "initialised. Call torch.distributed.init_process_group(...) first (torchrun sets "
+                             "up the environment for it), or pass process_group=.")
+        return dist.group.WORLD
+    if isinstance(process_group, C10dBackend):
+        # torch DDP refuses a bare backend too (TypeError, from its cross-rank parameter check)
+        raise TypeError(f"DDPWrapper: process_group is a {type(process_group).__name__}, a c10d backend, not a "
+                        "ProcessGroup. Wrap it as torch DDP needs it: pg = dist.ProcessGroup(store, rank, "
+                        "world_size); pg._register_backend(torch.device('cpu'), "
+                        "dist.ProcessGroup.BackendType.GLOO, backend); pg._set_default_backend("
+                        "dist.ProcessGroup.BackendType.GLOO); or use dist.new_group(...).")
+    if not isinstance(process_group, dist.ProcessGroup):
+        if process_group == dist.GroupMember.NON_GROUP_MEMBER:  # torch DDP: TypeError too
+            raise TypeError("DDPWrapper: this rank is not a member of process_group (dist.new_group returned "
+                             "GroupMember.NON_GROUP_MEMBER here); wrap the model only on the group's ranks.")
+        raise TypeError(f"DDPWrapper: process_group must be a torch.distributed.ProcessGroup, got "
+                        f"{type(process_group).__name__}")
+    return process_group
 
+
+def backend_name(group: dist.ProcessGroup) -> str:
+    """The group's backend name ("gloo", "nccl", ...), also for a group the default group does not
+    know (built on a store), whose name dist.get_backend cannot look up."""
+    try:
+        return str(dist.get_backend(group))
+    except (ValueError, RuntimeError):
+        return group.name().lower()
 
 
 def bucket_caps(bucket_cap_mb_list: Optional[list[float]]) -> Optional[list[float]]:
@@ -103,26 +133,13 @@ def input_device(named: list[tuple[str, nn.Parameter]], device_ids: Any) -> Opti
     return None
 
 
-def check_dense(module: nn.Module, world_size: int) -> None:
-    """Sparse gradients cannot go into the flat buckets: say so before training starts
-    (a world of one reduces nothing, so it does not mind)."""
-    if world_size == 1:
-        return
-    for name, sub in module.named_modules():
-        if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse and sub.weight.requires_grad:
-            raise ValueError(f"DDPWrapper: {name or 'the module'} is {type(sub).__name__}(sparse=True), whose "
-                             "sparse gradients the reducer cannot all-reduce (it reduces dense flat "
-                             "buckets). Use sparse=False for that layer, or torch's "
-                             "DistributedDataParallel for sparse gradients.")
-
-
 def verify_across_ranks(named: list[tuple[str, nn.Parameter]], group: dist.ProcessGroup, world_size: int) -> None:
     """torch DDP's check that every rank built the same model: the same number of
     parameters and, for each, the same full shape, dtype and requires_grad (two all-gathers:
     the count and widest rank, then one row per parameter)."""
     if world_size == 1:
         return
-    device = named[0][1].device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    device = named[0][1].device if "nccl" in backend_name(group) else torch.device("cpu")
     header = torch.tensor([len(named), max(p.dim() for _, p in named)], dtype=torch.int64, device=device)
     headers = [torch.zeros_like(header) for _ in range(world_size)]
     dist.all_gather(headers, header, group=group)

@@ -11,6 +11,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from . import sparse
+
 
 def hook_name(hook: Any) -> str:
     """How messages and bucket_report() name a communication hook."""
@@ -18,9 +20,10 @@ def hook_name(hook: Any) -> str:
 
 
 def check_annotations(hook: Any, name: str) -> None:
-    """torch DDP's check of a hook's annotations, with its exception type (ValueError): an
-    annotated ``bucket`` must be ``dist.GradBucket``, an annotated return type
-    ``torch.futures.Future[torch.Tensor]`` (compared as torch compares them)."""
+    """torch DDP's check of a hook's signature, with its exception types: the second argument
+    must be named ``bucket`` (KeyError); an annotated ``bucket`` must be ``dist.GradBucket``, an
+    annotated return type ``torch.futures.Future[torch.Tensor]`` (ValueError; compared as torch
+    compares them)."""
     if not callable(hook):
         return  # refused with TypeError where the hook is registered
     try:
@@ -28,7 +31,12 @@ def check_annotations(hook: Any, name: str) -> None:
     except (TypeError, ValueError):  # no signature to inspect (a builtin): let the call decide
         return
     bucket = sig.parameters.get("bucket")
-    if bucket is not None and bucket.annotation not in (inspect.Parameter.empty, dist.GradBucket):
+    if bucket is None:
+        # torch DDP looks the argument up by name (sig.parameters["bucket"]): KeyError
+        raise KeyError(f"DDPWrapper.register_comm_hook: {name} has no argument named 'bucket' (its arguments: "
+                       f"{', '.join(sig.parameters) or 'none'}); torch DDP requires the signature "
+                       "hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor].")
+    if bucket.annotation not in (inspect.Parameter.empty, dist.GradBucket):
         raise ValueError(f"DDPWrapper.register_comm_hook: {name}'s bucket argument is annotated "
                          f"{bucket.annotation!r}; torch DDP requires dist.GradBucket (or no annotation).")
     if sig.return_annotation not in (inspect.Signature.empty, torch.futures.Future[torch.Tensor]):
@@ -43,6 +51,7 @@ class CommHooks:
 
     _comm_hook: Optional[Callable]
     _python_hook: Optional[tuple[object, Callable]]
+    _sparse_names: list[str]
 
     def register_comm_hook(self, state: object, hook: Callable) -> None:
         """torch DDP's communication hook: ``hook(state, bucket) -> torch.futures.Future`` is
@@ -71,6 +80,8 @@ class CommHooks:
         if self._reducer.arrival_order():
             raise RuntimeError("DDPWrapper.register_comm_hook must be called before the first backward "
                                "pass (as in torch DDP); register it right after wrapping the model.")
+        if hook is not default_hooks.allreduce_hook:  # the others change what a sparse gradient becomes
+            sparse.refuse(self._sparse_names, f"the communication hook {name}")
         if not any(hook is k for k in known):
             self._register_python_hook(state, hook, name)
             return
@@ -109,6 +120,7 @@ class CommHooks:
         if self._reducer.arrival_order():
             raise RuntimeError("DDPWrapper._set_static_graph() must be called before the first backward pass "
                                "(as in torch DDP); better, pass static_graph=True to the constructor.")
+        sparse.refuse(self._sparse_names, "_set_static_graph()")
         self.static_graph = True
         self._replace_reducer()
 

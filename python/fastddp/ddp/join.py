@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, JoinHook, _JoinConfig
 
 from .. import diag
+from . import sparse
 
 
 class UnevenInputs:
@@ -34,13 +35,14 @@ class UnevenInputs:
             raise ValueError("DDPWrapper.join() cannot be used with static_graph=True (a joined rank "
                              "would break the fixed per-iteration pattern); construct the wrapper with "
                              "static_graph=False, with find_unused_parameters=True if needed.")
+        sparse.refuse(self._sparse_names, "join()")
         self._divide_by_initial_world_size = bool(kwargs.get("divide_by_initial_world_size", True))
         return _DDPJoinHook(self)
 
     @property
     def join_device(self) -> torch.device:
         """Device of the join protocol's small collectives (the parameters')."""
-        return self._params[0].device
+        return self._reduced_params[0].device
 
     @property
     def join_process_group(self) -> dist.ProcessGroup:

@@ -16,7 +16,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.algorithms.join import Join, Joinable
 
 from .. import diag
-from . import checks
+from . import checks, sparse
 from .buckets import Buckets
 from .comm_hooks import CommHooks
 from .inputs import find_tensors, to_device
@@ -52,6 +52,11 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, nn.Module, Joinable):
     After ``zero_grad(set_to_none=True)`` each new gradient is copied into its bucket; on a GPU
     the copies of a bucket are made with one multi-tensor copy once the bucket is full
     (``FASTDDP_BATCH_GRAD_COPIES=0|1`` forces one copy per gradient / batched copies).
+
+    ``process_group`` may be any ``ProcessGroup`` (a ``dist.new_group`` subgroup, or one built on
+    a store without a default group): every collective goes to it, with its own ranks.
+    Parameters of ``nn.Embedding``/``nn.EmbeddingBag(sparse=True)`` get sparse gradients, which
+    stay out of the buckets and are all-reduced as torch DDP does (see sparse.py).
 
     In a world of one (and no ``comm_dtype``) there is nothing to reduce: the gradients stay
     where autograd put them, as without the wrapper, and no bucket memory is allocated (the
@@ -135,10 +140,11 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, nn.Module, Joinable):
     ) -> None:
         super().__init__()
         Joinable.__init__(self)
-        if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError("DDPWrapper: the default process group is not initialised. Call "
-                               "torch.distributed.init_process_group(...) first (torchrun sets "
-                               "up the environment for it).")
+        if not dist.is_available():
+            raise RuntimeError("DDPWrapper: this torch build has no torch.distributed support.")
+        # every collective (broadcasts, checks, reduction, join) goes to this group, with its own
+        # ranks: it need not be known to the default group, or there need not be one
+        self.process_group = checks.resolve_group(process_group, device_mesh)
         checks.refuse_unsupported(delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision,
                                   skip_all_reduce_unused_params)
         checks.check_comm_dtype(comm_dtype)
@@ -162,15 +168,14 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, nn.Module, Joinable):
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = static_graph
         self.comm_dtype = comm_dtype
-        self.process_group = checks.resolve_group(process_group, device_mesh)
         self.device_mesh = device_mesh
         self.batched_grad_copy = batched_grad_copy
         self.require_backward_grad_sync = True
         # torch DDP's rule for the per-forward buffer sync: a forward syncs the buffers only when
         # the forward before it was a reducing one (grad enabled, outside no_sync); the first does
         self.require_forward_param_sync = True
-        self.world_size = dist.get_world_size(self.process_group)
-        self.rank = dist.get_rank(self.process_group)
+        self.world_size = self.process_group.size()
+        self.rank = self.process_group.rank()
         diag.ensure_started(stall_threshold_s)  # before the first collective, so its hangs are reported
         checks.check_lazy(module)
         # torch DDP's hook for parameters and buffers that stay rank-local (set with
@@ -181,22 +186,28 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, nn.Module, Joinable):
         if not named:
             raise RuntimeError("DDPWrapper: the module has no parameter that requires a gradient")
         self._input_device = checks.input_device(named, device_ids)  # forward moves the inputs there
-        checks.check_dense(module, self.world_size)
+        # parameters with sparse gradients stay out of the C++ reducer (see sparse.py)
+        sparse_names = sparse.sparse_parameter_names(module, [n for n, _ in named])
+        self._sparse_names = [n for n, _ in named if n in sparse_names]
+        sparse.refuse(self._sparse_names, "static_graph=True" if static_graph else
+                      f"comm_dtype={comm_dtype}" if comm_dtype is not None else "")
         if init_sync:
             with diag.phase(diag.Phase.SETUP):
                 checks.verify_across_ranks(named, self.process_group, self.world_size)
                 self._sync_module_states(init_sync_buffers)
-        self._param_names = [n for n, _ in named]
-        self._params = [p for _, p in named]
+        self._param_names = [n for n, _ in named if n not in sparse_names]  # the C++ reducer's
+        self._params = [p for n, p in named if n not in sparse_names]
+        self._sparse_params = [p for n, p in named if n in sparse_names]
+        self._reduced_params = [p for _, p in named]
         self._module_buffers = self._synced_buffers()  # broadcast from rank 0 before forwards
         self._buckets_rebuilt = False
         self._bucket_caps_mb = caps
         self._bucket_cap_mb = bucket_cap_mb
         # torch DDP's descriptive attributes, which code written for it reads
         self.bucket_bytes_cap = int(bucket_cap_mb * 1024 * 1024)
-        self.is_multi_device_module = len({p.device for p in self._params}) > 1
-        self.device_type = self._params[0].device.type
-        self.device = self._params[0].device
+        self.is_multi_device_module = len({p.device for p in self._reduced_params}) > 1
+        self.device_type = self._reduced_params[0].device.type
+        self.device = self._reduced_params[0].device
         self.mixed_precision = None
         self._shm_requested = shm_allreduce
         self._comm_hook: Optional[Callable] = None
@@ -232,7 +243,7 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, nn.Module, Joinable):
     def to_kwargs(self, inputs: tuple, kwargs: Optional[dict], device_id: int) -> tuple[tuple, tuple]:
         """torch DDP's (kept for compatibility) input move: ``((inputs,), (kwargs,))`` with their
         tensors on device ``device_id`` of the parameters' device type."""
-        device = torch.device(self._params[0].device.type, device_id)
+        device = torch.device(self.device_type, device_id)
         return (to_device(tuple(inputs), device),), (to_device(dict(kwargs or {}), device),)
 
     def scatter(self, inputs: tuple, kwargs: Optional[dict], device_ids: list[int]) -> tuple[tuple, tuple]:
@@ -272,9 +283,7 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, nn.Module, Joinable):
             groups.setdefault((t.device, t.dtype), []).append(t)
         for group in groups.values():
             flat = _flatten_dense_tensors(group)
-            dist.broadcast(flat, src=dist.get_global_rank(self.process_group, src)
-                           if self.process_group is not dist.group.WORLD else src,
-                           group=self.process_group)
+            dist.broadcast(flat, group=self.process_group, group_src=src)
             for t, synced in zip(group, _unflatten_dense_tensors(flat, group)):
                 t.copy_(synced)
 
@@ -283,13 +292,17 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, nn.Module, Joinable):
         """``copy.deepcopy(model)`` and ``torch.save(model)`` as with torch DDP: everything but
         the process group and the C++ reducer, which the copy rebuilds. Like torch, only for a
         wrapper on the default process group."""
-        if not dist.is_initialized() or self.process_group is not dist.group.WORLD:
+        if not dist.is_initialized():  # torch DDP's type: its look-up of the default group raises
+            raise ValueError("DDPWrapper: pickling or deep-copying needs the default process group, and none is "
+                             "initialised (this wrapper was built on process_group=). Copy or save ddp.module "
+                             "(or its state_dict()) instead.")
+        if self.process_group is not dist.group.WORLD:
             raise RuntimeError("DDPWrapper: pickling or deep-copying is supported only for a wrapper on the "
                                "default process group (as with torch DDP); this one was built with "
                                "process_group= or device_mesh=. Copy or save ddp.module (or its state_dict()) "
                                "instead.")
         state = dict(self.__dict__)
-        for name in ("process_group", "_reducer", "device_mesh", "_bucket_visitors"):
+        for name in ("process_group", "_reducer", "_sparse", "device_mesh", "_bucket_visitors"):
             state.pop(name, None)
         return state
 
@@ -352,6 +365,7 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, nn.Module, Joinable):
             # in its first iteration to reduce at the end of the outermost backward.
             wants_outputs = sync and (self.find_unused_parameters or self.static_graph)
             self._reducer.prepare_for_backward(find_tensors(output) if wants_outputs else [], sync)
+            self._sparse.prepare_for_backward(sync)
         diag.enter(diag.Phase.OUTSIDE)
         return output
 
