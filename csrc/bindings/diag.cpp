@@ -41,6 +41,10 @@ void bind(py::module_& m) {
         return py::make_tuple(static_cast<int32_t>(s.phase), s.detail, s.step, s.steps_done, s.seconds_in_phase);
       },
       "(phase, detail, reducing steps started, finished, seconds in the phase).");
+  m.def("diag_collective_failed", &fastddp::diag::collective_failed, py::arg("headline"),
+        "A collective failed on this rank: every rank's status under `headline`, also posted for the other "
+        "ranks to end with ('' when no watchdog runs).",
+        py::call_guard<py::gil_scoped_release>());
   py::class_<WatchdogOptions>(m, "WatchdogOptions", "How the stall watchdog runs (csrc/diag/watchdog.h).")
       .def(py::init<>())
       .def_readwrite("rank", &WatchdogOptions::rank)

@@ -63,7 +63,22 @@ std::string indent(const std::string& s, const std::string& pad) {
   return out;
 }
 
+std::mutex registry_mutex;
+Watchdog* registered = nullptr;  // the running watchdog (not owned; cleared by stop())
+
 }  // namespace
+
+std::string collective_failed(const std::string& headline) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  if (registered == nullptr) return "";
+  try {
+    const std::string report = registered->collect_report(headline);
+    registered->post_abort(report);
+    return report;
+  } catch (const std::exception& e) {
+    return std::string("(no report: the c10d store failed: ") + e.what() + ")";
+  }
+}
 
 Watchdog::Watchdog(c10::intrusive_ptr<c10d::Store> store, WatchdogOptions options, StackFn stack)
     : store_(std::move(store)), options_(options), stack_(std::move(stack)) {
@@ -77,11 +92,17 @@ Watchdog::Watchdog(c10::intrusive_ptr<c10d::Store> store, WatchdogOptions option
   TORCH_CHECK(options_.poll_s > 0 && options_.stack_timeout_s > 0, "fastddp watchdog: poll_s (", options_.poll_s,
               ") and stack_timeout_s (", options_.stack_timeout_s, ") must be > 0");
   thread_ = std::thread([this] { run(); });
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  registered = this;
 }
 
 Watchdog::~Watchdog() { stop(); }
 
 void Watchdog::stop() {
+  {
+    std::lock_guard<std::mutex> lock(registry_mutex);
+    if (registered == this) registered = nullptr;
+  }
   {
     std::lock_guard<std::mutex> lock(mutex_);
     stop_ = true;
@@ -105,6 +126,7 @@ void Watchdog::run() {
     try {
       check_abort();
       answer_requests();
+      take_shared_report();
       watch_own_wait();
     } catch (const std::exception& e) {
       // The store is gone (its host rank exited): nothing more can be collected.
@@ -116,8 +138,28 @@ void Watchdog::run() {
 }
 
 void Watchdog::check_abort() {
-  if (!store_->check({"abort"})) return;
-  end_process(text(store_->get("abort")));
+  if (posted_abort_ || !store_->check({"abort"})) return;  // the poster ends with its own error
+  const std::string report = text(store_->get("abort"));
+  if (options_.exit_on_timeout) end_process(report);
+  posted_abort_ = true;  // print it once, keep running
+  std::fprintf(stderr, "%s\n", report.c_str());
+  std::lock_guard<std::mutex> lock(mutex_);
+  last_report_ = report;
+}
+
+void Watchdog::post_abort(const std::string& report) {
+  posted_abort_ = true;
+  store_->set("abort", bytes(report + "\nfastddp: a collective failed on rank " + std::to_string(options_.rank) +
+                             " (see its error); every rank ends."));
+}
+
+void Watchdog::take_shared_report() {
+  const int64_t reports = store_->add("reports", 0);
+  if (reports <= reports_seen_) return;
+  reports_seen_ = reports;
+  const std::string report = text(store_->get("report"));
+  std::lock_guard<std::mutex> lock(mutex_);
+  last_report_ = report;
 }
 
 void Watchdog::answer_requests() {
@@ -136,22 +178,27 @@ void Watchdog::watch_own_wait() {
     const std::string report = report_stall(mine);
     std::fprintf(stderr, "%s\n", report.c_str());
     std::fflush(stderr);
-    std::lock_guard<std::mutex> lock(mutex_);
-    last_report_ = report;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      last_report_ = report;
+    }
+    // Shared, so that every rank holds it (an uncaught error on any rank ends with it).
+    store_->set("report", bytes(report));
+    reports_seen_ = store_->add("reports", 1);
   }
-  // Before the timeout, by the time it takes to post the report and for the others to read
-  // it, so that it reaches every rank before the process group's own timeout errors do.
-  const double margin = std::min(std::max(5.0, 2 * options_.poll_s + options_.stack_timeout_s + 2), 0.5 * options_.timeout_s);
-  if (options_.exit_on_timeout && mine.seconds_in_phase >= std::max(options_.timeout_s - margin, options_.threshold_s)) {
+  // A backstop: every wait in fastddp gives up at the process-group timeout and its error
+  // ends the ranks (collective_failed). A wait still going well past it is not bounded by
+  // anything else, so this rank posts the report and ends.
+  const double backstop_s = options_.timeout_s + std::max(10.0, 0.1 * options_.timeout_s);
+  if (options_.exit_on_timeout && mine.seconds_in_phase >= backstop_s) {
     std::string report;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       report = last_report_;
     }
-    store_->set("abort", bytes(report + "\nfastddp: rank " + std::to_string(options_.rank) + " has waited " +
-                               std::to_string(static_cast<int64_t>(mine.seconds_in_phase)) +
-                               " s, close to the process-group timeout (" +
-                               std::to_string(static_cast<int64_t>(options_.timeout_s)) + " s); every rank ends."));
+    post_abort(report + "\nfastddp: rank " + std::to_string(options_.rank) + " has waited " +
+               std::to_string(static_cast<int64_t>(mine.seconds_in_phase)) + " s, past the process-group timeout (" +
+               std::to_string(static_cast<int64_t>(options_.timeout_s)) + " s).");
     // The other ranks read the report on their next poll: leaving before that would break
     // their collectives first, and they would end with a connection error instead of it.
     std::this_thread::sleep_for(Seconds(2 * options_.poll_s + 0.5));
@@ -187,6 +234,16 @@ std::string Watchdog::python_stack() {
 }
 
 std::string Watchdog::report_stall(const Snapshot& mine) {
+  Answer self;
+  self.present = true;
+  self.phase = mine.phase, self.detail = mine.detail, self.step = mine.step, self.done = mine.steps_done;
+  self.seconds = mine.seconds_in_phase;
+  return collect_report("fastddp stall report: rank " + std::to_string(options_.rank) + " has been waiting in " +
+                        doing(self) + ".");
+}
+
+std::string Watchdog::collect_report(const std::string& headline) {
+  std::lock_guard<std::mutex> one_at_a_time(report_mutex_);
   const int64_t generation = store_->add("request", 1);
   const std::string prefix = "status/" + std::to_string(generation) + "/";
   answered_ = generation;
@@ -199,12 +256,8 @@ std::string Watchdog::report_stall(const Snapshot& mine) {
       std::this_thread::sleep_for(Seconds(options_.poll_s / 5));
     if (store_->check({key})) answers[static_cast<size_t>(r)] = parse(text(store_->get(key)));
   }
-  Answer self;
-  self.present = true;
-  self.phase = mine.phase, self.detail = mine.detail, self.step = mine.step, self.done = mine.steps_done;
-  self.seconds = mine.seconds_in_phase;
   std::ostringstream o;
-  o << "fastddp stall report: rank " << options_.rank << " has been waiting in " << doing(self) << ".\n";
+  o << headline << "\n";
   std::string lagging, silent;
   for (int64_t r = 0; r < options_.world; ++r) {
     const Answer& a = answers[static_cast<size_t>(r)];
@@ -215,7 +268,7 @@ std::string Watchdog::report_stall(const Snapshot& mine) {
       continue;
     }
     o << doing(a) << "\n" << indent(a.stack, "      ") << "\n";
-    if (!waits_on_peers(a.phase))
+    if (!waits_on_peers(a.phase) && r != options_.rank)  // this rank reports because it waits
       lagging += (lagging.empty() ? "" : "; ") + ("rank " + std::to_string(r) + " (" + phase_name(a.phase) + ", " +
                                                   first_line(a.stack) + ")");
   }
@@ -229,7 +282,7 @@ std::string Watchdog::report_stall(const Snapshot& mine) {
 }
 
 void Watchdog::end_process(const std::string& report) {
-  std::fprintf(stderr, "%s\nfastddp: rank %lld exits with status 1 (stalled past the process-group timeout).\n",
+  std::fprintf(stderr, "%s\nfastddp: rank %lld exits with status 1 (the job cannot go on: see the report above).\n",
                report.c_str(), static_cast<long long>(options_.rank));
   std::fflush(stderr);
   std::fflush(stdout);

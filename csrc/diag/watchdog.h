@@ -2,12 +2,15 @@
 // this rank has waited on its peers (an all-reduce, a broadcast, join) for longer than the
 // threshold, it asks every rank, through the c10d store (which keeps working while the process
 // group is stuck), what it is doing, and prints one report that names the lagging ranks and
-// where they are. It keeps waiting; when the wait reaches the process-group timeout it posts the
-// report for every rank to end with, and every rank prints it and exits with status 1, so that
-// torchrun tears the job down.
+// where they are. It keeps waiting. When the wait fails at the process-group timeout (or on a
+// lost peer), the failing rank's error carries a fresh report and posts it for every other rank,
+// whose watchdog prints it and exits with status 1, so that nothing is left hanging and torchrun
+// tears the job down.
 //
 // Store keys (under the store's prefix): "request" (a counter: each stall report is one
-// generation), "status/<generation>/<rank>" (one rank's answer), "abort" (the final report).
+// generation), "status/<generation>/<rank>" (one rank's answer), "report" and "reports" (the
+// latest stall report and a counter: every rank keeps the latest, see last_report()), "abort"
+// (the report every rank ends with).
 #pragma once
 
 #include <c10/util/intrusive_ptr.h>
@@ -31,8 +34,14 @@ struct WatchdogOptions {
   double timeout_s = 1800.0;      // the process group's timeout: every rank ends then
   double poll_s = 0.5;            // how often the store is read for requests
   double stack_timeout_s = 2.0;   // how long the Python stack may take to read
-  bool exit_on_timeout = true;    // end the process at the timeout (else only report)
+  bool exit_on_timeout = true;    // end the process when an abort is posted or a wait outlives the timeout
 };
+
+// For the error path of a collective that failed on this rank (a timeout, a lost peer): the
+// running watchdog's collect_report(headline), also posted for every other rank to end with
+// (they print it and exit with status 1; this rank ends with its own error). "" when no
+// watchdog runs.
+std::string collective_failed(const std::string& headline);
 
 class Watchdog {
  public:
@@ -48,13 +57,19 @@ class Watchdog {
 
   // Stops and joins the thread (idempotent).
   void stop();
-  // The last stall report this rank printed or received (empty when none).
+  // The latest stall report of any rank, or the report an abort carried (empty when none).
   std::string last_report() const;
   const WatchdogOptions& options() const { return options_; }
+  // Asks every rank for its status now and returns the report under `headline` (blocks for
+  // up to a few seconds while the ranks answer; one collection at a time).
+  std::string collect_report(const std::string& headline);
+  // Posts `report` for every other rank to end with (see collective_failed).
+  void post_abort(const std::string& report);
 
  private:
   void run();
   void answer_requests();
+  void take_shared_report();
   void check_abort();
   void watch_own_wait();
   std::string report_stall(const Snapshot& mine);
@@ -70,7 +85,10 @@ class Watchdog {
   std::condition_variable cv_;
   bool stop_ = false;
   std::string last_report_;
-  int64_t answered_ = 0;          // the last request generation this rank answered
+  std::mutex report_mutex_;
+  std::atomic<int64_t> answered_{0};
+  std::atomic<bool> posted_abort_{false};
+  int64_t reports_seen_ = 0;  // stall reports (any rank's) taken from the store  // the last request generation this rank answered
   int64_t reported_since_ = -1;   // phase_since_ns of the wait last reported (one report a wait)
   std::thread thread_;
 };

@@ -1,6 +1,7 @@
 #include "reducer/reducer.h"
 
 #include "diag/status.h"
+#include "diag/watchdog.h"
 
 #include "reducer/layout.h"
 
@@ -476,7 +477,11 @@ void Reducer::finalize_backward() {
   if ((find_unused_ && !static_graph_) || static_first) {
     // Which parameters were used on any rank: those unused everywhere keep their .grad.
     diag::PhaseScope waiting(diag::Phase::kUsedMap);
-    global_used = allreduce_used_locked(locally_used_);
+    try {
+      global_used = allreduce_used_locked(locally_used_);
+    } catch (const std::exception& e) {
+      fail_collective("the all-reduce of the used-parameter map", e);
+    }
     // static_graph: the parameters unused on every rank in the first iteration stay unused.
     if (static_first) static_global_used_ = global_used;
   }
@@ -495,7 +500,11 @@ void Reducer::finalize_backward() {
           std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - bucket.launched).count();
     } else if (bucket.work) {
       diag::PhaseScope waiting(diag::Phase::kAllreduce, index);
-      bucket.work->wait();
+      try {
+        bucket.work->wait();
+      } catch (const std::exception& e) {
+        fail_collective("the all-reduce of bucket " + std::to_string(index), e);
+      }
       bucket.last_allreduce_ms =
           std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - bucket.launched).count();
       // squares_in_work is set only where the work came from ShmAllreduce::allreduce_sum.
@@ -534,6 +543,16 @@ void Reducer::finalize_backward() {
   buckets_hold_grads_ = gradient_as_bucket_view_;
   diag::status().step_finished();
   diag::status().enter(diag::Phase::kOutside);
+}
+
+void Reducer::fail_collective(const std::string& what, const std::exception& error) const {
+  const auto* c10_error = dynamic_cast<const c10::Error*>(&error);
+  std::string message = "DDPWrapper: " + what + " failed on rank " + std::to_string(process_group_->getRank()) +
+                        ": " + (c10_error ? c10_error->what_without_backtrace() : error.what());
+  // The same headline as fastddp.diag.phase's, which recognises a reported error by it.
+  const std::string report = diag::collective_failed("What every rank was doing when it failed:");
+  if (!report.empty()) message += "\n" + report;
+  C10_THROW_ERROR(DistBackendError, message);
 }
 
 void Reducer::set_reduction_scale(double scale) {

@@ -125,6 +125,9 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // can give them (each bucket aligned, so at most one pad per parameter).
   int64_t shm_arena_bytes() const;
   void mark_ready(int64_t index);
+  // Rethrows a failed collective's error as a DistBackendError that names this rank and the
+  // collective, with the watchdog's report of what every rank was doing (when one runs).
+  [[noreturn]] void fail_collective(const std::string& what, const std::exception& error) const;
   void mark_unused_locked(int64_t index);
   // Moves the parameter's .grad into its bucket slot divided by the world size (zero if None).
   void copy_grad_to_bucket_locked(int64_t index);

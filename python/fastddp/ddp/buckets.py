@@ -11,6 +11,7 @@ from typing import Any, Optional
 import torch
 from torch.distributed.constants import default_pg_timeout
 
+from .. import diag
 from .._ext import C
 from .checks import env_flag
 from .comm_hooks import hook_name
@@ -125,7 +126,8 @@ class Buckets:
         """Once, after the first reduced backward: the reducer re-buckets in the order gradients
         actually arrived (group rank 0's order, so every rank issues the same collectives)."""
         self._buckets_rebuilt = True
-        self._reducer.rebuild_buckets_in_arrival_order()
+        with diag.phase(diag.Phase.REBUILD):
+            self._reducer.rebuild_buckets_in_arrival_order()
 
     @property
     def transport(self) -> str:

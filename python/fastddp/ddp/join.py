@@ -97,7 +97,8 @@ class _DDPJoinHook(JoinHook):
             with torch.no_grad():
                 ddp._broadcast_coalesced(ddp._current_buffers(), src=buffers_from)
         if sync:
-            ddp._reducer.shadow_reduction()
+            with diag.phase(diag.Phase.JOIN):
+                ddp._reducer.shadow_reduction()
 
     def post_hook(self, is_last_joiner: bool) -> None:
         self.ddp._sync_final_model(is_last_joiner)

@@ -354,7 +354,7 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, nn.Module, Joinable):
                     self._broadcast_coalesced(buffers, src=buffers_from)
                 # co-located CPU ranks copy rank 0's buffers through shared memory (while they
                 # fit the room reserved at construction); else c10d
-                elif not self._reducer.broadcast_buffers(buffers):
+                elif not self._shm_broadcast(buffers):
                     self._broadcast_coalesced(buffers)
         diag.enter(diag.Phase.FORWARD)
         output = self.module(*inputs, **kwargs)
@@ -368,6 +368,10 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, nn.Module, Joinable):
             self._sparse.prepare_for_backward(sync)
         diag.enter(diag.Phase.OUTSIDE)
         return output
+
+    def _shm_broadcast(self, buffers: list[torch.Tensor]) -> bool:
+        with diag.phase(diag.Phase.BROADCAST):
+            return self._reducer.broadcast_buffers(buffers)
 
     def _syncs_buffers(self) -> bool:
         return self.broadcast_buffers and self.world_size > 1 and bool(self._module_buffers)

@@ -7,6 +7,8 @@ import contextlib
 import enum
 from collections.abc import Iterator
 
+import torch.distributed as dist
+
 from .._ext import C
 from .watchdog import ensure_started, last_report, stop
 
@@ -30,13 +32,33 @@ def enter(phase: Phase, detail: int = -1) -> None:
     C.diag_enter(int(phase), detail)
 
 
+_REPORTED = "What every rank was doing when it failed:"
+
+
+def _collective_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective's failure (a timeout, a lost peer), not a user error."""
+    if isinstance(exc, dist.DistError):
+        return True
+    text = str(exc)
+    return type(exc) is RuntimeError and any(k in text for k in ("gloo", "NCCL", "Timed out", "timed out"))
+
+
 @contextlib.contextmanager
 def phase(waiting: Phase) -> Iterator[None]:
-    """Inside the block this process is in ``waiting``; after it, in the phase it was in."""
+    """Inside the block this process is in ``waiting``; after it, in the phase it was in. A
+    collective that fails inside the block gets the watchdog's report of every rank added to
+    its error, and the other ranks end with it (see csrc/diag/watchdog.h)."""
     before, detail = C.diag_snapshot()[:2]
     enter(waiting)
     try:
         yield
+    except Exception as exc:
+        notes = getattr(exc, "__notes__", [])
+        if _collective_failure(exc) and not any(_REPORTED in n for n in notes):
+            report = C.diag_collective_failed(_REPORTED)
+            if report and hasattr(exc, "add_note"):
+                exc.add_note(f"fastddp: {waiting.name.lower()} failed on this rank.\n{report}")
+        raise
     finally:
         C.diag_enter(before, detail)
 

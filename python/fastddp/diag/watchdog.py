@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 import threading
 from datetime import timedelta
 from typing import Any, Optional
@@ -29,6 +30,7 @@ class _Running:
 
     watchdog: Any = None
     group: Any = None
+    hooked = False  # sys.excepthook prints the latest report
 
 
 def group_timeout_s(group: Any) -> float:
@@ -81,11 +83,31 @@ def ensure_started(threshold_s: Optional[float] = None) -> Any:
     options = C.WatchdogOptions()
     options.rank, options.world = dist.get_rank(), dist.get_world_size()
     options.threshold_s, options.timeout_s = threshold, timeout
-    options.poll_s = min(0.5, threshold / 4)
+    # Every rank reads the store once a poll: a large world polls less often, so that the
+    # store's host serves at most about 256 reads a second.
+    options.poll_s = min(threshold / 4, max(0.5, options.world / 256))
     thread = threading.get_ident()  # the thread that trains: its stack goes into the reports
     _Running.watchdog = C.Watchdog(store, options, lambda: describe_thread(thread))
     _Running.group = world
+    if not _Running.hooked:
+        _report_after_uncaught_errors()
+        _Running.hooked = True
     return _Running.watchdog
+
+
+def _report_after_uncaught_errors() -> None:
+    """An uncaught exception (a collective's timeout in the training script, say) ends with
+    the latest stall report of the job, so every rank's log says who was stuck where."""
+    previous = sys.excepthook
+
+    def hook(kind: type, value: BaseException, tb: Any) -> None:
+        previous(kind, value, tb)
+        report = last_report()
+        told = "What every rank was doing" in str(value) + "".join(getattr(value, "__notes__", []))
+        if report and not told:
+            print(f"fastddp: the latest stall report before this error:\n{report}", file=sys.stderr)
+
+    sys.excepthook = hook
 
 
 def stop() -> None:
