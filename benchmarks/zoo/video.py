@@ -35,13 +35,33 @@ def write_labels(path: Path, n: int, classes: int = 10, seed: int = 0) -> Path:
     return path
 
 
-def normalise(raw: torch.Tensor, device: Optional[torch.device] = None) -> torch.Tensor:
+def normalise(raw: torch.Tensor, device: Optional[torch.device] = None,
+              out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """uint8 clips ``(B, T, H, W, 3)`` as float ``(B, 3, T, H, W)`` in the model's input
-    statistics, computed on ``device`` (the batch's own by default): one float copy of the
-    permuted view, then in-place ``(x - 255 mean) / (255 std)`` (= ``(x / 255 - mean) / std``)."""
+    statistics, computed on ``device`` (the batch's own by default) in one pass:
+    ``x * 1/(255 std) - mean/std`` (= ``(x / 255 - mean) / std``) over the permuted view.
+    ``out`` (float, ``(B, 3, T, H, W)``) receives the result when given: a reused buffer, as a
+    device's caching allocator hands a step the same block again."""
     device = raw.device if device is None else device
-    x = raw.to(device, non_blocking=True).permute(0, 4, 1, 2, 3).float()
-    return x.sub_((MEAN * 255).to(device)).div_((STD * 255).to(device))
+    x = raw.to(device, non_blocking=True).permute(0, 4, 1, 2, 3)
+    scale, shift = (1 / (255 * STD)).to(device), (-MEAN / STD).to(device)
+    if out is None:
+        return torch.addcmul(shift, x, scale)
+    return torch.addcmul(shift, x, scale, out=out)
+
+
+class Normaliser:
+    """:func:`normalise` into one reused output buffer per batch shape (a step's consumer)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._out: Optional[torch.Tensor] = None
+
+    def __call__(self, raw: torch.Tensor) -> torch.Tensor:
+        b, t, h, w, c = raw.shape
+        if self._out is None or self._out.shape != (b, c, t, h, w):
+            self._out = torch.empty((b, c, t, h, w), device=self.device)
+        return normalise(raw, self.device, self._out)
 
 
 class ClipDataset(Dataset):
