@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -106,13 +107,26 @@ def test_video_clips_loader(clip_files: tuple[Path, Path]) -> None:
     theirs = {w: DataLoader(ds, batch_size=batch, sampler=fastddp.DistributedSampler(
                   n, num_replicas=1, rank=0, shuffle=True, seed=0), num_workers=w, pin_memory=pin,
                   persistent_workers=w > 0) for w in DL_WORKERS}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the map is read-only; it is only read
+        source = torch.from_numpy(np.load(clips_path, mmap_mode="r"))
     resident = next(iter(ours))
     resident = (resident[0].clone(), resident[1].clone())
 
     def floor() -> float:  # the normalise alone, on a resident batch, as many batches
         return _clips_per_s([resident] * (n // batch), device, norm)
 
+    rows = torch.empty((batch, frames, size, size, 3), dtype=torch.uint8)
+
+    def copy_1core() -> float:  # one core copying each batch's rows out of the map: the IO bound
+        order = torch.randperm(n)
+        t0 = time.perf_counter()
+        for i in range(0, n - batch + 1, batch):
+            torch.index_select(source, 0, order[i:i + batch], out=rows)
+        return (n - n % batch) / (time.perf_counter() - t0)
+
     contenders: dict[str, Callable[[], float]] = {
+        "copy_1core": copy_1core,
         "fastddp": lambda: _clips_per_s(ours, device, norm),
         "fastddp_raw": lambda: _clips_per_s(ours, device, touch),
         "normalise_only": floor,
@@ -137,7 +151,8 @@ def test_video_clips_loader(clip_files: tuple[Path, Path]) -> None:
                                      "normalise_only_over_best_dataloader"))
     print(f"\n[video-loader] {device.type} clips {n}x{frames}x{size}x{size}x3 b{batch}: clips/s fastddp "
           f"{row['fastddp_clips_per_s']:.0f} (raw {row['fastddp_raw_clips_per_s']:.0f}, normalise alone "
-          f"{row['normalise_only_clips_per_s']:.0f}) | DataLoader "
+          f"{row['normalise_only_clips_per_s']:.0f}, one core's row copy {row['copy_1core_clips_per_s']:.0f})"
+          " | DataLoader "
           + " ".join(f"w{w} {row[f'dataloader_w{w}_clips_per_s']:.0f} (raw "
                      f"{row[f'dataloader_raw_w{w}_clips_per_s']:.0f})" for w in DL_WORKERS)
           + f" | fastddp/best DataLoader {r['median']:.2f} [{r['min']:.2f}, {r['max']:.2f}], raw "
