@@ -13,8 +13,8 @@ consumer's normalise alone on a resident batch (what no loader can beat) and Pre
 with a consumer that only touches the batch (the loader's own rate).
 
 ``test_epoch_vs_floor``: a whole epoch of each zoo model (CPU sizes, bare model, one process)
-fed by PrefetchLoader with the DistributedSampler, against the same steps on a batch already
-resident (and, for video, already normalised): the fraction of the compute floor reached.
+fed by PrefetchLoader with the DistributedSampler, against the same steps on the epoch's batches
+already resident (and, for video, already normalised): the fraction of the compute floor reached.
 
 Contenders alternate in rounds with a rotated order (as the zoo does); figures are medians
 over the rounds, with min and max. Rows go to ``benchmarks/results/video_loader.json``.
@@ -205,8 +205,9 @@ def test_epoch_vs_floor(name: str, tmp_path: Path) -> None:
                                     batch_size=batch, sampler=sampler, drop_last=True)
     fed = build("bare", new_model(wl, device), device, "fp32")
     res = build("bare", new_model(wl, device), device, "fp32")
-    first = next(iter(loader))
-    resident = to_batch(tree_map_only(torch.Tensor, torch.clone, first))
+    # The floor runs the epoch's own batches (the sampler's order is the same every pass: no
+    # set_epoch), gathered and converted beforehand.
+    resident = [to_batch(tree_map_only(torch.Tensor, torch.clone, b)) for b in loader]
 
     def epoch_loader() -> float:
         t0 = time.perf_counter()
@@ -216,8 +217,8 @@ def test_epoch_vs_floor(name: str, tmp_path: Path) -> None:
 
     def epoch_resident() -> float:
         t0 = time.perf_counter()
-        for _ in range(steps):
-            step(res, wl, resident, "fp32", device)
+        for b in resident:
+            step(res, wl, b, "fp32", device)
         return time.perf_counter() - t0
 
     for fn in (epoch_loader, epoch_resident):  # warm-up: oneDNN plans, allocators
