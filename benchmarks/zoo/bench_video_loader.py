@@ -22,6 +22,7 @@ over the rounds, with min and max. Rows go to ``benchmarks/results/video_loader.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 import warnings
@@ -146,9 +147,13 @@ def test_video_clips_loader(clip_files: tuple[Path, Path]) -> None:
         dl = rates[f"dataloader{suffix}_w{best}"]
         row[f"best_dataloader{suffix}_workers"] = best
         row[f"{ours_key}_over_best_dataloader"] = _spread([a / b for a, b in zip(rates[ours_key], dl)])
-        if not suffix:
+        if not suffix:  # the consumer's bound: no loader delivers faster than it normalises
             row["normalise_only_over_best_dataloader"] = _spread(
                 [a / b for a, b in zip(rates["normalise_only"], dl)])
+        else:  # the copy's bound: the loader's threads each copying rows as fast as one core
+            row["threads_copy_over_best_dataloader_raw"] = _spread(
+                [LOADER_THREADS * a / b for a, b in zip(rates["copy_1core"], dl)])
+    row["load_average"] = os.getloadavg()[0]  # the neighbours' share of the cores, after the run
     r, rr, bound = (row[k] for k in ("fastddp_over_best_dataloader", "fastddp_raw_over_best_dataloader",
                                      "normalise_only_over_best_dataloader"))
     print(f"\n[video-loader] {device.type} clips {n}x{frames}x{size}x{size}x3 b{batch}: clips/s fastddp "
@@ -158,7 +163,8 @@ def test_video_clips_loader(clip_files: tuple[Path, Path]) -> None:
           + " ".join(f"w{w} {row[f'dataloader_w{w}_clips_per_s']:.0f} (raw "
                      f"{row[f'dataloader_raw_w{w}_clips_per_s']:.0f})" for w in DL_WORKERS)
           + f" | fastddp/best DataLoader {r['median']:.2f} [{r['min']:.2f}, {r['max']:.2f}], raw "
-          f"{rr['median']:.2f} [{rr['min']:.2f}, {rr['max']:.2f}] | normalise bound {bound['median']:.2f}",
+          f"{rr['median']:.2f} [{rr['min']:.2f}, {rr['max']:.2f}] | normalise bound {bound['median']:.2f}, "
+          f"copy bound {row['threads_copy_over_best_dataloader_raw']['median']:.2f} | load {row['load_average']:.1f}",
           flush=True)
     assert all(v > 0 for vs in rates.values() for v in vs)
     record("video_loader", f"{device.type}-clips-{frames}x{size}-b{batch}", row)
