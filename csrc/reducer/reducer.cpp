@@ -224,10 +224,12 @@ void Reducer::copy_grad_to_bucket_locked(int64_t index) {
   auto& grad = params_[index].mutable_grad();
   auto view = bucket_view(index);
   // Divide by the world size before the reduction (SUM), unless the collective averages
-  // (NCCL AVG; the shared-memory sum scales in its reduction pass, except for a compressed
-  // bucket, whose cast must not overflow) or there is nothing to divide (a world of one).
-  const bool divide = inv_world_ != 1.0 && !comm_hook_ && !reduce_avg_locked() &&
-                      !(buckets_[param_bucket_[index]].shm && !buckets_[param_bucket_[index]].comm.defined());
+  // (NCCL AVG; the shared-memory sum scales in its reduction pass), the bucket is compressed
+  // (divided after the cast, as torch's compression hooks do: see launch_ready_buckets_locked)
+  // or there is nothing to divide (a world of one).
+  const auto& target = buckets_[param_bucket_[index]];
+  const bool divide = inv_world_ != 1.0 && !comm_hook_ && !reduce_avg_locked() && !target.shm &&
+                      !target.comm.defined();
   if (grad.defined()) {
     if (grad.is_alias_of(view)) {
       if (divide) view.mul_(inv_world_);  // accumulated in place (bucket view): pre-divide there
@@ -328,7 +330,11 @@ void Reducer::launch_ready_buckets_locked() {
     const int64_t index = next_launch_++;
     auto& bucket = buckets_[index];
     flush_deferred_locked(bucket);
-    if (bucket.comm.defined()) bucket.comm.copy_(bucket.buffer);
+    if (bucket.comm.defined()) {
+      // torch's fp16/bf16 compression hooks: cast, then divide in the wire dtype.
+      bucket.comm.copy_(bucket.buffer);
+      if (inv_world_ != 1.0) bucket.comm.div_(static_cast<double>(process_group_->getSize()));
+    }
     bucket.launched = std::chrono::steady_clock::now();
     if (comm_hook_) {
       // torch DDP runs a registered hook in a world of one too (it may do more than a sum).
