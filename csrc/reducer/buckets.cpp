@@ -84,6 +84,7 @@ void Reducer::install_buckets_locked(const std::vector<std::vector<int64_t>>& bu
   buckets_ = std::move(buckets);
   param_bucket_ = std::move(param_bucket);
   param_slot_ = std::move(param_slot);
+  fp_layout_ = layout_hash_locked();
   // Each parameter's view is made once per bucket layout, not per gradient. A dense parameter's
   // view takes the parameter's strides (a channels_last weight gets a channels_last gradient),
   // as autograd's gradient layout contract and torch DDP do; any other parameter gets a

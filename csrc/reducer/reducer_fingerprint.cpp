@@ -1,0 +1,145 @@
+// The Reducer's side of the fingerprints (fingerprint.h): what it puts in each reduction's
+// fingerprint, how the fingerprint travels beside the last bucket, and the error on a mismatch.
+#include "reducer/reducer.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+
+namespace fastddp::reducer {
+
+namespace {
+
+// The process-group transport's result, [max f, max -f] per word: the ranks agree iff
+// max == min for every word (a joined rank's wildcard is below every value).
+bool wire_differs(const at::Tensor& host) {
+  const int64_t* r = host.data_ptr<int64_t>();
+  for (int w = 0; w < kFingerprintWords; ++w)
+    if (r[w] != -r[kFingerprintWords + w]) return true;
+  return false;
+}
+
+}  // namespace
+
+int64_t Reducer::layout_hash_locked() const {
+  uint64_t h = kFpSeed;
+  for (const auto& bucket : buckets_) {
+    h = fp_mix(h, static_cast<int64_t>(bucket.params.size()));
+    for (int64_t i : bucket.params) {
+      const auto& p = params_[i];
+      h = fp_mix(h, static_cast<int64_t>(p.scalar_type()));
+      h = fp_mix(h, p.dim());
+      for (int64_t s : p.sizes()) h = fp_mix(h, s);
+    }
+  }
+  return fp_finish(h);
+}
+
+Fingerprint Reducer::next_fingerprint_locked() {
+  Fingerprint f;
+  auto& w = f.words;
+  w[kFpStep] = fp_reductions_++ & kFpMask;
+  w[kFpBuckets] = static_cast<int64_t>(buckets_.size());
+  w[kFpLayout] = fp_layout_;
+  uint64_t h = kFpSeed;
+  for (int64_t i = 0; i < static_cast<int64_t>(params_.size()); ++i)
+    if (params_[i].requires_grad()) h = fp_mix(h, i);
+  w[kFpRequiresGrad] = fp_finish(h);
+  w[kFpUnused] = fp_unused_;
+  w[kFpNoSync] = fp_nosync_ & kFpMask;
+  w[kFpAutocast] = fp_autocast_;
+  w[kFpMissing] = fp_missing_;
+  w[kFpSeq] = fp_collectives_ & kFpMask;
+  return f;
+}
+
+c10::intrusive_ptr<c10d::Work> Reducer::launch_last_bucket_locked(Bucket& bucket, bool squares,
+                                                                  const Fingerprint& fp) {
+  fp_sent_ = fp;
+  fp_work_.reset();
+  fp_shm_work_.reset();
+  if (bucket.shm) {
+    // The fingerprint rides in this rank's slot of the collective: no extra synchronisation.
+    fp_shm_work_ = allreduce_wire_locked(bucket, squares, &fp);
+    return fp_shm_work_;
+  }
+  auto work = allreduce_wire_locked(bucket, squares);
+  auto host = at::empty({2 * kFingerprintWords}, at::TensorOptions().dtype(at::kLong));
+  int64_t* v = host.data_ptr<int64_t>();
+  for (int w = 0; w < kFingerprintWords; ++w) {
+    v[w] = fp.words[w];
+    v[kFingerprintWords + w] = fp.is_wildcard() ? kFpWildcard : -fp.words[w];
+  }
+  const auto device = bucket.buffer.device();
+  fp_wire_ = device.is_cpu() ? host : host.to(device, /*non_blocking=*/false);
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = c10d::ReduceOp::MAX;
+  std::vector<at::Tensor> tensors{fp_wire_};
+  fp_work_ = process_group_->allreduce(tensors, opts);
+  return work;
+}
+
+bool Reducer::fingerprint_mismatch_locked() {
+  if (fp_shm_work_) {
+    auto work = std::move(fp_shm_work_);
+    work->wait();
+    fp_reported_ = fp_sent_;
+    return static_cast<const ShmWork&>(*work).fingerprint_mismatch();
+  }
+  if (!fp_work_) return false;
+  auto work = std::move(fp_work_);
+  work->wait();
+  if (!fp_wire_.is_cuda()) {
+    fp_reported_ = fp_sent_;
+    return wire_differs(fp_wire_);
+  }
+  // On a GPU, reading the result now would wait for the whole backward: the result goes to
+  // pinned memory behind an event and is read at the next reduction, long after it arrived.
+  bool previous = false;
+  if (fp_event_) {
+    fp_event_->synchronize();
+    previous = wire_differs(fp_host_);
+    fp_reported_ = fp_host_sent_;
+  }
+  fp_host_ = at::empty({2 * kFingerprintWords}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+  fp_host_.copy_(fp_wire_, /*non_blocking=*/true);
+  const c10::impl::VirtualGuardImpl guard(fp_wire_.device().type());
+  fp_event_.emplace(fp_wire_.device().type());
+  fp_event_->record(guard.getStream(fp_wire_.device()));
+  fp_host_sent_ = fp_sent_;
+  return previous;
+}
+
+void Reducer::raise_desync_locked(const Fingerprint& mine) {
+  const int64_t n = static_cast<int64_t>(params_.size());
+  DesyncDetail detail;
+  detail.fingerprint = mine;
+  detail.requires_grad.resize(params_.size());
+  for (int64_t i = 0; i < n; ++i) detail.requires_grad[i] = params_[i].requires_grad();
+  detail.missing = missing_now_;
+  detail.unused = unused_now_;
+  const auto packed = pack_detail(detail);
+  auto local = at::empty({static_cast<int64_t>(packed.size())}, at::TensorOptions().dtype(at::kLong));
+  std::copy(packed.begin(), packed.end(), local.data_ptr<int64_t>());
+  const auto device = buckets_.empty() ? at::Device(at::kCPU) : buckets_.front().buffer.device();
+  if (!device.is_cpu()) local = local.to(device);
+  std::vector<std::vector<at::Tensor>> gathered(1);
+  for (int r = 0; r < process_group_->getSize(); ++r) gathered[0].push_back(at::empty_like(local));
+  std::vector<at::Tensor> input{local};
+  process_group_->allgather(gathered, input)->wait();
+  std::vector<DesyncDetail> per_rank;
+  for (const auto& t : gathered[0]) {
+    const auto host = t.cpu();
+    per_rank.push_back(unpack_detail(host.data_ptr<int64_t>(), n));
+  }
+  const std::string message = explain_desync(per_rank, names_, find_unused_);
+  if (desync_handler_) desync_handler_(message);
+  TORCH_CHECK(false, message);
+}
+
+void Reducer::set_desync_handler(std::function<void(const std::string&)> handler) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  desync_handler_ = std::move(handler);
+}
+
+}  // namespace fastddp::reducer
