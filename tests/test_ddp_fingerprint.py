@@ -140,6 +140,25 @@ def test_autocast_on_one_rank(ranks, transport: str) -> None:
     _check_raised(results, "rank 0 runs autocast(bfloat16), rank 1 runs no autocast")
 
 
+def _step_apart(rank: int, world_size: int) -> tuple[str, float]:
+    """Rank 1 reduces one step of a second wrapper while rank 0 reduces the first one (the same
+    model, so only the step count tells): their next reductions are a step apart."""
+    _setup("c10d")
+    torch.manual_seed(0)
+    first, second = fastddp.DDPWrapper(mlp()), fastddp.DDPWrapper(mlp())
+    x = torch.randn(2, 8)
+    for model in (first, second, first, second):  # the buckets are rebuilt in each one's 2nd step
+        model(x).sum().backward()
+    (first if rank == 0 else second)(x).sum().backward()
+    return _expect_desync(lambda: first(x).sum().backward())
+
+
+def test_ranks_a_step_apart(ranks) -> None:
+    """(The process-group transport: wrappers that share memory each have their own mapping.)"""
+    results = ranks.run(_step_apart, world_size=2, timeout=CASE_TIMEOUT_S)
+    _check_raised(results, "rank 0 is at reducing step 4, rank 1 is at reducing step 3")
+
+
 # ------------------------------------------------------------------ correct runs
 
 

@@ -182,7 +182,8 @@ std::string explain_desync(const std::vector<DesyncDetail>& d, const std::vector
                                      "different collective)");
   std::ostringstream msg;
   msg << "DDPWrapper: the ranks are out of step in this gradient reduction";
-  if (!ranks.empty() && !differs(kFpStep)) msg << " (reducing step " << d[ranks.front()].fingerprint.words[kFpStep] + 1 << ")";
+  if (!ranks.empty() && !differs(kFpStep))
+    msg << " (reducing step " << d[ranks.front()].fingerprint.words[kFpStep] + 1 << ")";
   msg << ": ";
   for (size_t k = 0; k < parts.size(); ++k) msg << (k ? "; " : "") << parts[k];
   if (!joined.empty()) msg << ". " << rank_list(joined) << (joined.size() == 1 ? " has" : " have")

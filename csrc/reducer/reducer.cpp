@@ -376,7 +376,7 @@ void Reducer::launch_ready_buckets_locked() {
 
 c10::intrusive_ptr<c10d::Work> Reducer::allreduce_wire_locked(Bucket& bucket, bool squares,
                                                               const Fingerprint* fingerprint) {
-  at::Tensor wire = bucket.comm.defined() ? bucket.comm : bucket.buffer;
+  at::Tensor wire = bucket.comm.defined() ? bucket.comm : bucket.wire.defined() ? bucket.wire : bucket.buffer;
   if (bucket.shm) return shm_->allreduce_sum(wire, bucket.comm.defined() ? 1.0 : inv_world_, squares, fingerprint);
   c10d::AllreduceOptions opts;
   opts.reduceOp = reduce_avg_locked() ? c10d::ReduceOp::AVG : c10d::ReduceOp::SUM;
@@ -482,8 +482,9 @@ void Reducer::finalize_backward() {
     }
   }
   if (missing_count > 0) fp_missing_ = fp_finish(missing_hash) | 1;
-  const std::string missing_error = missing_count == 0 ? std::string() : c10::str("DDPWrapper: ", missing_count, " parameter(s) received no gradient in this "
-              "backward pass: ", missing, (missing_count > 20 ? ", ..." : ""), ". Their reduction cannot finish. ",
+  const std::string missing_error = missing_count == 0 ? std::string() : c10::str(
+              "DDPWrapper: ", missing_count, " parameter(s) received no gradient in this backward pass: ", missing,
+              (missing_count > 20 ? ", ..." : ""), ". Their reduction cannot finish. ",
               (!frozen.empty()
                    ? "These now have requires_grad=False but required grad when the wrapper was built: " + frozen +
                          ". Freeze parameters before wrapping the model (or wrap it again after changing them), "

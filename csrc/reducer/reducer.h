@@ -33,6 +33,10 @@ struct Bucket {
   std::vector<int64_t> offsets;  // element offset of each parameter in `buffer`
   at::Tensor buffer;             // flat gradients, the parameters' dtype and device
   at::Tensor comm;               // flat buffer in the communication dtype (compression)
+  // The last bucket on the process group (CPU, fp32/fp64, uncompressed) carries the fingerprints
+  // in `header` elements after the gradients: `wire` is gradients + header, `buffer` its prefix.
+  at::Tensor wire;
+  int64_t header = 0;
   bool shm = false;              // reduced through shared memory (else through c10d)
   int64_t pending = 0;           // parameters not yet ready in this backward
   // Batched copies: parameters whose gradient waits in .grad to be copied into the bucket
@@ -156,6 +160,9 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // Gathers every rank's detail (a collective, on the error path only) and raises.
   [[noreturn]] void raise_desync_locked(const Fingerprint& mine);
   int64_t layout_hash_locked() const;
+  // Elements of the fingerprint header the last bucket carries on the process group (0: none,
+  // the fingerprints travel in their own MAX all-reduce).
+  int64_t fingerprint_header_elems(const at::Tensor& first, bool compress) const;
   // Hands bucket `index` to the communication hook; returns the hook's Future.
   c10::intrusive_ptr<c10::ivalue::Future> run_comm_hook_locked(int64_t index);
   // Waits for the hook's Future of bucket `index` and copies its value into the bucket buffer.
@@ -236,6 +243,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   at::Tensor fp_wire_;              // process-group transport: [f, -f], all-reduced with MAX
   c10::intrusive_ptr<c10d::Work> fp_work_;
   c10::intrusive_ptr<c10d::Work> fp_shm_work_;  // shared memory: the last bucket's collective
+  c10::intrusive_ptr<c10d::Work> fp_header_work_;  // process group, header in the last bucket
   // CUDA: the previous reduction's result, copied to pinned memory behind an event.
   at::Tensor fp_host_;
   std::optional<c10::Event> fp_event_;

@@ -6,6 +6,9 @@
 #include <ATen/ops/empty_like.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
+#include <algorithm>
+#include <cmath>
+
 namespace fastddp::reducer {
 
 namespace {
@@ -19,7 +22,45 @@ bool wire_differs(const at::Tensor& host) {
   return false;
 }
 
+// The header of the last bucket: one slot per rank of kFingerprintWords words, each word's 64
+// bits as four 16-bit chunks, which fp32 and fp64 hold exactly; a rank writes only its own
+// slot and zeros the others, so the SUM all-reduce of the bucket gathers every rank's.
+constexpr int64_t kChunks = 4;
+constexpr int kMaxHeaderWorld = 256;  // beyond, the header would outweigh a small bucket
+
+template <typename T>
+void write_slot(T* header, int64_t elems, int rank, const Fingerprint& fp) {
+  std::fill(header, header + elems, T(0));
+  T* slot = header + static_cast<int64_t>(rank) * kFingerprintWords * kChunks;
+  for (int w = 0; w < kFingerprintWords; ++w) {
+    const auto bits = static_cast<uint64_t>(fp.words[w]);
+    for (int64_t c = 0; c < kChunks; ++c) slot[w * kChunks + c] = static_cast<T>((bits >> (16 * c)) & 0xffff);
+  }
+}
+
+template <typename T>
+std::vector<Fingerprint> read_slots(const T* header, int world) {
+  std::vector<Fingerprint> out(world);
+  for (int r = 0; r < world; ++r) {
+    const T* slot = header + static_cast<int64_t>(r) * kFingerprintWords * kChunks;
+    for (int w = 0; w < kFingerprintWords; ++w) {
+      uint64_t bits = 0;
+      for (int64_t c = 0; c < kChunks; ++c)
+        bits |= static_cast<uint64_t>(std::llround(static_cast<double>(slot[w * kChunks + c]))) << (16 * c);
+      out[r].words[w] = static_cast<int64_t>(bits);
+    }
+  }
+  return out;
+}
+
 }  // namespace
+
+int64_t Reducer::fingerprint_header_elems(const at::Tensor& first, bool compress) const {
+  const int world = process_group_->getSize();
+  if (!fingerprint_ || compress || !first.device().is_cpu() || world > kMaxHeaderWorld) return 0;
+  if (first.scalar_type() != at::kFloat && first.scalar_type() != at::kDouble) return 0;
+  return static_cast<int64_t>(world) * kFingerprintWords * kChunks;
+}
 
 int64_t Reducer::layout_hash_locked() const {
   uint64_t h = kFpSeed;
@@ -58,10 +99,23 @@ c10::intrusive_ptr<c10d::Work> Reducer::launch_last_bucket_locked(Bucket& bucket
   fp_sent_ = fp;
   fp_work_.reset();
   fp_shm_work_.reset();
+  fp_header_work_.reset();
   if (bucket.shm) {
     // The fingerprint rides in this rank's slot of the collective: no extra synchronisation.
     fp_shm_work_ = allreduce_wire_locked(bucket, squares, &fp);
     return fp_shm_work_;
+  }
+  if (bucket.header > 0) {
+    // Gathered by the bucket's own all-reduce: no extra collective.
+    const int64_t total = bucket.buffer.numel();
+    const int rank = process_group_->getRank();
+    if (bucket.wire.scalar_type() == at::kFloat) {
+      write_slot(bucket.wire.data_ptr<float>() + total, bucket.header, rank, fp);
+    } else {
+      write_slot(bucket.wire.data_ptr<double>() + total, bucket.header, rank, fp);
+    }
+    fp_header_work_ = allreduce_wire_locked(bucket, squares);
+    return fp_header_work_;
   }
   auto work = allreduce_wire_locked(bucket, squares);
   auto host = at::empty({2 * kFingerprintWords}, at::TensorOptions().dtype(at::kLong));
@@ -85,6 +139,17 @@ bool Reducer::fingerprint_mismatch_locked() {
     work->wait();
     fp_reported_ = fp_sent_;
     return static_cast<const ShmWork&>(*work).fingerprint_mismatch();
+  }
+  if (fp_header_work_) {
+    auto work = std::move(fp_header_work_);
+    work->wait();
+    fp_reported_ = fp_sent_;
+    const auto& bucket = buckets_.back();
+    const int64_t total = bucket.buffer.numel();
+    const int world = process_group_->getSize();
+    return fingerprints_differ(bucket.wire.scalar_type() == at::kFloat
+                                   ? read_slots(bucket.wire.data_ptr<float>() + total, world)
+                                   : read_slots(bucket.wire.data_ptr<double>() + total, world));
   }
   if (!fp_work_) return false;
   auto work = std::move(fp_work_);
