@@ -225,3 +225,18 @@ def _bad_setting(rank: int, world_size: int) -> str:
 def test_bad_environment_value_is_named(ranks) -> None:
     msg = ranks.run(_bad_setting, world_size=2)[0]
     assert "FASTDDP_FINGERPRINT='maybe'" in msg and "strict" in msg, msg
+
+
+def _world_of_one(rank: int, world_size: int) -> list[bool]:
+    os.environ.pop("FASTDDP_FINGERPRINT", None)
+    passthrough = fastddp.DDPWrapper(mlp())
+    os.environ["FASTDDP_WORLD1_PASSTHROUGH"] = "0"
+    bucketed = fastddp.DDPWrapper(mlp())
+    bucketed(torch.randn(2, 8)).sum().backward()
+    return [fastddp._C.ReducerOptions().fingerprint, passthrough._reducer.fingerprinting,
+            bucketed._reducer.fingerprinting]
+
+
+def test_world_of_one_has_nothing_to_compare(ranks) -> None:
+    """On by default in the options, skipped where a single rank has no one to compare with."""
+    assert ranks.run(_world_of_one, world_size=1) == [[True, False, False]]
