@@ -73,7 +73,8 @@ void Reducer::install_buckets_locked(const std::vector<std::vector<int64_t>>& bu
       // Nothing is ever copied into it: a shape-only (meta) tensor keeps the layout for
       // bucket_report() without holding a second copy of every gradient.
       bucket.buffer = at::empty({total}, first.options().device(at::kMeta).requires_grad(false));
-    } else if (const int64_t header = &indices == &bucket_indices.back() ? fingerprint_header_elems(first, compress) : 0;
+    } else if (const int64_t header =
+                   &indices == &bucket_indices.back() ? fingerprint_header_elems(first, compress) : 0;
                header > 0) {
       bucket.wire = at::zeros({total + header}, first.options().requires_grad(false));
       bucket.buffer = bucket.wire.narrow(0, 0, total);

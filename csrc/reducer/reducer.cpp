@@ -2,7 +2,6 @@
 
 #include "reducer/layout.h"
 
-#include <ATen/autocast_mode.h>
 #include <ATen/ops/_foreach_copy.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mul.h>
@@ -160,19 +159,7 @@ void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs, bool 
     ++nosync_forwards_;
     return;
   }
-  // What the fingerprint of this reduction says about its forward.
-  fp_nosync_ = nosync_forwards_;
-  nosync_forwards_ = 0;
-  if (!params_.empty()) {
-    const auto device_type = params_.front().device().type();
-    fp_autocast_ = at::autocast::is_autocast_enabled(device_type)
-                       ? 1 + static_cast<int64_t>(at::autocast::get_autocast_dtype(device_type))
-                       : 0;
-  }
-  std::fill(unused_now_.begin(), unused_now_.end(), 0);
-  std::fill(missing_now_.begin(), missing_now_.end(), 0);
-  fp_unused_ = 0;
-  fp_missing_ = 0;
+  note_reducing_forward_locked();
   if (static_graph_) {
     if (static_first_iteration_) {
       // Reentrant backward passes (torch.utils.checkpoint with use_reentrant=True) have graph
@@ -222,13 +209,7 @@ void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs, bool 
       if (edge.function && seen.insert(edge.function.get()).second) stack.push_back(edge.function.get());
     }
   }
-  uint64_t unused_hash = kFpSeed;
-  for (int64_t i = 0; i < static_cast<int64_t>(params_.size()); ++i) {
-    if (reached[i]) continue;
-    unused_now_[i] = 1;
-    unused_hash = fp_mix(unused_hash, i);
-  }
-  if (options_.fingerprint_unused) fp_unused_ = fp_finish(unused_hash);
+  note_unused_locked(reached);
   for (int64_t i = 0; i < static_cast<int64_t>(params_.size()); ++i)
     if (!reached[i]) mark_unused_locked(i);
   launch_ready_buckets_locked();
@@ -449,6 +430,39 @@ void Reducer::flush_deferred_locked(Bucket& bucket) {
   bucket.deferred.clear();
 }
 
+std::string Reducer::missing_gradients_locked() {
+  std::string missing;
+  int64_t missing_count = 0;
+  std::string frozen;  // parameters whose requires_grad was turned off after wrapping
+  uint64_t missing_hash = kFpSeed;
+  for (int64_t i = 0; i < static_cast<int64_t>(params_.size()); ++i) {
+    if (!ready_[i]) {
+      if (missing_count++ < 20) missing += (missing.empty() ? "" : ", ") + names_[i];
+      const bool requires_grad = params_[i].requires_grad();
+      if (!requires_grad) frozen += (frozen.empty() ? "" : ", ") + names_[i];
+      missing_now_[i] = requires_grad;  // a frozen one is reported as such, not as unused
+      missing_hash = fp_mix(missing_hash, i);
+    }
+  }
+  if (missing_count == 0) return std::string();
+  fp_missing_ = fp_finish(missing_hash) | 1;
+  return c10::str("DDPWrapper: ", missing_count, " parameter(s) received no gradient in this backward pass: ", missing,
+              (missing_count > 20 ? ", ..." : ""), ". Their reduction cannot finish. ",
+              (!frozen.empty()
+                   ? "These now have requires_grad=False but required grad when the wrapper was built: " + frozen +
+                         ". Freeze parameters before wrapping the model (or wrap it again after changing them), "
+                         "or pass find_unused_parameters=True."
+                   : find_unused_
+                   ? std::string("find_unused_parameters=True is on, so the forward's outputs reach these "
+                                 "parameters but this backward did not: make sure the loss uses every forward "
+                                 "output that depends on parameters (a backward through gradients taken with "
+                                 "torch.autograd.grad(create_graph=True), e.g. a gradient penalty, can skip "
+                                 "some; add the forward's loss to it).")
+                   : std::string("If some parameters are legitimately unused in some iterations, pass "
+                                 "find_unused_parameters=True; also make sure every forward output that depends "
+                                 "on parameters takes part in the loss.")));
+}
+
 void Reducer::finalize_backward() {
   std::lock_guard<std::mutex> lock(mutex_);
   callback_queued_ = false;
@@ -468,36 +482,7 @@ void Reducer::finalize_backward() {
       }
     }
   }
-  std::string missing;
-  int64_t missing_count = 0;
-  std::string frozen;  // parameters whose requires_grad was turned off after wrapping
-  uint64_t missing_hash = kFpSeed;
-  for (int64_t i = 0; i < static_cast<int64_t>(params_.size()); ++i) {
-    if (!ready_[i]) {
-      if (missing_count++ < 20) missing += (missing.empty() ? "" : ", ") + names_[i];
-      const bool requires_grad = params_[i].requires_grad();
-      if (!requires_grad) frozen += (frozen.empty() ? "" : ", ") + names_[i];
-      missing_now_[i] = requires_grad;  // a frozen one is reported as such, not as unused
-      missing_hash = fp_mix(missing_hash, i);
-    }
-  }
-  if (missing_count > 0) fp_missing_ = fp_finish(missing_hash) | 1;
-  const std::string missing_error = missing_count == 0 ? std::string() : c10::str(
-              "DDPWrapper: ", missing_count, " parameter(s) received no gradient in this backward pass: ", missing,
-              (missing_count > 20 ? ", ..." : ""), ". Their reduction cannot finish. ",
-              (!frozen.empty()
-                   ? "These now have requires_grad=False but required grad when the wrapper was built: " + frozen +
-                         ". Freeze parameters before wrapping the model (or wrap it again after changing them), "
-                         "or pass find_unused_parameters=True."
-                   : find_unused_
-                   ? std::string("find_unused_parameters=True is on, so the forward's outputs reach these "
-                                 "parameters but this backward did not: make sure the loss uses every forward "
-                                 "output that depends on parameters (a backward through gradients taken with "
-                                 "torch.autograd.grad(create_graph=True), e.g. a gradient penalty, can skip "
-                                 "some; add the forward's loss to it).")
-                   : std::string("If some parameters are legitimately unused in some iterations, pass "
-                                 "find_unused_parameters=True; also make sure every forward output that depends "
-                                 "on parameters takes part in the loss.")));
+  const std::string missing_error = missing_gradients_locked();
   TORCH_CHECK(missing_error.empty() || fingerprint_, missing_error);
   if (!missing_error.empty()) {
     // The other ranks may be waiting in this reduction's collectives: issue them all (what they
@@ -521,18 +506,7 @@ void Reducer::finalize_backward() {
   }
   // Usage is counted from one reduction to the next, no_sync() iterations in between included.
   std::fill(locally_used_.begin(), locally_used_.end(), 0);
-  if (fingerprint_) {
-    const bool desync = fingerprint_mismatch_locked();
-    if (desync || !missing_error.empty()) {
-      // Every rank issued every collective of this reduction: complete them, then raise.
-      for (auto& bucket : buckets_) {
-        if (bucket.work) bucket.work->wait();
-        bucket.work.reset();
-      }
-      if (desync) raise_desync_locked(fp_reported_);
-      TORCH_CHECK(false, missing_error);
-    }
-  }
+  if (fingerprint_) check_fingerprints_locked(missing_error);
   const bool visiting = !visitors_.empty() && !buckets_.empty();
   if (visiting)
     for (const auto& v : visitors_) v->begin(buckets_[0].buffer);

@@ -160,6 +160,16 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // Gathers every rank's detail (a collective, on the error path only) and raises.
   [[noreturn]] void raise_desync_locked(const Fingerprint& mine);
   int64_t layout_hash_locked() const;
+  // A reducing forward: its no_sync() count and autocast state go into the next fingerprint.
+  void note_reducing_forward_locked();
+  // find_unused_parameters: the parameters the reducing forward did not reach.
+  void note_unused_locked(const std::vector<char>& reached);
+  // The error for parameters without a gradient at the end of backward (empty: none); notes
+  // them for the fingerprint.
+  std::string missing_gradients_locked();
+  // End of a reduction with fingerprints: on a mismatch, or with `missing_error`, completes
+  // every collective of the reduction (all ranks issued them) and raises.
+  void check_fingerprints_locked(const std::string& missing_error);
   // Elements of the fingerprint header the last bucket carries on the process group (0: none,
   // the fingerprints travel in their own MAX all-reduce).
   int64_t fingerprint_header_elems(const at::Tensor& first, bool compress) const;

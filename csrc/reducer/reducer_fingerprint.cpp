@@ -2,6 +2,7 @@
 // fingerprint, how the fingerprint travels beside the last bucket, and the error on a mismatch.
 #include "reducer/reducer.h"
 
+#include <ATen/autocast_mode.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
@@ -74,6 +75,42 @@ int64_t Reducer::layout_hash_locked() const {
     }
   }
   return fp_finish(h);
+}
+
+void Reducer::note_reducing_forward_locked() {
+  fp_nosync_ = nosync_forwards_;
+  nosync_forwards_ = 0;
+  if (!params_.empty()) {
+    const auto device_type = params_.front().device().type();
+    fp_autocast_ = at::autocast::is_autocast_enabled(device_type)
+                       ? 1 + static_cast<int64_t>(at::autocast::get_autocast_dtype(device_type))
+                       : 0;
+  }
+  std::fill(unused_now_.begin(), unused_now_.end(), 0);
+  std::fill(missing_now_.begin(), missing_now_.end(), 0);
+  fp_unused_ = 0;
+  fp_missing_ = 0;
+}
+
+void Reducer::note_unused_locked(const std::vector<char>& reached) {
+  uint64_t h = kFpSeed;
+  for (int64_t i = 0; i < static_cast<int64_t>(params_.size()); ++i) {
+    if (reached[i]) continue;
+    unused_now_[i] = 1;
+    h = fp_mix(h, i);
+  }
+  if (options_.fingerprint_unused) fp_unused_ = fp_finish(h);
+}
+
+void Reducer::check_fingerprints_locked(const std::string& missing_error) {
+  const bool desync = fingerprint_mismatch_locked();
+  if (!desync && missing_error.empty()) return;
+  for (auto& bucket : buckets_) {
+    if (bucket.work) bucket.work->wait();
+    bucket.work.reset();
+  }
+  if (desync) raise_desync_locked(fp_reported_);
+  TORCH_CHECK(false, missing_error);
 }
 
 Fingerprint Reducer::next_fingerprint_locked() {
