@@ -159,6 +159,36 @@ def test_ranks_a_step_apart(ranks) -> None:
     _check_raised(results, "rank 0 is at reducing step 4, rank 1 is at reducing step 3")
 
 
+def _desync_while_joined(rank: int, world_size: int, transport: str) -> tuple[str, float]:
+    """Rank 0 runs out of data and stands in (join()); ranks 1 and 2 then disagree on autocast.
+    The stand-in's wildcard fingerprint matches anything, yet it sees the mismatch and raises
+    the same error from the join() block."""
+    _setup(transport)
+    torch.manual_seed(0)
+    model = fastddp.DDPWrapper(mlp())
+    x = torch.randn(2, 8)
+
+    def loop() -> None:
+        with model.join():
+            for step in range(1 if rank == 0 else 3):
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=rank == 2 and step == 2):
+                    out = model(x)
+                out.float().sum().backward()
+
+    return _expect_desync(loop)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_desync_while_a_rank_is_joined(ranks, transport: str) -> None:
+    results = ranks.run(_desync_while_joined, world_size=3, args=(transport,), timeout=CASE_TIMEOUT_S)
+    messages = {m for m, _ in results}
+    assert len(messages) == 1, messages
+    msg = messages.pop()
+    assert "rank 1 runs no autocast, rank 2 runs autocast(bfloat16)" in msg, msg
+    assert "; rank 0 has joined (uneven inputs) and stands in" in msg, msg
+    assert all(t < RAISE_WITHIN_S for _, t in results), results
+
+
 # ------------------------------------------------------------------ correct runs
 
 

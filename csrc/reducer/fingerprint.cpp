@@ -186,7 +186,7 @@ std::string explain_desync(const std::vector<DesyncDetail>& d, const std::vector
     msg << " (reducing step " << d[ranks.front()].fingerprint.words[kFpStep] + 1 << ")";
   msg << ": ";
   for (size_t k = 0; k < parts.size(); ++k) msg << (k ? "; " : "") << parts[k];
-  if (!joined.empty()) msg << ". " << rank_list(joined) << (joined.size() == 1 ? " has" : " have")
+  if (!joined.empty()) msg << "; " << rank_list(joined) << (joined.size() == 1 ? " has" : " have")
                            << " joined (uneven inputs) and stand" << (joined.size() == 1 ? "s" : "") << " in";
   msg << ". Every rank raises this error. FASTDDP_FINGERPRINT=0 turns the check off.";
   return msg.str();
