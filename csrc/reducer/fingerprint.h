@@ -1,8 +1,10 @@
 // The fingerprint every reduction of the DDPWrapper carries: what this rank believes the
 // reduction is (which reducing step, which bucket layout, which parameters, how many no_sync
 // steps before it, under which autocast). Ranks compare fingerprints as a by-product of the
-// reduction itself (a slot in the shared-memory mapping, or one small MAX all-reduce beside the
-// last bucket's on the process group), so a desynchronised rank is named in one error on every
+// reduction itself, beside the last bucket (launched only once every gradient of the backward
+// arrived): a slot per rank in the shared-memory mapping; on the process group, a slot per rank
+// in a header after a CPU fp32/fp64 bucket's gradients, gathered by the bucket's own SUM, else
+// one small MAX all-reduce over (f, -f). A desynchronised rank is named in one error on every
 // rank instead of training on silently mismatched gradients or hanging.
 #pragma once
 

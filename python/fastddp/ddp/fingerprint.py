@@ -4,9 +4,10 @@ Every gradient reduction carries a small fingerprint (csrc/reducer/fingerprint.h
 step's number, the bucket count and a hash of the bucket layout, which parameters require grad,
 the number of ``no_sync()`` steps since the last reduction, the forward's autocast state, the
 parameters that got no gradient, and a sequence number of the collectives. The ranks compare
-fingerprints as a by-product of the reduction (a slot in the shared-memory mapping, or one small
-MAX all-reduce beside the last bucket on the process group); when they differ, every rank
-raises :class:`DesyncError` with one message naming the ranks and what differs.
+fingerprints as a by-product of the last bucket's reduction (a slot per rank in the shared-memory
+mapping or in a header after the bucket's gradients; one small MAX all-reduce beside it where the
+bucket cannot carry one: GPU, bf16/fp16); when they differ, every rank raises
+:class:`DesyncError` with one message naming the ranks and what differs.
 """
 
 from __future__ import annotations
