@@ -9,6 +9,16 @@ namespace py = pybind11;
 
 namespace {
 
+// Raises fastddp.DesyncError (python/fastddp/ddp/fingerprint.py) with `message`: thrown as a
+// pybind11 error_already_set, which torch's autograd engine and pybind11 both hand to Python
+// unchanged, so loss.backward() raises it.
+[[noreturn]] void raise_desync_error(const std::string& message) {
+  py::gil_scoped_acquire gil;
+  static py::handle cls = py::object(py::module_::import("fastddp.ddp.fingerprint").attr("DesyncError")).release();
+  PyErr_SetString(cls.ptr(), message.c_str());
+  throw py::error_already_set();
+}
+
 void bind_options(py::module_& m) {
   py::class_<fastddp::reducer::BucketVisitor, std::shared_ptr<fastddp::reducer::BucketVisitor>>(
       m, "BucketVisitor",
@@ -29,7 +39,9 @@ void bind_options(py::module_& m) {
       .def_readwrite("shm_timeout_s", &ReducerOptions::shm_timeout_s)
       .def_readwrite("shm_broadcast_bytes", &ReducerOptions::shm_broadcast_bytes)
       .def_readwrite("batch_copies", &ReducerOptions::batch_copies)
-      .def_readwrite("single_rank_passthrough", &ReducerOptions::single_rank_passthrough);
+      .def_readwrite("single_rank_passthrough", &ReducerOptions::single_rank_passthrough)
+      .def_readwrite("fingerprint", &ReducerOptions::fingerprint)
+      .def_readwrite("fingerprint_unused", &ReducerOptions::fingerprint_unused);
   m.def("plan_buckets", &fastddp::reducer::plan_buckets, py::arg("params"), py::arg("order"), py::arg("options"),
         "Bucket indices filled in `order`, grouped by (device, dtype), within the options' caps.");
 }
@@ -56,6 +68,7 @@ void bind_reducer(py::module_& m) {
              auto r = std::make_shared<fastddp::reducer::Reducer>(std::move(params), std::move(names), pg, options,
                                                                   std::move(hook));
              r->register_hooks();
+             r->set_desync_handler(raise_desync_error);
              return r;
            }),
            py::arg("params"), py::arg("names"), py::arg("process_group"), py::arg("options"),
@@ -97,6 +110,8 @@ void bind_reducer(py::module_& m) {
            "Re-plan the buckets in group rank 0's gradient arrival order (a collective); True if they changed.",
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("options", &fastddp::reducer::Reducer::options, "The ReducerOptions it was built with.")
+      .def_property_readonly("fingerprinting", &fastddp::reducer::Reducer::fingerprinting,
+                             "Whether reductions carry fingerprints the ranks compare (a mismatch raises DesyncError).")
       .def("bucket_indices", &fastddp::reducer::Reducer::bucket_indices, "Parameter indices of each bucket.")
       .def("bucket_shm", &fastddp::reducer::Reducer::bucket_shm,
            "Per bucket: True when it is reduced through shared memory.", py::call_guard<py::gil_scoped_release>())

@@ -75,6 +75,12 @@ void Reducer::install_buckets_locked(const std::vector<std::vector<int64_t>>& bu
       // Nothing is ever copied into it: a shape-only (meta) tensor keeps the layout for
       // bucket_report() without holding a second copy of every gradient.
       bucket.buffer = at::empty({total}, first.options().device(at::kMeta).requires_grad(false));
+    } else if (const int64_t header =
+                   &indices == &bucket_indices.back() ? fingerprint_header_elems(first, compress) : 0;
+               header > 0) {
+      bucket.wire = at::zeros({total + header}, first.options().requires_grad(false));
+      bucket.buffer = bucket.wire.narrow(0, 0, total);
+      bucket.header = header;
     } else {
       bucket.buffer = at::zeros({total}, first.options().requires_grad(false));
       if (compress) bucket.comm = at::empty({total}, first.options().dtype(*comm_dtype_).requires_grad(false));
@@ -86,6 +92,7 @@ void Reducer::install_buckets_locked(const std::vector<std::vector<int64_t>>& bu
   buckets_ = std::move(buckets);
   param_bucket_ = std::move(param_bucket);
   param_slot_ = std::move(param_slot);
+  fp_layout_ = layout_hash_locked();
   // Each parameter's view is made once per bucket layout, not per gradient. A dense parameter's
   // view takes the parameter's strides (a channels_last weight gets a channels_last gradient),
   // as autograd's gradient layout contract and torch DDP do; any other parameter gets a

@@ -38,6 +38,14 @@ struct ReducerOptions {
   std::optional<bool> batch_copies;
   // A world of one without comm_dtype or hook leaves the gradients where autograd put them.
   bool single_rank_passthrough = true;
+
+  // Every reduction carries a fingerprint (fingerprint.h) that the ranks compare as a by-product
+  // of the reduction; a mismatch raises one error on every rank naming the ranks and what differs.
+  // Skipped in a world of one and with a communication hook.
+  bool fingerprint = true;
+  // With find_unused_parameters, also compare the set of parameters the reducing forward used
+  // (torch DDP allows it to differ between ranks, so this is off by default).
+  bool fingerprint_unused = false;
 };
 
 }  // namespace fastddp::reducer

@@ -69,6 +69,9 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
   locally_used_.assign(n, 0);
   hooks_per_backward_.assign(n, 0);
   hooks_left_.assign(n, 0);
+  unused_now_.assign(n, 0);
+  missing_now_.assign(n, 0);
+  fingerprint_ = options_.fingerprint && process_group_->getSize() > 1 && !comm_hook_ && !passthrough_;
   if (shm_allreduce) {
     // Collective over the group: every rank of a CPU model takes part (the caller decides that
     // from the parameters' device, the same on every rank) and says whether it wants shared
@@ -156,7 +159,11 @@ void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs, bool 
     b.squares_in_work = false;
     b.deferred.clear();
   }
-  if (!sync) return;
+  if (!sync) {
+    ++nosync_forwards_;
+    return;
+  }
+  note_reducing_forward_locked();
   if (static_graph_) {
     if (static_first_iteration_) {
       // Reentrant backward passes (torch.utils.checkpoint with use_reentrant=True) have graph
@@ -206,6 +213,7 @@ void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs, bool 
       if (edge.function && seen.insert(edge.function.get()).second) stack.push_back(edge.function.get());
     }
   }
+  note_unused_locked(reached);
   for (int64_t i = 0; i < static_cast<int64_t>(params_.size()); ++i)
     if (!reached[i]) mark_unused_locked(i);
   launch_ready_buckets_locked();
@@ -348,13 +356,20 @@ void Reducer::launch_ready_buckets_locked() {
       continue;
     }
     bucket.squares_in_work = bucket.shm && visitors_want_squares_locked();
+    if (fingerprint_ && index + 1 == static_cast<int64_t>(buckets_.size())) {
+      ++fp_collectives_;
+      bucket.work = launch_last_bucket_locked(bucket, bucket.squares_in_work, next_fingerprint_locked());
+      continue;
+    }
+    if (fingerprint_) ++fp_collectives_;
     bucket.work = allreduce_wire_locked(bucket, bucket.squares_in_work);
   }
 }
 
-c10::intrusive_ptr<c10d::Work> Reducer::allreduce_wire_locked(Bucket& bucket, bool squares) {
-  at::Tensor wire = bucket.comm.defined() ? bucket.comm : bucket.buffer;
-  if (bucket.shm) return shm_->allreduce_sum(wire, bucket.comm.defined() ? 1.0 : inv_world_, squares);
+c10::intrusive_ptr<c10d::Work> Reducer::allreduce_wire_locked(Bucket& bucket, bool squares,
+                                                              const Fingerprint* fingerprint) {
+  at::Tensor wire = bucket.comm.defined() ? bucket.comm : bucket.wire.defined() ? bucket.wire : bucket.buffer;
+  if (bucket.shm) return shm_->allreduce_sum(wire, bucket.comm.defined() ? 1.0 : inv_world_, squares, fingerprint);
   c10d::AllreduceOptions opts;
   opts.reduceOp = reduce_avg_locked() ? c10d::ReduceOp::AVG : c10d::ReduceOp::SUM;
   std::vector<at::Tensor> tensors{wire};
@@ -426,6 +441,39 @@ void Reducer::flush_deferred_locked(Bucket& bucket) {
   bucket.deferred.clear();
 }
 
+std::string Reducer::missing_gradients_locked() {
+  std::string missing;
+  int64_t missing_count = 0;
+  std::string frozen;  // parameters whose requires_grad was turned off after wrapping
+  uint64_t missing_hash = kFpSeed;
+  for (int64_t i = 0; i < static_cast<int64_t>(params_.size()); ++i) {
+    if (!ready_[i]) {
+      if (missing_count++ < 20) missing += (missing.empty() ? "" : ", ") + names_[i];
+      const bool requires_grad = params_[i].requires_grad();
+      if (!requires_grad) frozen += (frozen.empty() ? "" : ", ") + names_[i];
+      missing_now_[i] = requires_grad;  // a frozen one is reported as such, not as unused
+      missing_hash = fp_mix(missing_hash, i);
+    }
+  }
+  if (missing_count == 0) return std::string();
+  fp_missing_ = fp_finish(missing_hash) | 1;
+  return c10::str("DDPWrapper: ", missing_count, " parameter(s) received no gradient in this backward pass: ", missing,
+              (missing_count > 20 ? ", ..." : ""), ". Their reduction cannot finish. ",
+              (!frozen.empty()
+                   ? "These now have requires_grad=False but required grad when the wrapper was built: " + frozen +
+                         ". Freeze parameters before wrapping the model (or wrap it again after changing them), "
+                         "or pass find_unused_parameters=True."
+                   : find_unused_
+                   ? std::string("find_unused_parameters=True is on, so the forward's outputs reach these "
+                                 "parameters but this backward did not: make sure the loss uses every forward "
+                                 "output that depends on parameters (a backward through gradients taken with "
+                                 "torch.autograd.grad(create_graph=True), e.g. a gradient penalty, can skip "
+                                 "some; add the forward's loss to it).")
+                   : std::string("If some parameters are legitimately unused in some iterations, pass "
+                                 "find_unused_parameters=True; also make sure every forward output that depends "
+                                 "on parameters takes part in the loss.")));
+}
+
 void Reducer::finalize_backward() {
   std::lock_guard<std::mutex> lock(mutex_);
   callback_queued_ = false;
@@ -445,30 +493,13 @@ void Reducer::finalize_backward() {
       }
     }
   }
-  std::string missing;
-  int64_t missing_count = 0;
-  std::string frozen;  // parameters whose requires_grad was turned off after wrapping
-  for (int64_t i = 0; i < static_cast<int64_t>(params_.size()); ++i) {
-    if (!ready_[i]) {
-      if (missing_count++ < 20) missing += (missing.empty() ? "" : ", ") + names_[i];
-      if (!params_[i].requires_grad()) frozen += (frozen.empty() ? "" : ", ") + names_[i];
-    }
+  const std::string missing_error = missing_gradients_locked();
+  TORCH_CHECK(missing_error.empty() || fingerprint_, missing_error);
+  if (!missing_error.empty()) {
+    // The other ranks may be waiting in this reduction's collectives: issue them all (what they
+    // carry does not matter, this rank raises), with a fingerprint that names what is missing.
+    for (auto& bucket : buckets_) bucket.pending = 0;
   }
-  TORCH_CHECK(missing_count == 0, "DDPWrapper: ", missing_count, " parameter(s) received no gradient in this "
-              "backward pass: ", missing, (missing_count > 20 ? ", ..." : ""), ". Their reduction cannot finish. ",
-              (!frozen.empty()
-                   ? "These now have requires_grad=False but required grad when the wrapper was built: " + frozen +
-                         ". Freeze parameters before wrapping the model (or wrap it again after changing them), "
-                         "or pass find_unused_parameters=True."
-                   : find_unused_
-                   ? std::string("find_unused_parameters=True is on, so the forward's outputs reach these "
-                                 "parameters but this backward did not: make sure the loss uses every forward "
-                                 "output that depends on parameters (a backward through gradients taken with "
-                                 "torch.autograd.grad(create_graph=True), e.g. a gradient penalty, can skip "
-                                 "some; add the forward's loss to it).")
-                   : std::string("If some parameters are legitimately unused in some iterations, pass "
-                                 "find_unused_parameters=True; also make sure every forward output that depends "
-                                 "on parameters takes part in the loss.")));
   launch_ready_buckets_locked();
   if (passthrough_) {
     // The gradients are autograd's own and a world of one sums nothing: no bucket to wait
@@ -493,6 +524,7 @@ void Reducer::finalize_backward() {
   }
   // Usage is counted from one reduction to the next, no_sync() iterations in between included.
   std::fill(locally_used_.begin(), locally_used_.end(), 0);
+  if (fingerprint_) check_fingerprints_locked(missing_error);
   const bool visiting = !visitors_.empty() && !buckets_.empty();
   if (visiting)
     for (const auto& v : visitors_) v->begin(buckets_[0].buffer);
@@ -586,12 +618,21 @@ void Reducer::shadow_reduction() {
     (bucket.comm.defined() ? bucket.comm : bucket.buffer).zero_();
     if (comm_hook_) {
       bucket.hook_future = run_comm_hook_locked(index);
+    } else if (fingerprint_ && index + 1 == static_cast<int64_t>(buckets_.size())) {
+      // A wildcard fingerprint: the ranks still training compare theirs among themselves.
+      fp_collectives_ += static_cast<int64_t>(buckets_.size());
+      ++fp_reductions_;
+      works.push_back(launch_last_bucket_locked(bucket, false, Fingerprint::wildcard()));
     } else {
       works.push_back(allreduce_wire_locked(bucket, false));
     }
   }
   std::fill(locally_used_.begin(), locally_used_.end(), 0);
   if (find_unused_ && !static_graph_) allreduce_used_locked(locally_used_);
+  if (fingerprint_ && fingerprint_mismatch_locked()) {
+    for (auto& work : works) work->wait();
+    raise_desync_locked(fp_reported_);
+  }
   for (auto& work : works) work->wait();
   for (int64_t index = 0; index < static_cast<int64_t>(buckets_.size()); ++index)
     if (buckets_[index].hook_future) take_comm_hook_result_locked(index);

@@ -5,6 +5,7 @@
 #pragma once
 
 #include "reducer/bucket_visitor.h"
+#include "reducer/fingerprint.h"
 #include "reducer/options.h"
 #include "reducer/shm_allreduce.h"
 
@@ -15,7 +16,10 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/comm.hpp>
 
+#include <c10/core/Event.h>
+
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -29,6 +33,10 @@ struct Bucket {
   std::vector<int64_t> offsets;  // element offset of each parameter in `buffer`
   at::Tensor buffer;             // flat gradients, the parameters' dtype and device
   at::Tensor comm;               // flat buffer in the communication dtype (compression)
+  // The last bucket on the process group (CPU, fp32/fp64, uncompressed) carries the fingerprints
+  // in `header` elements after the gradients: `wire` is gradients + header, `buffer` its prefix.
+  at::Tensor wire;
+  int64_t header = 0;
   bool shm = false;              // reduced through shared memory (else through c10d)
   int64_t pending = 0;           // parameters not yet ready in this backward
   // Batched copies: parameters whose gradient waits in .grad to be copied into the bucket
@@ -119,6 +127,12 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   std::vector<double> bucket_allreduce_ms() const;
   std::vector<bool> bucket_shm() const;  // per bucket: reduced through shared memory
 
+  // Whether reductions carry fingerprints (options().fingerprint, more than one rank, no hook).
+  bool fingerprinting() const { return fingerprint_; }
+  // Raises the error for a desynchronisation found by the fingerprints (message given); the
+  // bindings install one that raises fastddp.DesyncError. Default: a c10::Error.
+  void set_desync_handler(std::function<void(const std::string&)> handler);
+
  private:
   void install_buckets_locked(const std::vector<std::vector<int64_t>>& bucket_indices);
   // Bytes of shared memory every rank's gradient buckets need, in the widest layout any plan
@@ -135,7 +149,33 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void flush_deferred_locked(Bucket& bucket);
   // Issues the bucket's all-reduce on its wire tensor (bucket.comm if compressed, else
   // bucket.buffer): shared memory or c10d, with the division the transport folds in.
-  c10::intrusive_ptr<c10d::Work> allreduce_wire_locked(Bucket& bucket, bool squares);
+  c10::intrusive_ptr<c10d::Work> allreduce_wire_locked(Bucket& bucket, bool squares,
+                                                       const Fingerprint* fingerprint = nullptr);
+  // Fingerprints (fingerprint.cpp). The fingerprint of the reduction whose last bucket launches
+  // now; it counts the reduction.
+  Fingerprint next_fingerprint_locked();
+  // Issues the fingerprint beside the last bucket: in the shared-memory slot of that bucket's
+  // collective, or as a small MAX all-reduce on the process group after it.
+  c10::intrusive_ptr<c10d::Work> launch_last_bucket_locked(Bucket& bucket, bool squares, const Fingerprint& fp);
+  // After the reduction's collectives were issued: whether the ranks' fingerprints differ (on
+  // CUDA, those of the previous reduction: its result is read from pinned memory, no sync).
+  bool fingerprint_mismatch_locked();
+  // Gathers every rank's detail (a collective, on the error path only) and raises.
+  [[noreturn]] void raise_desync_locked(const Fingerprint& mine);
+  int64_t layout_hash_locked() const;
+  // A reducing forward: its no_sync() count and autocast state go into the next fingerprint.
+  void note_reducing_forward_locked();
+  // find_unused_parameters: the parameters the reducing forward did not reach.
+  void note_unused_locked(const std::vector<char>& reached);
+  // The error for parameters without a gradient at the end of backward (empty: none); notes
+  // them for the fingerprint.
+  std::string missing_gradients_locked();
+  // End of a reduction with fingerprints: on a mismatch, or with `missing_error`, completes
+  // every collective of the reduction (all ranks issued them) and raises.
+  void check_fingerprints_locked(const std::string& missing_error);
+  // Elements of the fingerprint header the last bucket carries on the process group (0: none,
+  // the fingerprints travel in their own MAX all-reduce).
+  int64_t fingerprint_header_elems(const at::Tensor& first, bool compress) const;
   // Hands bucket `index` to the communication hook; returns the hook's Future.
   c10::intrusive_ptr<c10::ivalue::Future> run_comm_hook_locked(int64_t index);
   // Waits for the hook's Future of bucket `index` and copies its value into the bucket buffer.
@@ -199,6 +239,30 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   double reduction_scale_ = 1.0;  // set_reduction_scale(), for the next reduction only
   bool buckets_hold_grads_ = false;  // see grads_in_buckets()
   std::vector<std::shared_ptr<BucketVisitor>> visitors_;
+
+  // Fingerprints (see fingerprint.h and options.h).
+  bool fingerprint_ = false;
+  int64_t fp_reductions_ = 0;       // reductions taken part in (stand-ins for joined ranks too)
+  int64_t fp_collectives_ = 0;      // bucket collectives issued
+  int64_t fp_layout_ = 0;           // hash of the installed bucket layout
+  int64_t nosync_forwards_ = 0;     // forwards under no_sync() since the last reducing forward
+  int64_t fp_nosync_ = 0;           // ... captured by the reducing forward
+  int64_t fp_autocast_ = 0;         // the reducing forward's autocast state
+  int64_t fp_unused_ = 0;           // hash of the parameters the reducing forward did not reach
+  int64_t fp_missing_ = 0;          // hash of the parameters without a gradient (finalize)
+  std::vector<char> unused_now_;    // find_unused_parameters: not reached by the reducing forward
+  std::vector<char> missing_now_;   // requiring grad, yet no gradient in this backward
+  Fingerprint fp_sent_;             // this rank's fingerprint of the current reduction
+  at::Tensor fp_wire_;              // process-group transport: [f, -f], all-reduced with MAX
+  c10::intrusive_ptr<c10d::Work> fp_work_;
+  c10::intrusive_ptr<c10d::Work> fp_shm_work_;  // shared memory: the last bucket's collective
+  c10::intrusive_ptr<c10d::Work> fp_header_work_;  // process group, header in the last bucket
+  // CUDA: the previous reduction's result, copied to pinned memory behind an event.
+  at::Tensor fp_host_;
+  std::optional<c10::Event> fp_event_;
+  Fingerprint fp_host_sent_;
+  Fingerprint fp_reported_;         // this rank's fingerprint of the mismatched reduction
+  std::function<void(const std::string&)> desync_handler_;
 };
 
 }  // namespace fastddp::reducer

@@ -23,6 +23,7 @@
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <vector>
@@ -41,6 +42,11 @@ struct RankSlot {
   std::atomic<uint32_t> counter[3];  // last collective (sequence number) that reached each phase
   int32_t pid;
   uint64_t start_time;  // /proc/<pid>/stat field 22: tells a live peer from a reused pid
+  // The fingerprint of the rank's latest fingerprinted collective (its sequence number in
+  // fingerprint_seq), written before the rank publishes `ready` for it; a peer reads it after
+  // seeing that `ready`, and the rank cannot overwrite it before every peer published `done`.
+  uint32_t fingerprint_seq;
+  int64_t fingerprint[kFingerprintWords];
 };
 static_assert(sizeof(RankSlot) <= kSlotBytes);
 static_assert(std::atomic<uint32_t>::is_always_lock_free);
@@ -221,6 +227,7 @@ struct ShmAllreduce::Task {
   uint32_t seq;
   std::vector<at::Tensor> broadcast;  // non-empty: a broadcast from rank 0 of these tensors
   bool sum_of_squares = false;        // all-reduce: also square the result (ShmWork)
+  std::optional<Fingerprint> fingerprint;  // compared with the peers' in this collective
 };
 
 std::shared_ptr<ShmAllreduce> ShmAllreduce::create(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, bool wanted,
@@ -390,7 +397,8 @@ at::Tensor ShmAllreduce::arena_tensor(int64_t offset, int64_t numel, at::ScalarT
   return at::from_blob(p, {numel}, [keep](void*) mutable { keep.reset(); }, at::TensorOptions().dtype(dtype));
 }
 
-c10::intrusive_ptr<ShmWork> ShmAllreduce::allreduce_sum(const at::Tensor& t, double scale, bool sum_of_squares) {
+c10::intrusive_ptr<ShmWork> ShmAllreduce::allreduce_sum(const at::Tensor& t, double scale, bool sum_of_squares,
+                                                        const Fingerprint* fingerprint) {
   TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), "DDPWrapper: shared-memory all-reduce needs a contiguous "
               "CPU tensor, got ", t.device(), t.is_contiguous() ? "" : " (non-contiguous)");
   const char* p = static_cast<const char*>(t.data_ptr());
@@ -404,7 +412,8 @@ c10::intrusive_ptr<ShmWork> ShmAllreduce::allreduce_sum(const at::Tensor& t, dou
   auto work = c10::make_intrusive<ShmWork>();
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    queue_.push_back(Task{work, offset, t.numel(), dtype, scale, next_seq_++, {}, sum_of_squares});
+    queue_.push_back(Task{work, offset, t.numel(), dtype, scale, next_seq_++, {}, sum_of_squares,
+                          fingerprint ? std::optional<Fingerprint>(*fingerprint) : std::nullopt});
   }
   cv_.notify_one();
   return work;
@@ -547,9 +556,27 @@ void ShmAllreduce::execute(const Task& task) {
   char* mine = segment_->arena(rank_) + task.offset;
   auto lo = [&](int r) { return task.numel * r / world_; };
 
-  // Phase 1: every rank's gradients are in place.
+  // Phase 1: every rank's gradients (and fingerprint) are in place.
+  if (task.fingerprint) {
+    auto& slot = segment_->slot(rank_);
+    std::copy(task.fingerprint->words.begin(), task.fingerprint->words.end(), slot.fingerprint);
+    slot.fingerprint_seq = task.seq;  // both made visible by publish's release store
+  }
   publish(kReady, task.seq);
   for (int k = 1; k < world_; ++k) wait_for((rank_ + k) % world_, kReady, task.seq);
+  if (task.fingerprint) {
+    // A peer without a fingerprint for this collective issued a different one: a mismatch.
+    std::vector<Fingerprint> all(world_);
+    for (int j = 0; j < world_; ++j) {
+      const auto& slot = segment_->slot(j);
+      if (slot.fingerprint_seq != task.seq) {
+        all[j].words.fill(-1);
+        continue;
+      }
+      std::copy(slot.fingerprint, slot.fingerprint + kFingerprintWords, all[j].words.begin());
+    }
+    task.work->set_fingerprint_mismatch(fingerprints_differ(all));
+  }
   // Phase 2: reduce my slice from every rank's copy into mine (other ranks read only their own
   // slices of my buffer, which I do not write).
   const int64_t my_lo = lo(rank_), my_n = lo(rank_ + 1) - my_lo;

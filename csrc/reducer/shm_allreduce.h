@@ -12,6 +12,8 @@
 // fails the collective within a second with a DistBackendError naming it.
 #pragma once
 
+#include "reducer/fingerprint.h"
+
 #include <ATen/core/Tensor.h>
 #include <c10/util/intrusive_ptr.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -41,9 +43,13 @@ class ShmWork : public c10d::Work {
   // Valid once wait() returned (set by the comm thread before it completes the work).
   double sum_of_squares() const { return sum_of_squares_; }
   void set_sum_of_squares(double v) { sum_of_squares_ = v; }
+  // A collective that carried fingerprints: whether the ranks' differ (valid once wait() returned).
+  bool fingerprint_mismatch() const { return fingerprint_mismatch_; }
+  void set_fingerprint_mismatch(bool v) { fingerprint_mismatch_ = v; }
 
  private:
   double sum_of_squares_ = 0.0;
+  bool fingerprint_mismatch_ = false;
 };
 
 class ShmAllreduce {
@@ -69,7 +75,11 @@ class ShmAllreduce {
   // same pass (1/world averages), asynchronously: every rank must issue the same sequence of
   // calls with tensors at the same offsets. `sum_of_squares`: also compute the sum of squares
   // of the result (ShmWork::sum_of_squares), fused into the reduction and copy passes.
-  c10::intrusive_ptr<ShmWork> allreduce_sum(const at::Tensor& t, double scale = 1.0, bool sum_of_squares = false);
+  // `fingerprint`: this rank's fingerprint of the reduction, written into its slot before it
+  // publishes its arrival; once every peer arrived, the ranks' are compared
+  // (ShmWork::fingerprint_mismatch). Every rank passes one for the same collectives.
+  c10::intrusive_ptr<ShmWork> allreduce_sum(const at::Tensor& t, double scale = 1.0, bool sum_of_squares = false,
+                                            const Fingerprint* fingerprint = nullptr);
 
   // Copies group rank 0's `tensors` (any CPU tensors, at most broadcast_bytes() in all) into
   // every other rank's, in the same sequence as the all-reduces; returns when done here.

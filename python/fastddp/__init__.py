@@ -6,6 +6,7 @@ Public API (imported lazily, so ``import fastddp`` stays cheap)::
     fastddp.GradScaler          # fused AMP loss scaler (unscale + inf check + clip, no host sync)
     fastddp.DistributedSampler  # torch's order, built in C++ on tensors
     fastddp.PrefetchLoader      # C++ threads gather batches into pinned rings
+    fastddp.DesyncError         # the ranks of a DDPWrapper are out of step (raised on every rank)
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "DistributedSampler": "sampler",
     "DDPWrapper": "ddp",
+    "DesyncError": "ddp.fingerprint",
     "GradScaler": "amp",
     "PrefetchLoader": "loader",
 }

@@ -15,6 +15,7 @@ from .. import diag
 from .._ext import C
 from .checks import env_flag
 from .comm_hooks import hook_name
+from .fingerprint import fingerprint_setting
 from .sparse import SparseGradients
 
 FIRST_BUCKET_MB = 1.0  # a small first bucket so communication starts early in backward
@@ -59,6 +60,7 @@ class Buckets:
         options.shm_broadcast_bytes = self._buffer_bytes()
         options.batch_copies = True if self.batched_grad_copy else env_flag("FASTDDP_BATCH_GRAD_COPIES")
         options.single_rank_passthrough = env_flag("FASTDDP_WORLD1_PASSTHROUGH") is not False
+        options.fingerprint, options.fingerprint_unused = fingerprint_setting()
         return options
 
     def _build_reducer(self) -> None:

@@ -63,6 +63,17 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, nn.Module, Joinable):
     checks of unused or twice-ready parameters still apply). ``FASTDDP_WORLD1_PASSTHROUGH=0`` keeps
     the bucketed path there too (e.g. to measure it).
 
+    Desync detection (on by default, more than one rank, no Python communication hook): every
+    reduction carries a fingerprint (reducing step, bucket layout, which parameters require grad
+    and got a gradient, ``no_sync`` steps since the last reduction, the forward's autocast state)
+    that the ranks compare inside the reduction itself; when they differ, ``backward`` raises
+    :class:`fastddp.DesyncError` on every rank, naming the ranks and what differs (on GPUs the
+    check reads the result one reduction later, to add no host synchronisation).
+    ``FASTDDP_FINGERPRINT=0`` (or ``ReducerOptions.fingerprint = False``) turns it off;
+    ``FASTDDP_FINGERPRINT=strict`` (``ReducerOptions.fingerprint_unused``) also requires the same
+    used parameters on every rank under ``find_unused_parameters=True``, which torch DDP allows to
+    differ.
+
     After the first reduced backward the buckets are rebuilt once in the order gradients
     arrived (rank 0's order, broadcast), as torch DDP does.
 
