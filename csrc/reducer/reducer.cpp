@@ -537,12 +537,7 @@ void Reducer::finalize_backward() {
       bucket.last_allreduce_ms =
           std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - bucket.launched).count();
     } else if (bucket.work) {
-      diag::PhaseScope waiting(diag::Phase::kAllreduce, index);
-      try {
-        bucket.work->wait();
-      } catch (const std::exception& e) {
-        fail_collective("the all-reduce of bucket " + std::to_string(index), e);
-      }
+      wait_bucket_locked(*bucket.work, index);
       bucket.last_allreduce_ms =
           std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - bucket.launched).count();
       // squares_in_work is set only where the work came from ShmAllreduce::allreduce_sum.
@@ -581,6 +576,15 @@ void Reducer::finalize_backward() {
   buckets_hold_grads_ = gradient_as_bucket_view_;
   diag::status().step_finished();
   diag::status().enter(diag::Phase::kOutside);
+}
+
+void Reducer::wait_bucket_locked(c10d::Work& work, int64_t index) const {
+  diag::PhaseScope waiting(diag::Phase::kAllreduce, index);
+  try {
+    work.wait();
+  } catch (const std::exception& e) {
+    fail_collective("the all-reduce of bucket " + std::to_string(index), e);
+  }
 }
 
 void Reducer::fail_collective(const std::string& what, const std::exception& error) const {

@@ -142,6 +142,9 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // Rethrows a failed collective's error as a DistBackendError that names this rank and the
   // collective, with the watchdog's report of what every rank was doing (when one runs).
   [[noreturn]] void fail_collective(const std::string& what, const std::exception& error) const;
+  // Waits for bucket `index`'s collective, in the watchdog's all-reduce phase; a failure goes
+  // through fail_collective.
+  void wait_bucket_locked(c10d::Work& work, int64_t index) const;
   void mark_unused_locked(int64_t index);
   // Moves the parameter's .grad into its bucket slot divided by the world size (zero if None).
   void copy_grad_to_bucket_locked(int64_t index);

@@ -105,8 +105,9 @@ void Reducer::note_unused_locked(const std::vector<char>& reached) {
 void Reducer::check_fingerprints_locked(const std::string& missing_error) {
   const bool desync = fingerprint_mismatch_locked();
   if (!desync && missing_error.empty()) return;
-  for (auto& bucket : buckets_) {
-    if (bucket.work) bucket.work->wait();
+  for (int64_t index = 0; index < static_cast<int64_t>(buckets_.size()); ++index) {
+    auto& bucket = buckets_[index];
+    if (bucket.work) wait_bucket_locked(*bucket.work, index);
     bucket.work.reset();
   }
   if (desync) raise_desync_locked(fp_reported_);
@@ -171,15 +172,16 @@ c10::intrusive_ptr<c10d::Work> Reducer::launch_last_bucket_locked(Bucket& bucket
 }
 
 bool Reducer::fingerprint_mismatch_locked() {
+  const int64_t last = static_cast<int64_t>(buckets_.size()) - 1;  // the fingerprint's carrier
   if (fp_shm_work_) {
     auto work = std::move(fp_shm_work_);
-    work->wait();
+    wait_bucket_locked(*work, last);
     fp_reported_ = fp_sent_;
     return static_cast<const ShmWork&>(*work).fingerprint_mismatch();
   }
   if (fp_header_work_) {
     auto work = std::move(fp_header_work_);
-    work->wait();
+    wait_bucket_locked(*work, last);
     fp_reported_ = fp_sent_;
     const auto& bucket = buckets_.back();
     const int64_t total = bucket.buffer.numel();
@@ -190,7 +192,7 @@ bool Reducer::fingerprint_mismatch_locked() {
   }
   if (!fp_work_) return false;
   auto work = std::move(fp_work_);
-  work->wait();
+  wait_bucket_locked(*work, last);
   if (!fp_wire_.is_cuda()) {
     fp_reported_ = fp_sent_;
     return wire_differs(fp_wire_);
