@@ -29,7 +29,7 @@ from fastddp import diag
 from .bench_ddp import MODELS
 from .common import SMOKE, record
 
-ROUNDS = 2 if SMOKE else 10
+ROUNDS = 2 if SMOKE else 24
 STEPS = 2 if SMOKE else 15
 
 

@@ -57,10 +57,12 @@ def test_whole_pass_is_batch_samplers_batches_and_draws(name: str, batch_size: i
     assert torch.equal(torch.random.get_rng_state(), expected_state)
     normalised = [[i + ROWS if isinstance(i, int) and not isinstance(i, bool) and i < 0 else i for i in b]
                   for b in expected]
-    assert _as_lists(entries) == (normalised if idx is not None else expected)
-    assert [e.number for e in entries] == list(range(len(expected)))
-    if idx is not None:  # the entries are consecutive slices of one tensor
-        assert idx.tolist() == [i for b in normalised for i in b]
+    if idx is not None:  # the batches are the consecutive batch_size slices of one tensor
+        assert entries == []
+        assert [t.tolist() for t in idx.split(batch_size)] == normalised if expected else idx.numel() == 0
+    else:
+        assert _as_lists(entries) == expected
+        assert [e.number for e in entries] == list(range(len(expected)))
 
 
 def test_whole_pass_of_a_resumed_fastddp_sampler_starts_at_the_offset() -> None:
@@ -69,8 +71,8 @@ def test_whole_pass_of_a_resumed_fastddp_sampler_starts_at_the_offset() -> None:
     reference = fastddp.DistributedSampler(range(ROWS), num_replicas=2, rank=0, seed=1)
     reference.load_state_dict({**reference.state_dict(), "position": 10})
     idx, entries = read_whole_pass(BatchSampler(sampler, 4, False), ROWS)
-    assert idx is not None  # gathered natively, one submission
-    assert _as_lists(entries) == [list(b) for b in BatchSampler(reference, 4, False)]
+    assert idx is not None and entries == []  # gathered natively, one submission
+    assert [t.tolist() for t in idx.split(4)] == [list(b) for b in BatchSampler(reference, 4, False)]
     assert sampler.state_dict() == reference.state_dict()  # the whole epoch reported as yielded
 
 

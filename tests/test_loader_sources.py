@@ -211,7 +211,7 @@ def test_iterable_dataset_errors_and_early_break() -> None:
     deadline = time.monotonic() + 10
     while threading.active_count() > before and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert threading.active_count() == before
+    assert threading.active_count() <= before  # (threads of earlier tests may end meanwhile)
     for kwargs in ({"shuffle": True}, {"sampler": range(4)}, {"sampler": []}, {"batch_sampler": [[0]]}):
         name = next(iter(kwargs))
         with pytest.raises(ValueError, match=f"expected unspecified {name} option"):

@@ -76,18 +76,18 @@ class NativePass:
         self.exhausted = False
         self.started = False
         self.direct: Optional[bool] = None
+        self.uniform: Optional[torch.Tensor] = None  # the pass's indices, when submitted whole
+        self.uniform_count = self.uniform_next = 0
 
     def start(self, generator: Optional[torch.Generator], draw_seed: bool, replay: Replay) -> None:
         self.close()
         self.entries.clear()
         self.read, self.exhausted, self.started = 0, False, False
-        if not self.s.resident:
-            opts = C.PipelineOptions()
-            opts.num_workers, opts.prefetch = self.s.threads, self.s.ring
-            opts.pin_memory, opts.device = self.s.pin, str(self.s.device)
-            opts.batch_rows = self.s.batch_rows
-            self.pipe = C.PrefetchPipeline([t.contiguous() for t in self.s.tensors], opts)
-            self.direct = bool(self.pipe.direct)
+        self.uniform, self.uniform_count, self.uniform_next = None, 0, 0
+        # A pass read whole as it starts builds its pipeline right before submitting the plan,
+        # so the worker threads start on work instead of waiting for it.
+        if not self.s.resident and not (self.s.whole_pass and (self.s.start_reads or replay.skip)):
+            self._build_pipeline()
         with replaying(replay.rng_state, generator, replay.generator_state):
             self.it = iter(self.index_sampler)  # DataLoader's order: the sampler, then the seed
             if draw_seed:
@@ -99,26 +99,55 @@ class NativePass:
                     break
             self._read(self.s.start_reads)
 
+    def _build_pipeline(self) -> None:
+        opts = C.PipelineOptions()
+        opts.num_workers, opts.prefetch = self.s.threads, self.s.ring
+        opts.pin_memory, opts.device = self.s.pin, str(self.s.device)
+        opts.batch_rows = self.s.batch_rows
+        self.pipe = C.PrefetchPipeline([t.contiguous() for t in self.s.tensors], opts)
+        self.direct = bool(self.pipe.direct)
+
     def _read_whole_pass(self, skip: int) -> None:
-        """Reads every batch of the pass (dropping the first ``skip``) and submits them to the
-        pipeline in one call when they are all gathered natively."""
+        """Reads every batch of the pass (dropping the first ``skip``). When all are gathered
+        natively they are the consecutive slices of one index tensor (``self.uniform``),
+        submitted to the pipeline in one call; else one entry a batch."""
         idx, entries = read_whole_pass(self.index_sampler, self.rows)
         self.it = iter(())
         self.exhausted = True
+        if self.pipe is None and not self.s.resident:
+            self._build_pipeline()
+        if idx is not None:
+            size = self.index_sampler.batch_size
+            self.uniform = idx[skip * size:]
+            self.uniform_count = -(-len(self.uniform) // size)
+            self.read = self.uniform_count
+            if self.pipe is not None:
+                self.pipe.submit_split(self.uniform, size)
+                self.pipe.finish()
+            return
         self.read = len(entries) - skip
         for number, entry in enumerate(entries[skip:]):
             entry.number = number
             self.entries.append(entry)
         if self.pipe is None:
             return
-        if idx is not None:
-            size = self.index_sampler.batch_size
-            self.pipe.submit_split(idx[skip * size:], size)
-        else:
-            for entry in self.entries:
-                if entry.indices is not None:
-                    self.pipe.submit(entry.indices)
+        for entry in self.entries:
+            if entry.indices is not None:
+                self.pipe.submit(entry.indices)
         self.pipe.finish()
+
+    def _next_uniform(self) -> Any:
+        """The next batch of a pass submitted as one index tensor."""
+        k = self.uniform_next
+        if k == self.uniform_count:
+            self.close()
+            raise StopIteration
+        self.uniform_next = k + 1
+        if self.s.resident:
+            size = self.index_sampler.batch_size
+            idx = self.uniform[k * size:(k + 1) * size].to(self.s.device, non_blocking=True)
+            return self.sources.wrap([t.index_select(0, idx) for t in self.s.tensors])
+        return self.sources.wrap(self.pipe.next())
 
     def _read(self, count: int) -> None:
         if count > 0 and self.s.whole_pass and not self.exhausted:
@@ -144,7 +173,10 @@ class NativePass:
         if not self.started:
             self.started = True
             self._read(self.s.first_next_reads)
-        self._read(1)
+        if self.uniform is None:
+            self._read(1)
+        if self.uniform is not None:
+            return self._next_uniform()
         if not self.entries:
             self.close()
             raise StopIteration

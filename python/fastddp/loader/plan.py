@@ -82,9 +82,9 @@ def to_entry(number: int, batch: Any, rows: int) -> PlanEntry:
 def read_whole_pass(index_sampler: BatchSampler, rows: int) -> tuple[Optional[torch.Tensor], list[PlanEntry]]:
     """Every batch one iterator of ``index_sampler`` yields, read at once (for samplers whose
     reads ahead are unobserved, see :func:`reads_ahead_unobserved`). When every index is an
-    integer in range, the batches are consecutive slices of the returned tensor (the caller
-    submits it in one call); otherwise each batch is the list BatchSampler yields, classified
-    by :func:`to_entry`."""
+    integer in range, the batches are the consecutive ``batch_size`` slices of the returned
+    tensor (the caller submits it in one call) and no entry is made; otherwise each batch is the
+    list BatchSampler yields, classified by :func:`to_entry`."""
     from ..sampler import DistributedSampler as FastSampler
 
     inner, size = index_sampler.sampler, index_sampler.batch_size
@@ -103,7 +103,7 @@ def read_whole_pass(index_sampler: BatchSampler, rows: int) -> tuple[Optional[to
         items = items[:end]
     idx = _in_range(items, rows)
     if idx is not None:
-        return idx, [PlanEntry(k, chunk, None) for k, chunk in enumerate(idx.split(size))]
+        return idx, []
     if isinstance(items, torch.Tensor):
         items = items.tolist()
     return None, [to_entry(k, items[start:start + size], rows) for k, start in enumerate(range(0, end, size))]
@@ -118,8 +118,9 @@ def replay_random_sampler(sampler: RandomSampler) -> torch.Tensor:
     seed = int(torch.empty((), dtype=torch.int64).random_().item())
     generator = torch.Generator().manual_seed(seed)
     parts = [torch.randperm(n, generator=generator) for _ in range(total // n)]
-    parts.append(torch.randperm(n, generator=generator)[: total % n])
-    return torch.cat(parts)
+    if total % n:  # (torch also draws this permutation when it takes none of it: from a
+        parts.append(torch.randperm(n, generator=generator)[: total % n])  # private generator)
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
 @functools.cache
