@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 import fastddp
+from fastddp import diag
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -94,6 +95,7 @@ def _shm_soak(rank: int, world_size: int, steps: int) -> tuple[float, int, int, 
     ``steps`` steps, and what 20 wrappers created, used and dropped leave behind (threads,
     mappings of /dev/shm segments)."""
     torch.manual_seed(0)
+    diag.ensure_started()  # the process's one watchdog thread stays: not a wrapper's
     threads = _threads()
     for _ in range(20):
         m = fastddp.DDPWrapper(nn.Linear(16, 16))

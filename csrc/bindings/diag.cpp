@@ -57,7 +57,9 @@ void bind(py::module_& m) {
   py::class_<Watchdog, std::shared_ptr<Watchdog>>(
       m, "Watchdog", "A thread that reports stalled waits of this rank with every rank's status (one per process).")
       .def(py::init([](c10::intrusive_ptr<c10d::Store> store, WatchdogOptions options, py::function stack) {
-             return std::make_shared<Watchdog>(std::move(store), options, stack_function(std::move(stack)));
+             auto watchdog = std::make_shared<Watchdog>(std::move(store), options, stack_function(std::move(stack)));
+             fastddp::diag::register_watchdog(watchdog);
+             return watchdog;
            }),
            py::arg("store"), py::arg("options"), py::arg("stack"))
       .def("stop", &Watchdog::stop, "Stop and join the thread.", py::call_guard<py::gil_scoped_release>())

@@ -64,20 +64,40 @@ std::string indent(const std::string& s, const std::string& pad) {
 }
 
 std::mutex registry_mutex;
-Watchdog* registered = nullptr;  // the running watchdog (not owned; cleared by stop())
+std::weak_ptr<Watchdog> registered;  // the running watchdog (see register_watchdog)
 
 }  // namespace
 
-std::string collective_failed(const std::string& headline) {
+void register_watchdog(const std::shared_ptr<Watchdog>& watchdog) {
   std::lock_guard<std::mutex> lock(registry_mutex);
-  if (registered == nullptr) return "";
-  try {
-    const std::string report = registered->collect_report(headline);
-    registered->post_abort(report);
-    return report;
-  } catch (const std::exception& e) {
-    return std::string("(no report: the c10d store failed: ") + e.what() + ")";
+  registered = watchdog;
+}
+
+std::string collective_failed(const std::string& headline) {
+  std::shared_ptr<Watchdog> dog;
+  {
+    std::lock_guard<std::mutex> lock(registry_mutex);
+    dog = registered.lock();
   }
+  if (!dog) return "";
+  // On its own thread, with a deadline: a store cut off from this host answers nothing for
+  // its whole timeout on every call, and the error must not wait for that.
+  auto done = std::make_shared<std::promise<std::string>>();
+  auto answer = done->get_future();
+  std::thread([dog, headline, done] {
+    try {
+      std::string report = dog->collect_report(headline);
+      dog->post_abort(report);
+      done->set_value(std::move(report));
+    } catch (const std::exception& e) {
+      done->set_value(std::string("(no report: the c10d store failed: ") + e.what() + ")");
+    }
+  }).detach();
+  const auto& o = dog->options();
+  const double budget = 2 * o.poll_s + o.stack_timeout_s + 3;
+  if (answer.wait_for(Seconds(budget)) != std::future_status::ready)
+    return "(no report: the c10d store did not answer within " + std::to_string(static_cast<int>(budget)) + " s)";
+  return answer.get();
 }
 
 Watchdog::Watchdog(c10::intrusive_ptr<c10d::Store> store, WatchdogOptions options, StackFn stack)
@@ -92,8 +112,6 @@ Watchdog::Watchdog(c10::intrusive_ptr<c10d::Store> store, WatchdogOptions option
   TORCH_CHECK(options_.poll_s > 0 && options_.stack_timeout_s > 0, "fastddp watchdog: poll_s (", options_.poll_s,
               ") and stack_timeout_s (", options_.stack_timeout_s, ") must be > 0");
   thread_ = std::thread([this] { run(); });
-  std::lock_guard<std::mutex> lock(registry_mutex);
-  registered = this;
 }
 
 Watchdog::~Watchdog() { stop(); }
@@ -101,7 +119,8 @@ Watchdog::~Watchdog() { stop(); }
 void Watchdog::stop() {
   {
     std::lock_guard<std::mutex> lock(registry_mutex);
-    if (registered == this) registered = nullptr;
+    auto current = registered.lock();
+    if (!current || current.get() == this) registered.reset();
   }
   {
     std::lock_guard<std::mutex> lock(mutex_);

@@ -19,6 +19,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -41,7 +42,12 @@ struct WatchdogOptions {
 // running watchdog's collect_report(headline), also posted for every other rank to end with
 // (they print it and exit with status 1; this rank ends with its own error). "" when no
 // watchdog runs.
+// (The collection runs on a thread of its own and is given up after a few seconds.)
 std::string collective_failed(const std::string& headline);
+
+class Watchdog;
+// Makes `watchdog` the one collective_failed uses (held weakly).
+void register_watchdog(const std::shared_ptr<Watchdog>& watchdog);
 
 class Watchdog {
  public:
