@@ -1,11 +1,11 @@
 """What DDPWrapper's forward does with the module's inputs and outputs, as torch DDP: moves
 input tensors to ``device_ids``' device, and finds the output tensors where the
-unused-parameter search starts."""
+unused-parameter search starts; torch DDP's input methods kept for compatibility."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -42,3 +42,29 @@ def to_device(obj: Any, device: torch.device) -> Any:
     if isinstance(obj, dict):
         return type(obj)((k, to_device(v, device)) for k, v in obj.items())
     return obj
+
+
+class TorchInputMethods:
+    """torch DDP's (kept for compatibility) input and output methods; the wrapper provides
+    ``device_type`` and ``dim``."""
+
+    device_type: str
+    dim: int
+
+    def to_kwargs(self, inputs: tuple, kwargs: Optional[dict], device_id: int) -> tuple[tuple, tuple]:
+        """``((inputs,), (kwargs,))`` with their tensors on device ``device_id`` of the
+        parameters' device type."""
+        device = torch.device(self.device_type, device_id)
+        return (to_device(tuple(inputs), device),), (to_device(dict(kwargs or {}), device),)
+
+    def scatter(self, inputs: tuple, kwargs: Optional[dict], device_ids: list[int]) -> tuple[tuple, tuple]:
+        """Scatter of inputs over ``device_ids`` along ``dim``."""
+        from torch.nn.parallel.scatter_gather import scatter_kwargs
+
+        return scatter_kwargs(inputs, kwargs, device_ids, dim=self.dim)
+
+    def gather(self, outputs: Any, output_device: int | torch.device) -> Any:
+        """Gather of outputs on ``output_device`` along ``dim``."""
+        from torch.nn.parallel.scatter_gather import gather
+
+        return gather(outputs, output_device, dim=self.dim)

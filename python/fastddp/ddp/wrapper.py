@@ -12,18 +12,18 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.algorithms.join import Join, Joinable
 
 from .. import diag
 from . import checks, sparse
+from .broadcast import broadcast_coalesced
 from .buckets import Buckets
 from .comm_hooks import CommHooks
-from .inputs import find_tensors, to_device
+from .inputs import TorchInputMethods, find_tensors, to_device
 from .join import UnevenInputs
 
 
-class DDPWrapper(Buckets, CommHooks, UnevenInputs, nn.Module, Joinable):
+class DDPWrapper(Buckets, CommHooks, UnevenInputs, TorchInputMethods, nn.Module, Joinable):
     """Distributed data parallelism with the constructor and behaviour of
     :class:`torch.nn.parallel.DistributedDataParallel`.
 
@@ -189,27 +189,11 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, nn.Module, Joinable):
         self.rank = self.process_group.rank()
         diag.ensure_started(stall_threshold_s)  # before the first collective, so its hangs are reported
         checks.check_lazy(module)
-        # torch DDP's hook for parameters and buffers that stay rank-local (set with
-        # DistributedDataParallel._set_params_and_buffers_to_ignore_for_model or by hand)
-        self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
-        named = [(n, p) for n, p in module.named_parameters()
-                 if p.requires_grad and n not in self.parameters_to_ignore]
-        if not named:
-            raise RuntimeError("DDPWrapper: the module has no parameter that requires a gradient")
-        self._input_device = checks.input_device(named, device_ids)  # forward moves the inputs there
-        # parameters with sparse gradients stay out of the C++ reducer (see sparse.py)
-        sparse_names = sparse.sparse_parameter_names(module, [n for n, _ in named])
-        self._sparse_names = [n for n, _ in named if n in sparse_names]
-        sparse.refuse(self._sparse_names, "static_graph=True" if static_graph else
-                      f"comm_dtype={comm_dtype}" if comm_dtype is not None else "")
+        named = self._select_parameters(module, device_ids, static_graph, comm_dtype)
         if init_sync:
             with diag.phase(diag.Phase.SETUP):
                 checks.verify_across_ranks(named, self.process_group, self.world_size)
                 self._sync_module_states(init_sync_buffers)
-        self._param_names = [n for n, _ in named if n not in sparse_names]  # the C++ reducer's
-        self._params = [p for n, p in named if n not in sparse_names]
-        self._sparse_params = [p for n, p in named if n in sparse_names]
-        self._reduced_params = [p for _, p in named]
         self._module_buffers = self._synced_buffers()  # broadcast from rank 0 before forwards
         self._buckets_rebuilt = False
         self._bucket_caps_mb = caps
@@ -228,6 +212,28 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, nn.Module, Joinable):
         self._bucket_visitors: list[Any] = []  # see register_bucket_visitor
         with diag.phase(diag.Phase.SETUP):  # the shared-memory handshake is a collective
             self._build_reducer()
+
+    def _select_parameters(self, module: nn.Module, device_ids: Any, static_graph: bool,
+                           comm_dtype: Optional[torch.dtype]) -> list[tuple[str, nn.Parameter]]:
+        """The parameters this wrapper reduces, by name; those with sparse gradients stay out of
+        the C++ reducer (see sparse.py)."""
+        # torch DDP's hook for parameters and buffers that stay rank-local (set with
+        # DistributedDataParallel._set_params_and_buffers_to_ignore_for_model or by hand)
+        self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        named = [(n, p) for n, p in module.named_parameters()
+                 if p.requires_grad and n not in self.parameters_to_ignore]
+        if not named:
+            raise RuntimeError("DDPWrapper: the module has no parameter that requires a gradient")
+        self._input_device = checks.input_device(named, device_ids)  # forward moves the inputs there
+        sparse_names = sparse.sparse_parameter_names(module, [n for n, _ in named])
+        self._sparse_names = [n for n, _ in named if n in sparse_names]
+        sparse.refuse(self._sparse_names, "static_graph=True" if static_graph else
+                      f"comm_dtype={comm_dtype}" if comm_dtype is not None else "")
+        self._param_names = [n for n, _ in named if n not in sparse_names]  # the C++ reducer's
+        self._params = [p for n, p in named if n not in sparse_names]
+        self._sparse_params = [p for n, p in named if n in sparse_names]
+        self._reduced_params = [p for _, p in named]
+        return named
 
     def _current_buffers(self) -> list[torch.Tensor]:
         """The module's buffers now: a forward may have replaced one (``self.avg = self.avg *
@@ -251,24 +257,6 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, nn.Module, Joinable):
         wrapping. Works for both wrappers, as both read the same attribute."""
         module._ddp_params_and_buffers_to_ignore = params_and_buffers_to_ignore
 
-    def to_kwargs(self, inputs: tuple, kwargs: Optional[dict], device_id: int) -> tuple[tuple, tuple]:
-        """torch DDP's (kept for compatibility) input move: ``((inputs,), (kwargs,))`` with their
-        tensors on device ``device_id`` of the parameters' device type."""
-        device = torch.device(self.device_type, device_id)
-        return (to_device(tuple(inputs), device),), (to_device(dict(kwargs or {}), device),)
-
-    def scatter(self, inputs: tuple, kwargs: Optional[dict], device_ids: list[int]) -> tuple[tuple, tuple]:
-        """torch DDP's (kept for compatibility) scatter of inputs over ``device_ids`` along ``dim``."""
-        from torch.nn.parallel.scatter_gather import scatter_kwargs
-
-        return scatter_kwargs(inputs, kwargs, device_ids, dim=self.dim)
-
-    def gather(self, outputs: Any, output_device: int | torch.device) -> Any:
-        """torch DDP's (kept for compatibility) gather of outputs on ``output_device`` along ``dim``."""
-        from torch.nn.parallel.scatter_gather import gather
-
-        return gather(outputs, output_device, dim=self.dim)
-
     def will_sync_module_buffers(self) -> bool:
         """Whether the next forward syncs the module's buffers (torch DDP's rule: buffer sync
         on, buffers to sync, and the last forward a reducing one; a world of one then has
@@ -286,17 +274,7 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, nn.Module, Joinable):
     def _broadcast_coalesced(self, tensors: list[torch.Tensor], src: int = 0) -> None:
         """Broadcast ``tensors`` from group rank ``src``, one collective per (device, dtype)."""
         with diag.phase(diag.Phase.BROADCAST):
-            self._broadcast_grouped(tensors, src)
-
-    def _broadcast_grouped(self, tensors: list[torch.Tensor], src: int) -> None:
-        groups: dict[tuple, list[torch.Tensor]] = {}
-        for t in tensors:
-            groups.setdefault((t.device, t.dtype), []).append(t)
-        for group in groups.values():
-            flat = _flatten_dense_tensors(group)
-            dist.broadcast(flat, group=self.process_group, group_src=src)
-            for t, synced in zip(group, _unflatten_dense_tensors(flat, group)):
-                t.copy_(synced)
+            broadcast_coalesced(tensors, self.process_group, src)
 
     # ------------------------------------------------------------------ pickling / deepcopy
     def __getstate__(self) -> dict[str, Any]:
