@@ -58,7 +58,6 @@ PrefetchPipeline::PrefetchPipeline(std::vector<at::Tensor> sources, PipelineOpti
     // then wait for no allocation, and the buffers come from the caller's warm heap.
     if (options_.batch_rows > 0) prepare_host(*slots_.back(), options_.batch_rows);
   }
-  for (int64_t i = 0; i < options_.num_workers; ++i) workers_.emplace_back([this, i] { worker_loop(i); });
 }
 
 PrefetchPipeline::~PrefetchPipeline() { close(); }
@@ -80,28 +79,36 @@ at::Tensor PrefetchPipeline::owned_indices(at::Tensor indices) const {
   return indices;
 }
 
-void PrefetchPipeline::enqueue(std::vector<at::Tensor> batches) {
+void PrefetchPipeline::enqueue(std::vector<Span> batches) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     TORCH_CHECK(!finished_, "PrefetchLoader: submit() after finish()");
     for (auto& b : batches) batches_.push_back(std::move(b));
   }
   cv_.notify_all();
+  // The workers start with the first batches queued: a thread that starts on work is running
+  // at once, where one that went to sleep waiting for work takes a wake-up to resume.
+  std::lock_guard<std::mutex> lock(threads_mutex_);
+  if (workers_.empty() && !closed_)
+    for (int64_t i = 0; i < options_.num_workers; ++i) workers_.emplace_back([this, i] { worker_loop(i); });
 }
 
 void PrefetchPipeline::submit(at::Tensor indices) {
-  std::vector<at::Tensor> one;
-  one.push_back(owned_indices(std::move(indices)));
+  at::Tensor owned = owned_indices(std::move(indices));
+  const int64_t n = owned.size(0);
+  std::vector<Span> one;
+  one.push_back(Span{std::move(owned), 0, n});
   enqueue(std::move(one));
 }
 
 void PrefetchPipeline::submit_split(at::Tensor indices, int64_t batch_size) {
   TORCH_CHECK(batch_size >= 1, "PrefetchLoader: batch_size must be >= 1, got ", batch_size);
   at::Tensor owned = owned_indices(std::move(indices));
-  std::vector<at::Tensor> batches;
+  std::vector<Span> batches;
   const int64_t n = owned.size(0);
+  batches.reserve(static_cast<size_t>((n + batch_size - 1) / batch_size));
   for (int64_t start = 0; start < n; start += batch_size)
-    batches.push_back(owned.narrow(0, start, std::min(batch_size, n - start)));
+    batches.push_back(Span{owned, start, std::min(batch_size, n - start)});
   enqueue(std::move(batches));
 }
 
@@ -123,13 +130,13 @@ int64_t PrefetchPipeline::position() const {
   return handed_;
 }
 
-bool PrefetchPipeline::take(int64_t& batch, at::Tensor& indices) {
+bool PrefetchPipeline::take(int64_t& batch, Span& span) {
   const int64_t nslots = static_cast<int64_t>(slots_.size());
   std::unique_lock<std::mutex> lock(mutex_);
   cv_.wait(lock, [&] { return stop_ || finished_ || next_batch_ < static_cast<int64_t>(batches_.size()); });
   if (stop_ || next_batch_ >= static_cast<int64_t>(batches_.size())) return false;
   batch = next_batch_++;
-  indices = std::move(batches_[batch]);  // the queue keeps no reference once a worker has it
+  span = std::move(batches_[batch]);  // the queue keeps no reference once a worker has it
   cv_.wait(lock, [&] { return stop_ || released_ > batch - nslots + 1; });
   return !stop_;
 }
@@ -137,16 +144,16 @@ bool PrefetchPipeline::take(int64_t& batch, at::Tensor& indices) {
 void PrefetchPipeline::worker_loop(int64_t worker) {
   const int64_t nslots = static_cast<int64_t>(slots_.size());
   int64_t b = 0;
-  at::Tensor idx;
-  while (take(b, idx)) {
+  Span span;
+  while (take(b, span)) {
     Slot& slot = *slots_[b % nslots];
-    const int64_t n = idx.size(0);
+    const int64_t n = span.count;
     try {
       prepare(slot, n);
       if (direct()) {
-        stage_->gather(*slot.dev, idx, worker);
+        stage_->gather(*slot.dev, span.indices.narrow(0, span.offset, n), worker);
       } else {
-        fill(slot, idx);
+        fill(slot, span);
         if (stage_) stage_->upload(*slot.dev, slot.host, n, worker);
       }
     } catch (...) {
@@ -187,9 +194,9 @@ void PrefetchPipeline::prepare_host(Slot& slot, int64_t rows) {
   slot.capacity = capacity;
 }
 
-void PrefetchPipeline::fill(Slot& slot, const at::Tensor& indices) {
-  const int64_t n = indices.size(0);
-  const int64_t* ids = indices.data_ptr<int64_t>();
+void PrefetchPipeline::fill(Slot& slot, const Span& span) {
+  const int64_t n = span.count;
+  const int64_t* ids = span.indices.data_ptr<int64_t>() + span.offset;
   const int64_t rows = sources_[0].size(0);
   for (size_t s = 0; s < sources_.size(); ++s) {
     const auto& src = sources_[s];
@@ -227,6 +234,8 @@ std::vector<at::Tensor> PrefetchPipeline::next() {
 }
 
 void PrefetchPipeline::close() {
+  std::lock_guard<std::mutex> threads_lock(threads_mutex_);
+  closed_ = true;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     stop_ = true;

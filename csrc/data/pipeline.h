@@ -2,7 +2,8 @@
 // index tensors) into a ring of staging slots; with a device stage (CUDA builds) each filled
 // slot is brought to the device on a side stream, or gathered there directly from page-locked
 // sources. Batches are submitted one at a time, so the caller decides how far ahead of the
-// consumer the batch plan is read. One pipeline serves one pass.
+// consumer the batch plan is read; the worker threads start with the first batch submitted.
+// One pipeline serves one pass.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -51,24 +52,33 @@ class PrefetchPipeline {
 
  private:
   struct Slot;
+  // One submitted batch: `count` rows of `indices` from `offset` (the batches of one
+  // submit_split share its tensor, so queueing a batch makes no tensor).
+  struct Span {
+    at::Tensor indices;
+    int64_t offset = 0;
+    int64_t count = 0;
+  };
 
   void worker_loop(int64_t worker);
   at::Tensor owned_indices(at::Tensor indices) const;
-  void enqueue(std::vector<at::Tensor> batches);
-  bool take(int64_t& batch, at::Tensor& indices);
+  void enqueue(std::vector<Span> batches);
+  bool take(int64_t& batch, Span& span);
   void prepare(Slot& slot, int64_t rows);
   void prepare_host(Slot& slot, int64_t rows);
-  void fill(Slot& slot, const at::Tensor& indices);
+  void fill(Slot& slot, const Span& span);
 
   std::vector<at::Tensor> sources_;
   PipelineOptions options_;
   std::unique_ptr<DeviceStage> stage_;  // null when batches stay on the host
   std::vector<std::unique_ptr<Slot>> slots_;
-  std::vector<std::thread> workers_;
+  std::mutex threads_mutex_;          // guards workers_ and closed_
+  std::vector<std::thread> workers_;  // started by the first submit
+  bool closed_ = false;
 
   mutable std::mutex mutex_;
   std::condition_variable cv_;
-  std::vector<at::Tensor> batches_;  // submitted; an entry is dropped once handed out
+  std::vector<Span> batches_;  // submitted; an entry's tensor is dropped once a worker takes it
   bool finished_ = false;
   int64_t next_batch_ = 0;  // next batch number a worker takes
   int64_t handed_ = 0;      // batches handed to the consumer
