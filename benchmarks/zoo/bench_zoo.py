@@ -4,8 +4,9 @@ sharing the GPU (gloo on CUDA tensors):
     pytest benchmarks/zoo -s                # CPU: every model x fp32 / bf16 / fp16
     pytest benchmarks/zoo -s -m cuda        # GPU
 
-For each model and precision: step time of the bare model, torch DDP and DDPWrapper
-interleaved in rounds (ratios paired within a round; median and spread over the rounds), and
+For each model and precision: step time of the bare model, the bare model synchronised once
+per step (one 1-element all-reduce: the floor of any synchronous data-parallel step), torch DDP
+and DDPWrapper interleaved in rounds (ratios paired within a round; median and spread over the rounds), and
 each contender's peak memory in a process of its own. One progress line per case; rows go to
 ``benchmarks/results/zoo.json`` and from there (``python benchmarks/report.py``) into
 docs/benchmarks.md.
@@ -56,15 +57,17 @@ def _case(name: str, precision: str, device_type: str, world_size: int, backend:
            "device": device_type, "rounds": ROUNDS, "steps_per_round": STEPS,
            **{f"{k}_step_ms": statistics.median(v) * 1e3 for k, v in times.items()},
            "fastddp_over_bare": _paired(times, "fastddp", "bare"),
+           "fastddp_over_bare_sync": _paired(times, "fastddp", "bare_sync"),
            "fastddp_over_torch": _paired(times, "fastddp", "torch"),
            "torch_over_bare": _paired(times, "torch", "bare"),
            **{f"{k}_peak_mib": v for k, v in mem.items()},
            "command": "pytest benchmarks/zoo -s" + (" -m cuda" if device_type == "cuda" else "")}
-    fb, ft = row["fastddp_over_bare"], row["fastddp_over_torch"]
+    fb, fs, ft = row["fastddp_over_bare"], row["fastddp_over_bare_sync"], row["fastddp_over_torch"]
     print(f"\n[zoo] {name} {precision} {backend} w{world_size}: step ms bare "
           f"{row['bare_step_ms']:.1f} torch {row['torch_step_ms']:.1f} fastddp "
           f"{row['fastddp_step_ms']:.1f} | fastddp/bare {fb['median']:.3f} "
-          f"[{fb['min']:.3f}, {fb['max']:.3f}] | fastddp/torch {ft['median']:.3f} "
+          f"[{fb['min']:.3f}, {fb['max']:.3f}] | fastddp/bare_sync {fs['median']:.3f} "
+          f"[{fs['min']:.3f}, {fs['max']:.3f}] | fastddp/torch {ft['median']:.3f} "
           f"[{ft['min']:.3f}, {ft['max']:.3f}] | peak MiB "
           + " ".join(f"{k} {row[k + '_peak_mib']:.0f}" for k in MEMORY),
           flush=True)

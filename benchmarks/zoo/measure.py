@@ -1,8 +1,9 @@
 """What one rank measures for a zoo case: step times of every contender, interleaved in rounds,
 and (in a process of its own) one contender's peak memory.
 
-Contenders: ``bare`` (the model alone, no communication), ``torch`` (torch DDP, default
-options), ``torch_bv`` (torch DDP with ``gradient_as_bucket_view=True``, memory only) and
+Contenders: ``bare`` (the model alone, no communication), ``bare_sync`` (the model alone plus
+one 1-element all-reduce per step: the least any synchronous data-parallel step costs, the
+ranks waiting for each other), ``torch`` (torch DDP, default options), ``torch_bv`` (torch DDP with ``gradient_as_bucket_view=True``, memory only) and
 ``fastddp`` (DDPWrapper). Each runs the same workload step: zero_grad, forward (under autocast
 for bf16/fp16), backward, AdamW step; fp16 goes through a GradScaler (torch's for the torch
 contenders, fastddp's for DDPWrapper).
@@ -26,7 +27,7 @@ import fastddp
 
 from .models import Workload, workload
 
-TIMED = ("bare", "torch", "fastddp")
+TIMED = ("bare", "bare_sync", "torch", "fastddp")
 MEMORY = ("bare", "torch", "torch_bv", "fastddp")
 PRECISIONS = ("fp32", "bf16", "fp16")
 
@@ -36,6 +37,7 @@ class Contender:
     model: nn.Module
     opt: torch.optim.Optimizer
     scaler: Optional[torch.amp.GradScaler]
+    sync: Optional[torch.Tensor] = None  # all-reduced after backward (``bare_sync``)
 
 
 def new_model(wl: Workload, device: torch.device) -> nn.Module:
@@ -51,13 +53,14 @@ def build(kind: str, model: nn.Module, device: torch.device, precision: str) -> 
         model = TorchDDP(model, device_ids=ids, gradient_as_bucket_view=kind == "torch_bv")
     elif kind == "fastddp":
         model = fastddp.DDPWrapper(model, device_ids=ids)
-    elif kind != "bare":
+    elif kind not in ("bare", "bare_sync"):
         raise ValueError(f"unknown contender {kind!r}")
     scaler = None
     if precision == "fp16":
         scaler = (fastddp.GradScaler(device.type) if kind == "fastddp"
                   else torch.amp.GradScaler(device.type))
-    return Contender(model, torch.optim.AdamW(model.parameters(), lr=1e-4), scaler)
+    sync = torch.zeros(1, device=device) if kind == "bare_sync" else None
+    return Contender(model, torch.optim.AdamW(model.parameters(), lr=1e-4), scaler, sync)
 
 
 def step(c: Contender, wl: Workload, batch: Any, precision: str, device: torch.device) -> None:
@@ -69,9 +72,13 @@ def step(c: Contender, wl: Workload, batch: Any, precision: str, device: torch.d
         loss = wl.loss(c.model, batch)
     if c.scaler is None:
         loss.backward()
-        c.opt.step()
     else:
         c.scaler.scale(loss).backward()
+    if c.sync is not None:
+        dist.all_reduce(c.sync)
+    if c.scaler is None:
+        c.opt.step()
+    else:
         c.scaler.step(c.opt)
         c.scaler.update()
 
