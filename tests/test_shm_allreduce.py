@@ -195,9 +195,8 @@ if __name__ == "__main__":
 """
 
 
-def test_too_small_dev_shm_falls_back_with_a_warning(tmp_path: Path) -> None:
-    """A container's /dev/shm is often 64 MB: when the gradients do not fit, the ranks train
-    through the process group and rank 0 says why (instead of dying of SIGBUS later)."""
+def _run_in_small_dev_shm(tmp_path: Path, size: str) -> list:
+    """_small_dev_shm on two ranks, in a mount namespace whose /dev/shm is a tmpfs of `size`."""
     if shutil.which("unshare") is None or os.geteuid() != 0:
         pytest.skip("needs root and unshare(1) to mount a small tmpfs on /dev/shm")
     probe = subprocess.run(["unshare", "-m", "true"], capture_output=True)
@@ -213,12 +212,26 @@ def test_too_small_dev_shm_falls_back_with_a_warning(tmp_path: Path) -> None:
     python = f"env LD_PRELOAD={shlex.quote(preload)} {sys.executable}" if preload else sys.executable
     proc = subprocess.run(
         ["unshare", "-m", "sh", "-c",
-         f"mount -t tmpfs -o size=1m tmpfs /dev/shm && exec {python} {script}"],
+         f"mount -t tmpfs -o size={size} tmpfs /dev/shm && exec {python} {script}"],
         cwd=root, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     import json
 
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_gradients_larger_than_dev_shm_reduce_through_it(tmp_path: Path) -> None:
+    """A container's /dev/shm is often 64 MB, less than many models' gradients: the mapping
+    holds fixed-size chunks, not the gradients, so 4 MiB of gradients (two ranks) go through a
+    1 MiB /dev/shm, exactly, and nothing is left there."""
+    for rank, (transport, note, warned, grad_ok, leftovers) in enumerate(_run_in_small_dev_shm(tmp_path, "1m")):
+        assert transport == "shm" and grad_ok and leftovers == [] and warned == [], (rank, transport, note, warned)
+
+
+def test_too_small_dev_shm_falls_back_with_a_warning(tmp_path: Path) -> None:
+    """Where even the chunks do not fit, the ranks train through the process group and rank 0
+    says why (instead of dying of SIGBUS later)."""
+    results = _run_in_small_dev_shm(tmp_path, "128k")
     for rank, (transport, note, _warned, grad_ok, leftovers) in enumerate(results):
         assert transport == "c10d" and grad_ok and leftovers == [], (rank, transport, note, leftovers)
         assert "No space left on device" in note or rank != 0, (rank, note)

@@ -5,9 +5,10 @@ sharing the GPU (gloo on CUDA tensors):
     pytest benchmarks/zoo -s -m cuda        # GPU
 
 For each model and precision: step time of the bare model, the bare model synchronised once
-per step (one 1-element all-reduce: the floor of any synchronous data-parallel step), torch DDP
-and DDPWrapper interleaved in rounds (ratios paired within a round; median and spread over the rounds), and
-each contender's peak memory in a process of its own. One progress line per case; rows go to
+per step (one 1-element all-reduce: the floor of any synchronous data-parallel step), torch
+DDP and DDPWrapper interleaved in rounds (ratios paired within a round; median and spread over
+the rounds), and each contender's peak memory in a process of its own. A 50 M-parameter MLP
+(fp32) joins the zoo as the size at which a second copy of the gradients would show. One progress line per case; rows go to
 ``benchmarks/results/zoo.json`` and from there (``python benchmarks/report.py``) into
 docs/benchmarks.md.
 """
@@ -29,6 +30,7 @@ from .models import NAMES, workload
 ROUNDS, STEPS = (1, 1) if SMOKE else (9, 4)
 MEM_STEPS = 1 if SMOKE else 3
 CASES = [pytest.param(n, p, id=f"{n}-{p}") for n in NAMES for p in PRECISIONS]
+CASES.append(pytest.param("mlp50m", "fp32", id="mlp50m-fp32"))  # the memory reference
 
 
 def _paired(times: dict[str, list[float]], num: str, den: str) -> dict[str, float]:

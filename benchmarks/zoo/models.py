@@ -185,10 +185,15 @@ SIZES: dict[str, dict[str, dict[str, int]]] = {
              "har": {"batch": 256}},
 }
 NAMES = tuple(SIZES["cpu"])
+# A 50 M-parameter MLP (201 MB of fp32 parameters): the size at which a second copy of the
+# gradients shows in peak memory. fp32 only, on either device.
+LARGE_MLP = {"width": 4096, "layers": 3, "classes": 10, "batch": 16}
 
 
 def workload(name: str, device: torch.device, scratch: Path, smoke: bool = False) -> Workload:
     """The zoo entry ``name`` at the size for ``device.type`` (tiny batches with ``smoke``)."""
+    if name == "mlp50m":
+        return _large_mlp(device)
     s = dict(SIZES[device.type][name])
     if smoke:
         s["batch"] = 2
@@ -216,4 +221,18 @@ def workload(name: str, device: torch.device, scratch: Path, smoke: bool = False
     if name == "har":
         x, y = torch.randn(b, 9, 128, generator=g), torch.randint(0, 6, (b,), generator=g)
         return Workload(FlattenMLP, lambda step: (x.to(device), y.to(device)), _classify)
-    raise ValueError(f"unknown zoo model {name!r}: choose one of {', '.join(NAMES)}")
+    raise ValueError(f"unknown zoo model {name!r}: choose one of {', '.join(NAMES)}, mlp50m")
+
+
+def _large_mlp(device: torch.device) -> Workload:
+    s, g = LARGE_MLP, torch.Generator().manual_seed(0)
+    x = torch.randn(s["batch"], s["width"], generator=g)
+    y = torch.randint(0, s["classes"], (s["batch"],), generator=g)
+
+    def build() -> nn.Module:
+        layers: list[nn.Module] = []
+        for _ in range(s["layers"]):
+            layers += [nn.Linear(s["width"], s["width"]), nn.ReLU()]
+        return nn.Sequential(*layers, nn.Linear(s["width"], s["classes"]))
+
+    return Workload(build, lambda step: (x.to(device), y.to(device)), _classify, fp16=False)

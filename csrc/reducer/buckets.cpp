@@ -1,5 +1,6 @@
-// The Reducer's bucket layout: planning (layout.h's rules), placing the flat buffers (in the
-// shared arena, aligned, or in ordinary memory) and the rebuild in gradient arrival order.
+// The Reducer's bucket layout: planning (layout.h's rules), the flat buffers (with the
+// fingerprint header of the last c10d bucket, or shape-only when nothing is copied) and the
+// rebuild in gradient arrival order.
 #include "reducer/layout.h"
 #include "reducer/reducer.h"
 
@@ -11,27 +12,17 @@
 
 namespace fastddp::reducer {
 
-int64_t Reducer::shm_arena_bytes() const {
-  // Any plan places each bucket at an aligned offset: at most one pad per parameter (a bucket
-  // holds at least one), plus the alignment of the arena itself.
-  int64_t bytes = kBufferAlignment;
+int64_t Reducer::wire_bytes() const {
+  int64_t bytes = 0;
   for (const auto& p : params_) {
     const auto wire = comm_dtype_ ? *comm_dtype_ : p.scalar_type();
-    bytes += p.numel() * static_cast<int64_t>(c10::elementSize(wire)) + kBufferAlignment;
+    bytes += p.numel() * static_cast<int64_t>(c10::elementSize(wire));
   }
   return bytes;
 }
 
 void Reducer::install_buckets_locked(const std::vector<std::vector<int64_t>>& bucket_indices) {
   const int64_t n = static_cast<int64_t>(params_.size());
-  if (shm_ && !buckets_.empty()) {
-    // The new buffers reuse the arena the old ones occupy: take the gradients out first.
-    for (auto& p : params_) {
-      auto& grad = p.mutable_grad();
-      if (grad.defined()) grad = grad.clone();
-    }
-  }
-  int64_t arena_offset = 0;
   std::vector<int64_t> param_bucket(n, -1);
   std::vector<int64_t> param_slot(n, -1);
   std::vector<Bucket> buckets;
@@ -61,22 +52,12 @@ void Reducer::install_buckets_locked(const std::vector<std::vector<int64_t>>& bu
     // it) stays exactly torch DDP's.
     const auto dtype = first.scalar_type();
     bucket.shm = shm_ && (compress || dtype == at::kFloat || dtype == at::kDouble);
-    if (bucket.shm) {
-      const auto wire = compress ? *comm_dtype_ : first.scalar_type();
-      auto shared = shm_->arena_tensor(arena_offset, total, wire);
-      arena_offset += aligned_bytes(total * static_cast<int64_t>(c10::elementSize(wire)));
-      if (compress) {
-        bucket.buffer = at::zeros({total}, first.options().requires_grad(false));
-        bucket.comm = shared;
-      } else {
-        bucket.buffer = shared;
-      }
-    } else if (passthrough_) {
+    if (passthrough_ && !bucket.shm) {
       // Nothing is ever copied into it: a shape-only (meta) tensor keeps the layout for
       // bucket_report() without holding a second copy of every gradient.
       bucket.buffer = at::empty({total}, first.options().device(at::kMeta).requires_grad(false));
-    } else if (const int64_t header =
-                   &indices == &bucket_indices.back() ? fingerprint_header_elems(first, compress) : 0;
+    } else if (const int64_t header = &indices == &bucket_indices.back() && !bucket.shm
+                                          ? fingerprint_header_elems(first, compress) : 0;
                header > 0) {
       bucket.wire = at::zeros({total + header}, first.options().requires_grad(false));
       bucket.buffer = bucket.wire.narrow(0, 0, total);

@@ -12,8 +12,8 @@
 
 namespace fastddp::reducer {
 
-// Every flat buffer in a shared arena starts on its own cache line, so two ranks summing
-// neighbouring buffers never write the same line and vector loads stay aligned.
+// Every tensor packed into the shared-memory broadcast region starts on its own cache line,
+// so vector loads and stores stay aligned.
 constexpr int64_t kBufferAlignment = 64;
 
 inline int64_t aligned_bytes(int64_t bytes) {

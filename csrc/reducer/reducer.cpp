@@ -83,7 +83,7 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
     for (const auto& p : params_)
       TORCH_CHECK(p.device().is_cpu(), "DDPWrapper: shared-memory all-reduce is for CPU parameters, got ", p.device());
     const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(options_.shm_timeout_s * 1000.0));
-    shm_ = ShmAllreduce::create(process_group_, *shm_allreduce, shm_arena_bytes(), options_.shm_broadcast_bytes,
+    shm_ = ShmAllreduce::create(process_group_, *shm_allreduce, wire_bytes(), options_.shm_broadcast_bytes,
                                 timeout, &transport_note_);
   } else {
     transport_note_ = "not a multi-process CPU model";

@@ -137,7 +137,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void install_buckets_locked(const std::vector<std::vector<int64_t>>& bucket_indices);
   // Bytes of shared memory every rank's gradient buckets need, in the widest layout any plan
   // can give them (each bucket aligned, so at most one pad per parameter).
-  int64_t shm_arena_bytes() const;
+  int64_t wire_bytes() const;  // gradient bytes one backward reduces, in the wire dtype
   void mark_ready(int64_t index);
   // Rethrows a failed collective's error as a DistBackendError that names this rank and the
   // collective, with the watchdog's report of what every rank was doing (when one runs).
@@ -224,8 +224,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // Decided at the first launch; never with comm_dtype (pre-division guards fp16 overflow).
   std::optional<bool> reduce_avg_;
   std::vector<at::Tensor> views_;  // parameter -> its view of the bucket buffer (cached)
-  // Co-located CPU ranks: the wire buffers (bucket.comm if defined, else bucket.buffer) live in
-  // this shared arena and are summed through it instead of c10d.
+  // Co-located CPU ranks: the wire buffers (bucket.comm if defined, else bucket.buffer) are
+  // summed through this shared-memory transport instead of c10d.
   std::shared_ptr<ShmAllreduce> shm_;
   std::string transport_note_;
   std::unique_ptr<c10d::CommHookInterface> comm_hook_;

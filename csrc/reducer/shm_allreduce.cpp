@@ -127,11 +127,12 @@ inline bool reached(uint32_t value, uint32_t seq) { return static_cast<int32_t>(
 // blocking on both sides gives the same bits on every rank.
 constexpr int64_t kBlock = 2048;
 
-// dst[i] = scale * sum over src of src[k][i], accumulated in Acc in rank order. dst may be one
-// of the sources: each block is read completely before it is written. Returns the sum of
-// squares of the written values when `squares` (each block is squared while it is in L1).
+// dst[i] = scale * sum over src of src[k][i], accumulated in Acc in rank order, and the same
+// values into `copy` when it is not null. dst may be one of the sources: each block is read
+// completely before it is written. Returns the sum of squares of the written values when
+// `squares` (each block is squared, and copied, while it is in L1).
 template <typename T, typename Acc>
-double sum_slices(T* dst, const std::vector<const T*>& src, int64_t n, Acc scale, bool squares) {
+double sum_slices(T* dst, T* copy, const std::vector<const T*>& src, int64_t n, Acc scale, bool squares) {
   Acc acc[kBlock];
   double sumsq = 0.0;
   for (int64_t base = 0; base < n; base += kBlock) {
@@ -148,27 +149,29 @@ double sum_slices(T* dst, const std::vector<const T*>& src, int64_t n, Acc scale
     } else {
       for (int64_t i = 0; i < m; ++i) d[i] = static_cast<T>(acc[i]);
     }
+    if (copy) std::memcpy(copy + base, d, static_cast<size_t>(m) * sizeof(T));
     if (squares) sumsq += sum_squares(d, m);
   }
   return sumsq;
 }
 
 template <typename T, typename Acc>
-double sum_bytes(char* dst, const std::vector<const char*>& src, int64_t n, double scale, bool squares) {
+double sum_bytes(char* dst, char* copy, const std::vector<const char*>& src, int64_t n, double scale, bool squares) {
   std::vector<const T*> typed;
   typed.reserve(src.size());
   for (const char* s : src) typed.push_back(reinterpret_cast<const T*>(s));
-  return sum_slices<T, Acc>(reinterpret_cast<T*>(dst), typed, n, static_cast<Acc>(scale), squares);
+  return sum_slices<T, Acc>(reinterpret_cast<T*>(dst), reinterpret_cast<T*>(copy), typed, n,
+                            static_cast<Acc>(scale), squares);
 }
 
 // The reduction of one slice per dtype, each compiled for AVX2 + FMA and the baseline.
-FASTDDP_CPU_CLONES double reduce_slice(at::ScalarType dtype, char* dst, const std::vector<const char*>& src,
+FASTDDP_CPU_CLONES double reduce_slice(at::ScalarType dtype, char* dst, char* copy, const std::vector<const char*>& src,
                                        int64_t n, double scale, bool squares) {
   switch (dtype) {
-    case at::kFloat: return sum_bytes<float, float>(dst, src, n, scale, squares);
-    case at::kDouble: return sum_bytes<double, double>(dst, src, n, scale, squares);
-    case at::kBFloat16: return sum_bytes<c10::BFloat16, float>(dst, src, n, scale, squares);
-    case at::kHalf: return sum_bytes<c10::Half, float>(dst, src, n, scale, squares);
+    case at::kFloat: return sum_bytes<float, float>(dst, copy, src, n, scale, squares);
+    case at::kDouble: return sum_bytes<double, double>(dst, copy, src, n, scale, squares);
+    case at::kBFloat16: return sum_bytes<c10::BFloat16, float>(dst, copy, src, n, scale, squares);
+    case at::kHalf: return sum_bytes<c10::Half, float>(dst, copy, src, n, scale, squares);
     default: TORCH_CHECK(false, "DDPWrapper: shared-memory all-reduce does not support ", dtype);
   }
 }
@@ -207,7 +210,7 @@ struct ShmSegment {
   char* base = nullptr;
   int64_t size = 0;
   int64_t header_bytes = 0;
-  int64_t stride = 0;  // bytes from one rank's arena to the next
+  int64_t stride = 0;  // bytes from one rank's region (two staging slots, broadcast) to the next
   ShmSegment() = default;
   ShmSegment(const ShmSegment&) = delete;
   ShmSegment& operator=(const ShmSegment&) = delete;
@@ -215,14 +218,13 @@ struct ShmSegment {
     if (base) munmap(base, static_cast<size_t>(size));
   }
   RankSlot& slot(int rank) const { return *reinterpret_cast<RankSlot*>(base + 64 + rank * kSlotBytes); }
-  char* arena(int rank) const { return base + header_bytes + rank * stride; }
+  char* region(int rank) const { return base + header_bytes + rank * stride; }
 };
 
 struct ShmAllreduce::Task {
   c10::intrusive_ptr<ShmWork> work;
-  int64_t offset;
-  int64_t numel;
-  at::ScalarType dtype;
+  at::Tensor tensor;  // all-reduce: reduced in place
+  int64_t chunks;     // all-reduce: chunks, one sequence number each from seq on
   double scale;
   uint32_t seq;
   std::vector<at::Tensor> broadcast;  // non-empty: a broadcast from rank 0 of these tensors
@@ -231,11 +233,11 @@ struct ShmAllreduce::Task {
 };
 
 std::shared_ptr<ShmAllreduce> ShmAllreduce::create(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, bool wanted,
-                                                   int64_t arena_bytes, int64_t broadcast_bytes,
+                                                   int64_t gradient_bytes, int64_t broadcast_bytes,
                                                    std::chrono::milliseconds timeout, std::string* why) {
   TORCH_CHECK(pg, "DDPWrapper: process group is null");
-  TORCH_CHECK(arena_bytes > 0 && broadcast_bytes >= 0, "DDPWrapper: shared-memory arena of ", arena_bytes,
-              " bytes and broadcast region of ", broadcast_bytes, " bytes");
+  TORCH_CHECK(gradient_bytes >= 0 && broadcast_bytes >= 0, "DDPWrapper: shared-memory all-reduce of ",
+              gradient_bytes, " gradient bytes and a broadcast region of ", broadcast_bytes, " bytes");
   const int rank = pg->getRank();
   const int world = pg->getSize();
   auto cpu_long = at::TensorOptions().dtype(at::kLong);
@@ -271,7 +273,8 @@ std::shared_ptr<ShmAllreduce> ShmAllreduce::create(const c10::intrusive_ptr<c10d
   // 2. Rank 0 creates and sizes the segment (fallocate: a too small /dev/shm fails here, not
   //    later with SIGBUS) and broadcasts its name; every rank maps it and registers itself.
   const int64_t header_bytes = round_up(64 + world * kSlotBytes, kPage);
-  const int64_t broadcast_offset = aligned_bytes(arena_bytes);
+  const int64_t chunk_bytes = chunk_bytes_for(gradient_bytes);
+  const int64_t broadcast_offset = 2 * chunk_bytes;
   const int64_t stride = round_up(broadcast_offset + broadcast_bytes, kPage);
   const int64_t size = header_bytes + world * stride;
   std::string error;
@@ -358,15 +361,20 @@ std::shared_ptr<ShmAllreduce> ShmAllreduce::create(const c10::intrusive_ptr<c10d
     return nullptr;
   }
   return std::shared_ptr<ShmAllreduce>(
-      new ShmAllreduce(std::move(segment), rank, world, arena_bytes, broadcast_offset, broadcast_bytes, timeout));
+      new ShmAllreduce(std::move(segment), rank, world, chunk_bytes, broadcast_offset, broadcast_bytes, timeout));
 }
 
-ShmAllreduce::ShmAllreduce(std::shared_ptr<ShmSegment> segment, int rank, int world, int64_t arena_bytes,
+int64_t ShmAllreduce::chunk_bytes_for(int64_t gradient_bytes) {
+  constexpr int64_t kMin = 64 << 10, kMax = 1 << 20;
+  return std::clamp(round_up(gradient_bytes / 16, kPage), kMin, kMax);
+}
+
+ShmAllreduce::ShmAllreduce(std::shared_ptr<ShmSegment> segment, int rank, int world, int64_t chunk_bytes,
                            int64_t broadcast_offset, int64_t broadcast_bytes, std::chrono::milliseconds timeout)
     : segment_(std::move(segment)),
       rank_(rank),
       world_(world),
-      arena_bytes_(arena_bytes),
+      chunk_bytes_(chunk_bytes),
       broadcast_offset_(broadcast_offset),
       broadcast_bytes_(broadcast_bytes),
       timeout_(timeout),
@@ -387,33 +395,22 @@ ShmAllreduce::~ShmAllreduce() {
   if (thread_.joinable()) thread_.join();
 }
 
-at::Tensor ShmAllreduce::arena_tensor(int64_t offset, int64_t numel, at::ScalarType dtype) const {
-  const int64_t bytes = numel * static_cast<int64_t>(c10::elementSize(dtype));
-  TORCH_CHECK(offset >= 0 && numel >= 0 && offset + bytes <= arena_bytes_, "DDPWrapper: shared-memory arena of ",
-              arena_bytes_, " bytes cannot hold ", bytes, " bytes at offset ", offset);
-  char* p = segment_->arena(rank_) + offset;
-  std::memset(p, 0, static_cast<size_t>(bytes));
-  auto keep = segment_;
-  return at::from_blob(p, {numel}, [keep](void*) mutable { keep.reset(); }, at::TensorOptions().dtype(dtype));
-}
-
 c10::intrusive_ptr<ShmWork> ShmAllreduce::allreduce_sum(const at::Tensor& t, double scale, bool sum_of_squares,
                                                         const Fingerprint* fingerprint) {
   TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), "DDPWrapper: shared-memory all-reduce needs a contiguous "
               "CPU tensor, got ", t.device(), t.is_contiguous() ? "" : " (non-contiguous)");
-  const char* p = static_cast<const char*>(t.data_ptr());
-  const int64_t offset = p - segment_->arena(rank_);
-  const int64_t bytes = t.numel() * static_cast<int64_t>(t.element_size());
-  TORCH_CHECK(offset >= 0 && offset + bytes <= arena_bytes_, "DDPWrapper: tensor at arena offset ", offset, " (",
-              bytes, " bytes) lies outside the shared-memory arena of ", arena_bytes_, " bytes");
   const auto dtype = t.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kBFloat16 || dtype == at::kHalf,
               "DDPWrapper: shared-memory all-reduce supports float32/float64/bfloat16/float16, got ", dtype);
+  const int64_t bytes = t.numel() * static_cast<int64_t>(t.element_size());
+  // At least one chunk, so that an empty tensor still meets the peers (and carries a fingerprint).
+  const int64_t chunks = std::max<int64_t>(1, (bytes + chunk_bytes_ - 1) / chunk_bytes_);
   auto work = c10::make_intrusive<ShmWork>();
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    queue_.push_back(Task{work, offset, t.numel(), dtype, scale, next_seq_++, {}, sum_of_squares,
+    queue_.push_back(Task{work, t, chunks, scale, next_seq_, {}, sum_of_squares,
                           fingerprint ? std::optional<Fingerprint>(*fingerprint) : std::nullopt});
+    next_seq_ += static_cast<uint32_t>(chunks);
   }
   cv_.notify_one();
   return work;
@@ -432,7 +429,7 @@ void ShmAllreduce::broadcast_from_root(const std::vector<at::Tensor>& tensors) {
   auto work = c10::make_intrusive<ShmWork>();
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    queue_.push_back(Task{work, broadcast_offset_, 0, at::kByte, 1.0, next_seq_++, tensors});
+    queue_.push_back(Task{work, at::Tensor(), 0, 1.0, next_seq_++, tensors});
   }
   cv_.notify_one();
   work->wait();
@@ -515,7 +512,7 @@ void ShmAllreduce::execute_broadcast(const Task& task) {
   // again only after every rank is done with the previous broadcast, so a forward on rank 0
   // never waits for a slower peer here. The counters stay monotonic: the next collective's
   // sequence number is higher.
-  char* region = segment_->arena(0) + task.offset;
+  char* region = segment_->region(0) + broadcast_offset_;
   int64_t pos = 0;
   if (rank_ == 0) {
     if (last_broadcast_seq_ != 0) {
@@ -549,59 +546,83 @@ void ShmAllreduce::execute_broadcast(const Task& task) {
   publish(kDone, task.seq);
 }
 
-void ShmAllreduce::execute(const Task& task) {
-  const int64_t elem = static_cast<int64_t>(c10::elementSize(task.dtype));
-  std::vector<const char*> src(world_);
-  for (int j = 0; j < world_; ++j) src[j] = segment_->arena(j) + task.offset;
-  char* mine = segment_->arena(rank_) + task.offset;
-  auto lo = [&](int r) { return task.numel * r / world_; };
+void ShmAllreduce::wait_peers(int which, uint32_t seq) const {
+  for (int k = 1; k < world_; ++k) wait_for((rank_ + k) % world_, which, seq);
+}
 
-  // Phase 1: every rank's gradients (and fingerprint) are in place.
-  if (task.fingerprint) {
+void ShmAllreduce::exchange_fingerprint(const Task& task) {
+  // Written before `ready` of the collective's first chunk; read once every peer is ready. A
+  // peer without a fingerprint for this collective issued a different one: a mismatch.
+  std::vector<Fingerprint> all(world_);
+  for (int j = 0; j < world_; ++j) {
+    const auto& slot = segment_->slot(j);
+    if (slot.fingerprint_seq != task.seq) {
+      all[j].words.fill(-1);
+      continue;
+    }
+    std::copy(slot.fingerprint, slot.fingerprint + kFingerprintWords, all[j].words.begin());
+  }
+  task.work->set_fingerprint_mismatch(fingerprints_differ(all));
+}
+
+void ShmAllreduce::execute(const Task& task) {
+  double sumsq = 0.0;
+  for (int64_t c = 0; c < task.chunks; ++c) sumsq += execute_chunk(task, c, task.seq + static_cast<uint32_t>(c));
+  task.work->set_sum_of_squares(sumsq);
+  // Nobody reads my slots any more: the next collective (or broadcast, or fingerprint) may
+  // write them, whichever chunk it starts with.
+  wait_peers(kDone, task.seq + static_cast<uint32_t>(task.chunks - 1));
+}
+
+// One chunk of an all-reduce, through staging slot chunk % 2 of every rank: copy in the slices
+// the peers reduce, ready, reduce my slice (my own values read in place) into my gradients and
+// my slot, reduced, copy the peers' reduced slices into my gradients, done. Returns the chunk's
+// sum of squares, added in rank order so that every rank arrives at the same bits.
+double ShmAllreduce::execute_chunk(const Task& task, int64_t chunk, uint32_t seq) {
+  const auto dtype = task.tensor.scalar_type();
+  const int64_t elem = static_cast<int64_t>(c10::elementSize(dtype));
+  const int64_t per_chunk = chunk_bytes_ / elem;
+  const int64_t first = chunk * per_chunk;
+  const int64_t n = std::max<int64_t>(0, std::min(per_chunk, task.tensor.numel() - first));
+  char* data = static_cast<char*>(task.tensor.data_ptr()) + first * elem;
+  const int64_t stage_offset = (chunk % 2) * chunk_bytes_;
+  char* mine = segment_->region(rank_) + stage_offset;
+  auto lo = [&](int r) { return n * r / world_; };
+  const int64_t my_lo = lo(rank_), my_hi = lo(rank_ + 1), my_n = my_hi - my_lo;
+  // This slot last held chunk - 2: every peer must be done reading it.
+  if (chunk >= 2) wait_peers(kDone, seq - 2);
+  if (n > 0) {  // an empty tensor's data pointer may be null
+    std::memcpy(mine, data, static_cast<size_t>(my_lo * elem));
+    std::memcpy(mine + my_hi * elem, data + my_hi * elem, static_cast<size_t>((n - my_hi) * elem));
+  }
+  if (chunk == 0 && task.fingerprint) {
     auto& slot = segment_->slot(rank_);
     std::copy(task.fingerprint->words.begin(), task.fingerprint->words.end(), slot.fingerprint);
     slot.fingerprint_seq = task.seq;  // both made visible by publish's release store
   }
-  publish(kReady, task.seq);
-  for (int k = 1; k < world_; ++k) wait_for((rank_ + k) % world_, kReady, task.seq);
-  if (task.fingerprint) {
-    // A peer without a fingerprint for this collective issued a different one: a mismatch.
-    std::vector<Fingerprint> all(world_);
-    for (int j = 0; j < world_; ++j) {
-      const auto& slot = segment_->slot(j);
-      if (slot.fingerprint_seq != task.seq) {
-        all[j].words.fill(-1);
-        continue;
-      }
-      std::copy(slot.fingerprint, slot.fingerprint + kFingerprintWords, all[j].words.begin());
-    }
-    task.work->set_fingerprint_mismatch(fingerprints_differ(all));
-  }
-  // Phase 2: reduce my slice from every rank's copy into mine (other ranks read only their own
-  // slices of my buffer, which I do not write).
-  const int64_t my_lo = lo(rank_), my_n = lo(rank_ + 1) - my_lo;
+  publish(kReady, seq);
+  wait_peers(kReady, seq);
+  if (chunk == 0 && task.fingerprint) exchange_fingerprint(task);
+  // Reduce my slice from every peer's slot and my own gradients into my gradients, and into my
+  // slot for the peers (they read only their own slices of my slot until I publish `reduced`).
   std::vector<const char*> slices(world_);
-  for (int j = 0; j < world_; ++j) slices[j] = src[j] + my_lo * elem;
+  for (int j = 0; j < world_; ++j) slices[j] = segment_->region(j) + stage_offset + my_lo * elem;
+  slices[rank_] = data + my_lo * elem;
   const bool sq = task.sum_of_squares;
-  char* my_slice = mine + my_lo * elem;
-  // Squares are summed per slice and the slices in rank order, so every rank arrives at the
-  // same bits (a rank-dependent order would let the ranks' clip coefficients drift apart).
   std::vector<double> slice_squares(world_, 0.0);
-  slice_squares[rank_] = reduce_slice(task.dtype, my_slice, slices, my_n, task.scale, sq);
-  publish(kReduced, task.seq);
-  // Phase 3: copy the other ranks' reduced slices into my buffer.
+  slice_squares[rank_] = reduce_slice(dtype, data + my_lo * elem, mine + my_lo * elem, slices, my_n, task.scale, sq);
+  publish(kReduced, seq);
+  // Copy the other ranks' reduced slices into my gradients.
   for (int k = 1; k < world_; ++k) {
     const int j = (rank_ + k) % world_;
-    wait_for(j, kReduced, task.seq);
+    wait_for(j, kReduced, seq);
     const int64_t j_lo = lo(j), j_n = lo(j + 1) - j_lo;
-    slice_squares[j] = copy_slice(task.dtype, mine + j_lo * elem, src[j] + j_lo * elem, j_n, sq);
+    slice_squares[j] = copy_slice(dtype, data + j_lo * elem, segment_->region(j) + stage_offset + j_lo * elem, j_n, sq);
   }
+  publish(kDone, seq);
   double sumsq = 0.0;
   for (double v : slice_squares) sumsq += v;
-  task.work->set_sum_of_squares(sumsq);
-  // Phase 4: nobody reads my buffer any more, so the caller may write it again.
-  publish(kDone, task.seq);
-  for (int k = 1; k < world_; ++k) wait_for((rank_ + k) % world_, kDone, task.seq);
+  return sumsq;
 }
 
 }  // namespace fastddp::reducer

@@ -1,15 +1,21 @@
 // Shared-memory all-reduce for the ranks of one process group that run on one host (CPU
 // gradients). Gloo moves every byte of a co-located all-reduce through the kernel's TCP stack;
-// here the ranks' gradient buckets live in one shared mapping and each rank sums its 1/world
-// slice of every bucket straight from its peers' memory, then copies the other slices back:
-// per rank, (world + 1) slice reads + one slice write for the reduction and (world - 1) slice
-// copies, no system call on the data path.
+// here the ranks meet in one shared mapping holding, per rank, a small staging ring of two
+// fixed-size chunk slots. A bucket is reduced chunk by chunk: each rank copies its chunk into a
+// slot, sums its 1/world slice of that chunk straight from its peers' slots, and copies the
+// other slices back into its own gradients; the two slots alternate, so a rank fills the next
+// chunk while its peers still read the last. Per rank and element: one copy in, (world + 1)
+// slice reads + one slice write for the reduction, one copy out; no system call on the data
+// path. The mapping's size does not grow with the model: gradients stay in private memory, and
+// each rank maps world x (2 chunks + the broadcast region), so neither RSS nor /dev/shm holds a
+// second copy of the model's gradients.
 //
 // The process group stays in charge: it decides membership and rank numbers, carries the
 // set-up handshake (which also proves that every rank sees the same /dev/shm), and everything
 // that is not a bucket all-reduce. Synchronisation is three monotonic per-rank counters in the
-// mapping, waited on with futexes; a waiting rank checks its peers' processes so a dead peer
-// fails the collective within a second with a DistBackendError naming it.
+// mapping (one sequence number per chunk), waited on with futexes; a waiting rank checks its
+// peers' processes so a dead peer fails the collective within a second with a DistBackendError
+// naming it.
 #pragma once
 
 #include "reducer/fingerprint.h"
@@ -31,7 +37,7 @@
 
 namespace fastddp::reducer {
 
-struct ShmSegment;  // the mapping; arena tensors keep it alive
+struct ShmSegment;  // the mapping
 
 // The handle of one shared-memory collective. With `sum_of_squares` requested, the rank's comm
 // thread also adds up the squares of the reduced values as it writes them (its own slice) and
@@ -56,22 +62,23 @@ class ShmAllreduce {
  public:
   // Collective over `pg` (every rank must call it). Returns nullptr on every rank when some
   // rank did not want it, the ranks do not share this host's /dev/shm, or the mapping could not
-  // be set up on some rank; `why` then says why (on every rank). `arena_bytes` is the gradient
-  // memory each rank needs, `broadcast_bytes` the room for broadcast_from_root (module
-  // buffers); `timeout` bounds a wait for a live peer.
+  // be set up on some rank; `why` then says why (on every rank). `gradient_bytes` is the
+  // gradient memory each rank reduces per backward (it sizes the chunks, see chunk_bytes_for),
+  // `broadcast_bytes` the room for broadcast_from_root (module buffers); `timeout` bounds a
+  // wait for a live peer.
   static std::shared_ptr<ShmAllreduce> create(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, bool wanted,
-                                              int64_t arena_bytes, int64_t broadcast_bytes,
+                                              int64_t gradient_bytes, int64_t broadcast_bytes,
                                               std::chrono::milliseconds timeout, std::string* why);
+  // The chunk (staging slot) size for `gradient_bytes` of gradients: a sixteenth of them,
+  // between 64 KiB and 1 MiB, so small models map little and large ones reduce in large steps.
+  static int64_t chunk_bytes_for(int64_t gradient_bytes);
   ~ShmAllreduce();
   ShmAllreduce(const ShmAllreduce&) = delete;
   ShmAllreduce& operator=(const ShmAllreduce&) = delete;
 
-  // A zero-filled tensor of `numel` elements placed at byte `offset` of this rank's arena;
-  // it keeps the mapping alive.
-  at::Tensor arena_tensor(int64_t offset, int64_t numel, at::ScalarType dtype) const;
-  int64_t arena_bytes() const { return arena_bytes_; }
+  int64_t chunk_bytes() const { return chunk_bytes_; }
 
-  // Sums `t` (an arena tensor) over the ranks in place and multiplies the sum by `scale` in the
+  // Sums `t` (a contiguous CPU tensor, the same size on every rank) over the ranks in place and multiplies the sum by `scale` in the
   // same pass (1/world averages), asynchronously: every rank must issue the same sequence of
   // calls with tensors at the same offsets. `sum_of_squares`: also compute the sum of squares
   // of the result (ShmWork::sum_of_squares), fused into the reduction and copy passes.
@@ -88,10 +95,13 @@ class ShmAllreduce {
 
  private:
   struct Task;
-  ShmAllreduce(std::shared_ptr<ShmSegment> segment, int rank, int world, int64_t arena_bytes,
+  ShmAllreduce(std::shared_ptr<ShmSegment> segment, int rank, int world, int64_t chunk_bytes,
                int64_t broadcast_offset, int64_t broadcast_bytes, std::chrono::milliseconds timeout);
   void run();
   void execute(const Task& task);
+  double execute_chunk(const Task& task, int64_t chunk, uint32_t seq);
+  void exchange_fingerprint(const Task& task);
+  void wait_peers(int which, uint32_t seq) const;
   void execute_broadcast(const Task& task);
   void wait_for(int peer, int which, uint32_t seq) const;
   void publish(int which, uint32_t seq) const;
@@ -100,7 +110,7 @@ class ShmAllreduce {
   std::shared_ptr<ShmSegment> segment_;
   int rank_;
   int world_;
-  int64_t arena_bytes_;       // gradient part of each rank's arena
+  int64_t chunk_bytes_;       // each of a rank's two staging slots
   int64_t broadcast_offset_;  // then the broadcast region
   int64_t broadcast_bytes_;
   std::chrono::milliseconds timeout_;
