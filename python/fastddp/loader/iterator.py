@@ -9,12 +9,22 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 
+class Progress:
+    """Batches delivered in the loader's current pass: owned by the loader (set when a pass
+    starts, read by its ``state_dict``), counted up by the iterator as it delivers them."""
+
+    __slots__ = ("delivered",)
+
+    def __init__(self) -> None:
+        self.delivered = 0
+
+
 @dataclass
 class LoaderHooks:
     """What the iterator asks of its loader."""
 
     restart: Callable[[Any, bool], None]          # (pass, draw_seed): start the pass anew
-    on_batch: Callable[[], None]                  # a batch was delivered
+    progress: Progress                            # counted up per delivered batch
     len_reported: Callable[[], Optional[int]]     # len() last reported for an IterableDataset
     length: Callable[[], int]                     # the iterator's len(), as DataLoader's
     num_workers: Callable[[], int]
@@ -25,7 +35,7 @@ class LoaderIterator:
     """Wraps one pass (:class:`passes.NativePass` or :class:`passes.TorchPass`)."""
 
     def __init__(self, pass_: Any, hooks: LoaderHooks) -> None:
-        self._pass, self._hooks = pass_, hooks
+        self._pass, self._hooks, self._progress = pass_, hooks, hooks.progress
         self._yielded = 0
         self._reported = hooks.len_reported()  # as DataLoader: what len() said before this pass
 
@@ -46,7 +56,7 @@ class LoaderIterator:
     def __next__(self) -> Any:
         batch = self._pass.next()
         self._yielded += 1
-        self._hooks.on_batch()
+        self._progress.delivered += 1
         reported = self._reported
         if reported is not None and self._yielded > reported:
             message = (f"Length of IterableDataset {self._hooks.dataset} was reported to be {reported}"

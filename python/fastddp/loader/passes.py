@@ -170,6 +170,8 @@ class NativePass:
                 self.pipe.submit(entry.indices)
 
     def next(self) -> Any:
+        if self.uniform is not None:  # submitted whole: every batch is the next slice
+            return self._next_uniform()
         if not self.started:
             self.started = True
             self._read(self.s.first_next_reads)

@@ -9,7 +9,7 @@ from typing import Any, Optional, Union
 import torch
 from torch.utils.data import BatchSampler, default_collate
 
-from .iterator import LoaderHooks, LoaderIterator
+from .iterator import LoaderHooks, LoaderIterator, Progress
 from .passes import NativePass, NativeSettings, Replay, TorchPass, build_runner
 from .plan import reads_ahead_unobserved
 from .settings import check_extras, check_own_form, make_spec, prepare_tensors, start_warnings
@@ -121,7 +121,7 @@ class PrefetchLoader:
                                  else "PrefetchLoader: device_resident needs tensors or .npy arrays")
             self._prepared()
         self._epoch = 0
-        self._position = 0  # batches delivered in the current pass
+        self._progress = Progress()  # batches delivered in the current pass
         self._replay = Replay()
         self._pass_state: tuple[Optional[torch.Tensor], Optional[torch.Tensor]] = (None, None)
         self._iterable_len_reported: Optional[int] = None
@@ -185,7 +185,7 @@ class PrefetchLoader:
         else:
             self._pass_state = (torch.random.get_rng_state() if self.generator is None else None,
                                 self.generator.get_state() if self.generator is not None else None)
-        self._position = replay.skip
+        self._progress.delivered = replay.skip
         # The samplers' states as the pass found them: the pass reads them ahead of delivery,
         # and a resumed pass skips the delivered batches itself.
         self._sampler_states = self._current_sampler_states()
@@ -200,13 +200,10 @@ class PrefetchLoader:
         else:
             pass_ = TorchPass(*build_runner(self, self._src.dataset, self._src.kind == "iterable"), self.device)
         self._start(pass_, True)
-        hooks = LoaderHooks(restart=self._start, on_batch=self._batch_delivered,
+        hooks = LoaderHooks(restart=self._start, progress=self._progress,
                             len_reported=lambda: self._iterable_len_reported, length=self._iterator_len,
                             num_workers=lambda: self.num_workers, dataset=self.dataset)
         return LoaderIterator(pass_, hooks)
-
-    def _batch_delivered(self) -> None:
-        self._position += 1
 
     def __iter__(self) -> Iterator[Any]:
         if self.persistent_workers and self.num_workers > 0:  # one iterator, reset per pass
@@ -282,7 +279,7 @@ class PrefetchLoader:
     def state_dict(self) -> dict[str, Any]:
         """Epoch, batches delivered in the current pass, the random state that pass started
         from (the global generator's, or the given generator's), and the samplers' states."""
-        state: dict[str, Any] = {"epoch": self.epoch, "batches_done": self._position}
+        state: dict[str, Any] = {"epoch": self.epoch, "batches_done": self._progress.delivered}
         state.update(self._sampler_states if self._sampler_states is not None else self._current_sampler_states())
         rng_state, generator_state = self._pass_state
         if generator_state is not None:
