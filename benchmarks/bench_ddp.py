@@ -8,7 +8,8 @@ On CPU, fastddp runs twice: with its default transport for co-located ranks (sha
 and on the gloo process group (``shm_allreduce=False``), so both ratios come from one run.
 
 Models: an MLP of ~10 M parameters (few large gradients) and a stack of 100 small linear
-layers (~200 parameters: per-parameter overhead dominates).
+layers (~200 parameters: per-parameter overhead dominates); the per-tensor cost is measured on
+a chain of 1024 Linear(32, 32) against the bare model.
 """
 
 from __future__ import annotations
@@ -113,6 +114,60 @@ def test_ddp_python_comm_hook_cpu_world2(name: str) -> None:
               "command": "pytest benchmarks/bench_ddp.py -s -k python_comm_hook"}
     print(json.dumps(result, indent=1))
     record("ddp", f"cpu-gloo-w2-pyhook-{name}", result)
+
+
+def _chain(layers: int) -> nn.Module:
+    return nn.Sequential(*[nn.Linear(32, 32) for _ in range(layers)])
+
+
+def _bench_per_tensor(rank: int, world_size: int, layers: int) -> dict:
+    """Step time of a chain of ``layers`` Linear(32, 32) (2 x layers small gradients): the bare
+    model, the bare model plus one 1-element all-reduce per step (the floor of a synchronous
+    step), torch DDP and DDPWrapper, alternated step by step after a barrier."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    sync = torch.zeros(1)
+    models = {"bare": _chain(layers), "bare_sync": _chain(layers), "torch": TorchDDP(_chain(layers)),
+              "fastddp": fastddp.DDPWrapper(_chain(layers))}
+    opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in models.items()}
+    x = torch.randn(16, 32)
+
+    def step(kind: str) -> float:
+        m, o = models[kind], opts[kind]
+        t0 = time.perf_counter()
+        o.zero_grad()
+        m(x).pow(2).mean().backward()
+        if kind == "bare_sync":
+            dist.all_reduce(sync)
+        o.step()
+        return time.perf_counter() - t0
+
+    for kind in models:
+        for _ in range(3):
+            step(kind)
+    times: dict[str, list[float]] = {k: [] for k in models}
+    for _ in range(STEPS):
+        for kind in models:
+            dist.barrier()
+            times[kind].append(step(kind))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def test_ddp_per_tensor_cost_cpu_world2() -> None:
+    """What each gradient tensor costs per step over the bare model (and over the bare model
+    synchronised once per step), for a chain of 1024 Linear(32, 32): 2048 tensors, 8.5 MB."""
+    layers = 16 if SMOKE else 1024
+    per_rank = run_distributed(_bench_per_tensor, world_size=2, args=(layers,), timeout=900)
+    res = {k: max(r[k] for r in per_rank) for k in per_rank[0]}  # a step is its slowest rank's
+    tensors = 2 * layers
+    result = {"model": f"chain_{layers}x_linear32", "tensors": tensors, "world_size": 2, "backend": "gloo",
+              **{f"{k}_step_ms": v * 1e3 for k, v in res.items()},
+              "fastddp_us_per_tensor": (res["fastddp"] - res["bare"]) / tensors * 1e6,
+              "fastddp_us_per_tensor_over_sync": (res["fastddp"] - res["bare_sync"]) / tensors * 1e6,
+              "torch_us_per_tensor": (res["torch"] - res["bare"]) / tensors * 1e6,
+              "command": "pytest benchmarks/bench_ddp.py -s -k per_tensor"}
+    print(json.dumps(result, indent=1))
+    record("ddp", f"cpu-gloo-w2-per-tensor-{layers}", result)
 
 
 def _bench_join(rank: int, world_size: int, name: str) -> dict:

@@ -156,16 +156,21 @@ def _breakdown(plt, scaling: list[dict[str, Any]], ddp: list[dict[str, Any]], pa
 
 
 def _zoo(plt, rows: list[dict[str, Any]], path: Path) -> str:
-    """Step time over the bare model per zoo case: DDPWrapper and torch DDP, the median over
-    rounds with the spread as an error bar, and the 1.05 target as a line."""
+    """Step time ratios per zoo case: DDPWrapper over the bare model and over the bare model
+    synchronised once per step, torch DDP over the bare model; the median over rounds with the
+    spread as an error bar, and the 1.05 target as a line."""
     fig, ax = plt.subplots(figsize=(12, 4.5))
-    width, xs = 0.4, range(len(rows))
-    for i, (key, label) in enumerate((("fastddp_over_bare", "DDPWrapper / bare"),
-                                      ("torch_over_bare", "torch DDP / bare"))):
+    series = [(key, label) for key, label in (("fastddp_over_bare", "DDPWrapper / bare"),
+                                              ("fastddp_over_bare_sync", "DDPWrapper / bare_sync"),
+                                              ("torch_over_bare", "torch DDP / bare"))
+              if all(key in r for r in rows)]
+    width, xs = 0.8 / len(series), range(len(rows))
+    for i, (key, label) in enumerate(series):
         med = [r[key]["median"] for r in rows]
         err = [[m - r[key]["min"] for m, r in zip(med, rows)],
                [r[key]["max"] - m for m, r in zip(med, rows)]]
-        ax.bar([x + (i - 0.5) * width for x in xs], med, width, yerr=err, capsize=2, label=label)
+        ax.bar([x + (i - (len(series) - 1) / 2) * width for x in xs], med, width, yerr=err, capsize=2,
+               label=label)
     ax.axhline(1.05, color="k", linestyle="--", linewidth=1, label="target 1.05")
     ax.set_xticks(list(xs), [f"{r['model']} {r['precision']} w{r['world_size']}" for r in rows],
                   rotation=35, ha="right", fontsize="small")
