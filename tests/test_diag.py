@@ -3,6 +3,11 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
 import traceback
 from datetime import timedelta
 
@@ -76,6 +81,39 @@ def test_native_options_are_checked() -> None:
     options.threshold_s, options.rank = 1.0, 2
     with pytest.raises(RuntimeError, match="rank 2 outside a world of 2"):
         C.Watchdog(store, options, lambda: "")
+
+
+_SILENT_STORE = """
+import time, torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+print(store.port, flush=True)
+time.sleep(600)
+"""
+
+
+def test_stop_returns_when_the_store_stops_answering(capfd) -> None:
+    """A store cut off from this host (a network cut, a frozen host) leaves the watchdog's
+    thread blocked in a store call: stop(), which runs at exit, must still return (and say it
+    left the thread behind) instead of holding the process forever."""
+    server = subprocess.Popen([sys.executable, "-c", _SILENT_STORE], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(server.stdout.readline())
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=600))
+        options = C.WatchdogOptions()
+        options.world, options.threshold_s, options.timeout_s, options.poll_s = 2, 5.0, 600.0, 0.05
+        options.stack_timeout_s = 1.0
+        watchdog = C.Watchdog(store, options, lambda: "")
+        time.sleep(0.3)  # polling the store
+        os.kill(server.pid, signal.SIGSTOP)  # the store's host stops answering
+        time.sleep(0.5)  # the watchdog is now inside a store call that never returns
+        t0 = time.monotonic()
+        watchdog.stop()
+        waited = time.monotonic() - t0
+        assert waited < options.poll_s + options.stack_timeout_s + 3 + 2, waited
+        assert "c10d store did not answer" in capfd.readouterr().err
+    finally:
+        os.kill(server.pid, signal.SIGKILL)  # the left-behind thread's call fails, and it ends
+        server.wait()
 
 
 def test_phases_of_a_training_step_on_the_board(tmp_path) -> None:

@@ -89,6 +89,19 @@ def _node(ns: str, ifname: str, port: int, extra: list[str], save_dir: Path,
                                 text=True, start_new_session=True)
 
 
+def _workers(save_dir: Path) -> list[int]:
+    """Pids of the training processes (torchrun's workers) writing to ``save_dir``."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            cmd = (entry / "cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if b"fastddp.train" in cmd and str(save_dir).encode() in cmd and b"torch.distributed.run" not in cmd:
+            pids.append(int(entry.name))
+    return pids
+
+
 def _metrics(save_dir: Path) -> list[dict[str, float]]:
     with open(save_dir / "metrics.csv") as f:
         return [{k: float(v) for k, v in row.items()} for row in csv.DictReader(f)]
@@ -142,6 +155,11 @@ def test_cutting_the_link_ends_both_sides_with_a_clear_error(hosts, tmp_path: Pa
             time.sleep(0.5)
         stopped = time.monotonic() - t_cut
         assert stopped < 60, stopped  # bounded by --timeout 10, not a hang
+        # ... and each training process then ends on its own (its exit must not wait on the
+        # store across the cut link)
+        while _workers(save):
+            assert time.monotonic() - t_cut < 90, f"training processes still running: {_workers(save)}"
+            time.sleep(0.5)
         for log in logs:
             lines = [ln for ln in log.read_text().splitlines() if "lost contact" in ln]
             # gloo names the silent link "Timed out waiting ..." or "Application timeout
@@ -153,3 +171,5 @@ def test_cutting_the_link_ends_both_sides_with_a_clear_error(hosts, tmp_path: Pa
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
+        for pid in _workers(save):  # a worker torchrun's process group no longer holds
+            os.kill(pid, signal.SIGKILL)

@@ -58,11 +58,12 @@ void bind(py::module_& m) {
       m, "Watchdog", "A thread that reports stalled waits of this rank with every rank's status (one per process).")
       .def(py::init([](c10::intrusive_ptr<c10d::Store> store, WatchdogOptions options, py::function stack) {
              auto watchdog = std::make_shared<Watchdog>(std::move(store), options, stack_function(std::move(stack)));
+             watchdog->start();
              fastddp::diag::register_watchdog(watchdog);
              return watchdog;
            }),
            py::arg("store"), py::arg("options"), py::arg("stack"))
-      .def("stop", &Watchdog::stop, "Stop and join the thread.", py::call_guard<py::gil_scoped_release>())
+      .def("stop", &Watchdog::stop, "Stop the thread (joined, or left behind if the store does not answer).", py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("last_report", &Watchdog::last_report, "The last stall report (empty when none).");
 }
 

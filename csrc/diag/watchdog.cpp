@@ -111,7 +111,18 @@ Watchdog::Watchdog(c10::intrusive_ptr<c10d::Store> store, WatchdogOptions option
               "DDPWrapper(stall_threshold_s=...)) below the timeout given to init_process_group");
   TORCH_CHECK(options_.poll_s > 0 && options_.stack_timeout_s > 0, "fastddp watchdog: poll_s (", options_.poll_s,
               ") and stack_timeout_s (", options_.stack_timeout_s, ") must be > 0");
-  thread_ = std::thread([this] { run(); });
+}
+
+void Watchdog::start() {
+  TORCH_CHECK(!thread_.joinable(), "fastddp watchdog: already started");
+  thread_ = std::thread([self = shared_from_this()] {
+    self->run();
+    {
+      std::lock_guard<std::mutex> lock(self->mutex_);
+      self->finished_ = true;
+    }
+    self->cv_.notify_all();
+  });
 }
 
 Watchdog::~Watchdog() { stop(); }
@@ -122,12 +133,24 @@ void Watchdog::stop() {
     auto current = registered.lock();
     if (!current || current.get() == this) registered.reset();
   }
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    stop_ = true;
-  }
+  std::unique_lock<std::mutex> lock(mutex_);
+  stop_ = true;
   cv_.notify_all();
-  if (thread_.joinable()) thread_.join();
+  if (!thread_.joinable()) return;
+  if (thread_.get_id() == std::this_thread::get_id()) {  // the thread itself dropped the last owner
+    thread_.detach();
+    return;
+  }
+  const auto bound = Seconds(options_.poll_s + options_.stack_timeout_s + 3);
+  if (cv_.wait_for(lock, bound, [this] { return finished_; })) {
+    lock.unlock();
+    thread_.join();
+    return;
+  }
+  thread_.detach();  // it owns the watchdog: whatever it returns to is still alive
+  std::fprintf(stderr, "fastddp watchdog (rank %lld): the c10d store did not answer within %.0f s; its "
+               "thread is left behind as this rank stops\n", static_cast<long long>(options_.rank),
+               bound.count());
 }
 
 std::string Watchdog::last_report() const {

@@ -49,19 +49,24 @@ class Watchdog;
 // Makes `watchdog` the one collective_failed uses (held weakly).
 void register_watchdog(const std::shared_ptr<Watchdog>& watchdog);
 
-class Watchdog {
+class Watchdog : public std::enable_shared_from_this<Watchdog> {
  public:
   // Where the training thread is in Python: a one-line summary, then more lines. Called on a
   // thread of its own (it takes the GIL); an answer that does not come within
   // options.stack_timeout_s is reported as unavailable.
   using StackFn = std::function<std::string()>;
 
+  // Checks the options; the thread starts with start().
   Watchdog(c10::intrusive_ptr<c10d::Store> store, WatchdogOptions options, StackFn stack);
   ~Watchdog();
   Watchdog(const Watchdog&) = delete;
   Watchdog& operator=(const Watchdog&) = delete;
 
-  // Stops and joins the thread (idempotent).
+  // Starts the thread, which holds the watchdog alive while it runs (a shared_ptr must own it).
+  void start();
+  // Stops the thread (idempotent). It is joined when it ends within a few seconds; one stuck in
+  // a store call (a store cut off from this host answers nothing, at exit too) is left behind,
+  // detached, with a line on stderr, so that stop() and the process's exit never hang.
   void stop();
   // The latest stall report of any rank, or the report an abort carried (empty when none).
   std::string last_report() const;
@@ -90,6 +95,7 @@ class Watchdog {
   mutable std::mutex mutex_;
   std::condition_variable cv_;
   bool stop_ = false;
+  bool finished_ = false;  // run() returned
   std::string last_report_;
   std::mutex report_mutex_;
   std::atomic<int64_t> answered_{0};
