@@ -4,9 +4,9 @@
 // fixed-size chunk slots. A bucket is reduced chunk by chunk: each rank copies its chunk into a
 // slot, sums its 1/world slice of that chunk straight from its peers' slots, and copies the
 // other slices back into its own gradients; the two slots alternate, so a rank fills the next
-// chunk while its peers still read the last. Per rank and element: one copy in, (world + 1)
-// slice reads + one slice write for the reduction, one copy out; no system call on the data
-// path. The mapping's size does not grow with the model: gradients stay in private memory, and
+// chunk while its peers still read the last. Per rank, of each chunk: (world - 1)/world
+// copied in, world slice reads and two slice writes (gradients, slot) for the reduction,
+// (world - 1)/world copied out; no system call on the data path. The mapping's size does not grow with the model: gradients stay in private memory, and
 // each rank maps world x (2 chunks + the broadcast region), so neither RSS nor /dev/shm holds a
 // second copy of the model's gradients.
 //

@@ -110,7 +110,7 @@ class Buckets:
         return os.environ.get("FASTDDP_SHM_ALLREDUCE", "1").strip().lower() not in ("0", "false", "no", "off")
 
     def _buffer_bytes(self) -> int:
-        """Room for the per-forward buffer broadcast in the shared-memory arena (CPU buffers,
+        """Room for the per-forward buffer broadcast in the shared-memory mapping (CPU buffers,
         packed by the reducer's alignment rule)."""
         if not self.broadcast_buffers or any(b.device.type != "cpu" for b in self._module_buffers):
             return 0
