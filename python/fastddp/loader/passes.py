@@ -84,9 +84,7 @@ class NativePass:
         self.entries.clear()
         self.read, self.exhausted, self.started = 0, False, False
         self.uniform, self.uniform_count, self.uniform_next = None, 0, 0
-        # A pass read whole as it starts builds its pipeline right before submitting the plan,
-        # so the worker threads start on work instead of waiting for it.
-        if not self.s.resident and not (self.s.whole_pass and (self.s.start_reads or replay.skip)):
+        if not self.s.resident:  # (its threads start with the first batch submitted)
             self._build_pipeline()
         with replaying(replay.rng_state, generator, replay.generator_state):
             self.it = iter(self.index_sampler)  # DataLoader's order: the sampler, then the seed
@@ -114,8 +112,6 @@ class NativePass:
         idx, entries = read_whole_pass(self.index_sampler, self.rows)
         self.it = iter(())
         self.exhausted = True
-        if self.pipe is None and not self.s.resident:
-            self._build_pipeline()
         if idx is not None:
             size = self.index_sampler.batch_size
             self.uniform = idx[skip * size:]
