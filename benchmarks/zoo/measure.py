@@ -12,6 +12,8 @@ contenders, fastddp's for DDPWrapper).
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import gc
 import time
 from dataclasses import dataclass
@@ -124,18 +126,45 @@ def _rss_bytes(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
+def _map_large_allocations() -> None:
+    """Make glibc serve every allocation of 64 KiB or more with its own mapping, returned to
+    the system when freed. By default glibc raises that threshold as large blocks are freed and
+    keeps later ones in its heap, so peak RSS depended on the order of earlier frees and moved
+    by several MiB between runs of the same contender."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    m_mmap_threshold = -3  # <malloc.h>; setting it also turns off the dynamic threshold
+    if libc.mallopt(m_mmap_threshold, 64 << 10) != 1:
+        raise RuntimeError("mallopt(M_MMAP_THRESHOLD) failed: CPU peak memory would be noisy")
+
+
+def _warm_contender(kind: str, device: torch.device, precision: str) -> None:
+    """One step of contender ``kind`` around a single linear layer, then freed."""
+    tiny = Workload(lambda: nn.Linear(8, 2),
+                    lambda i: (torch.randn(4, 8, device=device), torch.zeros(4, dtype=torch.long, device=device)),
+                    lambda m, b: nn.functional.cross_entropy(m(b[0]).float(), b[1]))
+    c = build(kind, tiny.build().to(device), device, precision)
+    step(c, tiny, tiny.batch(0), precision, device)
+    del c
+    gc.collect()
+
+
 def peak_memory(rank: int, world_size: int, name: str, precision: str, kind: str,
                 device_type: str, steps: int, scratch: str, smoke: bool) -> int:
     """Bytes the contender adds at its peak over the built model: wrapper, optimizer state,
     gradients, buckets and activations of ``steps`` steps. CPU: peak RSS (VmHWM, reset after
-    the model is built); CUDA: the allocator's peak."""
+    the model is built; large allocations mapped one by one, see _map_large_allocations);
+    CUDA: the allocator's peak."""
     device = torch.device(device_type)
+    if device.type == "cpu":
+        _map_large_allocations()
     wl = workload(name, device, Path(scratch), smoke)
     model = new_model(wl, device)
-    # One throw-away step first, so one-time costs (kernel libraries, thread pools, oneDNN
-    # primitives) are not counted against the contender.
+    # Throw-away steps first, so one-time costs are not counted against the contender: the
+    # model's (kernel libraries, thread pools, oneDNN primitives) and the contender's (its
+    # modules' first import, c10d and reducer set-up), the latter on a one-layer model.
     warm = build("bare", new_model(wl, device), device, precision)
     step(warm, wl, wl.batch(0), precision, device)
+    _warm_contender(kind, device, precision)
     del warm
     gc.collect()
     if device.type == "cuda":

@@ -273,7 +273,7 @@ std::shared_ptr<ShmAllreduce> ShmAllreduce::create(const c10::intrusive_ptr<c10d
   // 2. Rank 0 creates and sizes the segment (fallocate: a too small /dev/shm fails here, not
   //    later with SIGBUS) and broadcasts its name; every rank maps it and registers itself.
   const int64_t header_bytes = round_up(64 + world * kSlotBytes, kPage);
-  const int64_t chunk_bytes = chunk_bytes_for(gradient_bytes);
+  const int64_t chunk_bytes = chunk_bytes_for(gradient_bytes, world);
   const int64_t broadcast_offset = 2 * chunk_bytes;
   const int64_t stride = round_up(broadcast_offset + broadcast_bytes, kPage);
   const int64_t size = header_bytes + world * stride;
@@ -364,9 +364,10 @@ std::shared_ptr<ShmAllreduce> ShmAllreduce::create(const c10::intrusive_ptr<c10d
       new ShmAllreduce(std::move(segment), rank, world, chunk_bytes, broadcast_offset, broadcast_bytes, timeout));
 }
 
-int64_t ShmAllreduce::chunk_bytes_for(int64_t gradient_bytes) {
+int64_t ShmAllreduce::chunk_bytes_for(int64_t gradient_bytes, int world) {
   constexpr int64_t kMin = 64 << 10, kMax = 1 << 20;
-  return std::clamp(round_up(gradient_bytes / 16, kPage), kMin, kMax);
+  // A rank touches 2 x world slots (its two and its peers' two each): a sixth of the gradients.
+  return std::clamp(round_up(gradient_bytes / (12 * static_cast<int64_t>(world)), kPage), kMin, kMax);
 }
 
 ShmAllreduce::ShmAllreduce(std::shared_ptr<ShmSegment> segment, int rank, int world, int64_t chunk_bytes,
