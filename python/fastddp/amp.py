@@ -3,6 +3,8 @@ the scale update fused in C++/CUDA, with no host sync on the fused-optimizer pat
 
 from __future__ import annotations
 
+import numbers
+import operator
 import weakref
 from collections import defaultdict
 from typing import Any, Optional
@@ -33,12 +35,28 @@ def _is_dense(t: torch.Tensor) -> bool:
     return True
 
 
-def _check_growth_interval(value: Any) -> None:
+def _check_growth_interval(value: Any) -> int:
+    """``value`` as the int torch's update kernel takes (int, numpy integer, 0-dim integer
+    tensor); TypeError for what that kernel refuses (bool, float, str, ...)."""
     # torch's update kernel takes an integer and grows the scale when the count of clean steps
     # equals it: an interval <= 0 is accepted and never reached. A non-integer fails only in
-    # torch's first update(); it is refused here when given.
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"GradScaler: growth_interval must be an integer, got {value!r}")
+    # torch's first update(); it is refused here when given, and again by update().
+    if not isinstance(value, bool) and (not isinstance(value, torch.Tensor) or value.dim() == 0):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise TypeError(f"GradScaler: growth_interval must be an integer, got {value!r}")
+
+
+def _check_factor(name: str, value: Any) -> float:
+    """``value`` as the float torch's update kernel takes (a real number or a 0-dim tensor);
+    TypeError, naming ``name``, for what that kernel refuses."""
+    if isinstance(value, numbers.Real) or (isinstance(value, torch.Tensor) and value.dim() == 0
+                                           and not value.is_complex()):
+        return float(value)
+    raise TypeError(f"GradScaler.update: {name} must be a float, got {value!r} "
+                    f"(set it with set_{name}(float) or a state_dict holding a float)")
 
 
 class _SparseGradients(TypeError):
@@ -330,8 +348,11 @@ class GradScaler(torch.amp.GradScaler):
         combined = found_infs[0].reshape(1)
         for fi in found_infs[1:]:
             combined = combined + fi.reshape(1)
-        C.amp_update_scale_(scale, tracker, combined, float(self._growth_factor),
-                            float(self._backoff_factor), int(self._growth_interval))
+        # torch's kernel refuses what is not a float / an int here (after load_state_dict or a
+        # setter took it); so does this one, instead of converting it
+        C.amp_update_scale_(scale, tracker, combined, _check_factor("growth_factor", self._growth_factor),
+                            _check_factor("backoff_factor", self._backoff_factor),
+                            _check_growth_interval(self._growth_interval))
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
 
 
