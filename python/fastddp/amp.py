@@ -3,6 +3,7 @@ the scale update fused in C++/CUDA, with no host sync on the fused-optimizer pat
 
 from __future__ import annotations
 
+import inspect
 import numbers
 import operator
 import weakref
@@ -62,6 +63,9 @@ def _check_factor(name: str, value: Any) -> float:
 class _SparseGradients(TypeError):
     """An optimizer holds sparse gradients: unscale_/step then run torch's own code."""
 
+
+# Whether a fused optimizer's step() takes grad_scaler=, by step function (inspect is slow).
+_TAKES_GRAD_SCALER: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 # One statistics visitor per DDPWrapper, shared by every scaler that steps it (the reduction
 # computes the statistics once; the first consumer of a backward takes them).
@@ -198,16 +202,36 @@ class GradScaler(torch.amp.GradScaler):
 
     @staticmethod
     def _fused_step(optimizer: torch.optim.Optimizer, grad_scale: Optional[torch.Tensor],
-                    found_inf: torch.Tensor, args: tuple, kwargs: dict) -> Any:
+                    found_inf: torch.Tensor, args: tuple, kwargs: dict, restore: bool = False) -> Any:
         """Step a fused optimizer (``_step_supports_amp_scaling``) that divides the gradients by
-        ``grad_scale`` and skips the update where ``found_inf`` is set, inside its kernel."""
-        optimizer.grad_scale = None if grad_scale is None else grad_scale.view(())  # type: ignore[attr-defined]
+        ``grad_scale`` and skips the update where ``found_inf`` is set, inside its kernel.
+
+        A ``grad_scale`` the user set on the optimizer multiplies ours, as in torch's scaler,
+        which then deletes it (``restore``: put it back, for a step torch's scaler would not
+        have touched)."""
+        preset = getattr(optimizer, "grad_scale", None)
+        if grad_scale is not None:
+            grad_scale = grad_scale.view(()) if preset is None else grad_scale.view(()) * preset
+        optimizer.grad_scale = preset if grad_scale is None else grad_scale  # type: ignore[attr-defined]
         optimizer.found_inf = found_inf.view(())  # type: ignore[attr-defined]
         try:
             return optimizer.step(*args, **kwargs)
         finally:
             del optimizer.grad_scale  # type: ignore[attr-defined]
             del optimizer.found_inf  # type: ignore[attr-defined]
+            if restore and preset is not None:
+                optimizer.grad_scale = preset  # type: ignore[attr-defined]
+
+    @staticmethod
+    def _passes_itself(optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer.step`` takes ``grad_scaler=`` (the older contract of
+        ``_step_supports_amp_scaling``, under which torch's scaler passes itself)."""
+        step = getattr(optimizer.step, "__func__", optimizer.step)
+        known = _TAKES_GRAD_SCALER.get(step)
+        if known is None:
+            known = "grad_scaler" in inspect.signature(optimizer.step).parameters
+            _TAKES_GRAD_SCALER[step] = known
+        return known
 
     def _device_of(self, grads: list[torch.Tensor]) -> torch.device:
         if self._scale is not None:
@@ -284,7 +308,8 @@ class GradScaler(torch.amp.GradScaler):
                 # The clip coefficient rides into the fused optimizer as its grad_scale: no
                 # separate multiply pass. Without AMP nothing is skipped (found_inf 0), and a
                 # non-finite norm leaves the gradients as they are, as the multiply path does.
-                self._fused_step(optimizer, inv_coef, torch.zeros_like(found_inf), args, kwargs)
+                self._fused_step(optimizer, inv_coef, torch.zeros_like(found_inf), args, kwargs,
+                                 restore=True)
                 return norm
             C.amp_scale_(g, coef)
             optimizer.step(*args, **kwargs)
@@ -301,9 +326,23 @@ class GradScaler(torch.amp.GradScaler):
             if grads is not None or ddp is not None or max_grad_norm is not None:
                 raise
             return super().step(optimizer, *args, **kwargs)  # unscale_ above takes the same path
+        fused = getattr(optimizer, "_step_supports_amp_scaling", False)
+        if fused and self._passes_itself(optimizer):
+            if grads is not None or ddp is not None or max_grad_norm is not None:
+                raise ValueError("GradScaler.step: this optimizer's step() takes grad_scaler= and "
+                                 "unscales by itself; call step(optimizer) without max_grad_norm, "
+                                 "grads or ddp")
+            return super().step(optimizer, *args, **kwargs)  # torch's FutureWarning and grad_scaler=self
         if not g or (state["stage"] is OptState.UNSCALED and not state["found_inf_per_device"]):
-            # torch's assertion: no parameter of this optimizer has a gradient (no backward ran?)
-            raise AssertionError("No inf checks were recorded for this optimizer.")
+            if not fused:
+                # torch's assertion: no parameter of this optimizer has a gradient (no backward ran?)
+                raise AssertionError("No inf checks were recorded for this optimizer.")
+            # torch's scaler steps a fused optimizer without gradients (a no-op) and records no
+            # inf check: update() then counts only the other optimizers' checks
+            retval = self._fused_step(optimizer, scale if state["stage"] is OptState.READY else None,
+                                      torch.zeros((), device=scale.device), args, kwargs)
+            state["stage"] = OptState.STEPPED
+            return torch.zeros((), device=scale.device) if max_grad_norm is not None else retval
         device = self._device_of(g)
         clip = float(max_grad_norm) if max_grad_norm is not None else 0.0
         if state["stage"] is OptState.READY:
@@ -317,7 +356,7 @@ class GradScaler(torch.amp.GradScaler):
             if rescale:
                 one = torch.ones(1, dtype=torch.float32, device=device)
                 _, norm, coef, inv_coef = C.amp_finalize(self._stats(g, device), one, clip, CLIP_EPS)
-        if getattr(optimizer, "_step_supports_amp_scaling", False):
+        if fused:
             # Fused optimizers divide by grad_scale and skip on found_inf inside their kernel:
             # the gradients are never rewritten and nothing is read back to the host.
             retval = self._fused_step(optimizer, inv_coef if rescale else None, found_inf, args, kwargs)
