@@ -12,6 +12,7 @@ from torch.utils.data import (
     DataLoader,
     Dataset,
     IterableDataset,
+    TensorDataset,
     get_worker_info,
 )
 
@@ -261,3 +262,24 @@ def test_pin_memory_warnings_without_an_accelerator() -> None:
         with pytest.warns(UserWarning, match="'pin_memory' argument is set as true but no accelerator is found"):
             got = outcomes(loader)
         assert len(got) == 5 and not got[0][1][0].is_pinned()
+
+
+@pytest.mark.parametrize("layout", ["transposed", "pin_dataset", "device_resident"])
+def test_tensors_changed_in_place_between_passes(layout: str) -> None:
+    # DataLoader reads the dataset's current values in every pass; a copy the loader made of a
+    # non-contiguous (or pinned, or device-resident) tensor is made again once it changed.
+    if layout == "pin_dataset" and not torch.cuda.is_available():
+        pytest.skip("pin_dataset needs a CUDA device")
+    extra = {"transposed": {}, "pin_dataset": {"pin_dataset": True, "device": "cuda"},
+             "device_resident": {"device_resident": True}}[layout]
+    passes = []
+    for cls, kwargs in ((DataLoader, {}), (fastddp.PrefetchLoader, extra)):
+        base = torch.arange(24.0).reshape(3, 8)
+        loader = cls(TensorDataset(base.t(), torch.arange(8)), batch_size=3, **kwargs)
+        first = outcomes(loader)
+        base.mul_(-1)
+        passes.append((first, outcomes(loader)))
+    for ref, ours in zip(*passes):
+        same(ref, [(k, [t.cpu() for t in leaves], spec) for k, leaves, spec in ours])
+    assert passes[0][1][0][1][0][1, 1] == -9.0  # DataLoader saw the new values
+

@@ -149,9 +149,11 @@ class PrefetchLoader:
 
     def _prepared(self) -> tuple[list[torch.Tensor], bool]:
         """The tensors rows are gathered from (pinned or device copies as configured), made
-        again when a TensorDataset's tensors were replaced; and whether they are on the device."""
+        again when a TensorDataset's tensors were replaced or changed in place (a copy of a
+        non-contiguous, pinned or resident tensor would otherwise keep the old values, where
+        DataLoader reads the current ones); and whether they are on the device."""
         current = self._src.tensors()
-        key = tuple(id(t) for t in current)
+        key = tuple((id(t), t._version) for t in current)  # views share their base's version
         if self._tensors is None or self._tensors[0] != key:
             resident, max_bytes, pin_dataset = self._tensor_options
             tensors, on_device = prepare_tensors(current, self.device, resident, max_bytes, pin_dataset)
