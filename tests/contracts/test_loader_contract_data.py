@@ -4,6 +4,7 @@ samplers and dataset forms, errors while a pass starts, the iterator protocol an
 from __future__ import annotations
 
 import math
+import pickle
 from typing import Any, Callable
 
 import pytest
@@ -283,3 +284,9 @@ def test_tensors_changed_in_place_between_passes(layout: str) -> None:
         same(ref, [(k, [t.cpu() for t in leaves], spec) for k, leaves, spec in ours])
     assert passes[0][1][0][1][0][1, 1] == -9.0  # DataLoader saw the new values
 
+
+def test_iterator_cannot_be_pickled() -> None:
+    for cls in (DataLoader, fastddp.PrefetchLoader):
+        for dataset in (tensors(), Noisy()):
+            with pytest.raises(NotImplementedError, match="cannot be pickled"):
+                pickle.dumps(iter(cls(dataset, batch_size=4)))
