@@ -290,3 +290,32 @@ def test_iterator_cannot_be_pickled() -> None:
         for dataset in (tensors(), Noisy()):
             with pytest.raises(NotImplementedError, match="cannot be pickled"):
                 pickle.dumps(iter(cls(dataset, batch_size=4)))
+
+
+class _Tagged(torch.Tensor):
+    """A tensor subclass: torch.stack of its rows keeps the type."""
+
+
+TENSOR_KINDS = {
+    "conjugate_view": lambda: torch.tensor([1 + 2j, 3 - 1j, 2 + 2j, -1j, 5]).conj(),
+    "subclass": lambda: torch.arange(5.0).as_subclass(_Tagged),
+    "parameter": lambda: torch.nn.Parameter(torch.arange(5.0)),
+    "requires_grad": lambda: torch.arange(5.0, requires_grad=True),
+    "sparse": lambda: torch.eye(5).to_sparse(),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(TENSOR_KINDS))
+def test_tensor_dataset_of_tensors_that_are_not_plain_data(kind: str) -> None:
+    # the batches DataLoader's torch.stack makes of them: the conjugated values, the subclass,
+    # the autograd history (a learned dataset, e.g. dataset distillation), sparse's error
+    side_by_side(lambda: TensorDataset(TENSOR_KINDS[kind]()), batch_size=2)
+    grads = [[b[0].requires_grad for b in cls(TensorDataset(TENSOR_KINDS[kind]()), batch_size=2)]
+             for cls in (DataLoader, fastddp.PrefetchLoader)] if kind != "sparse" else [[], []]
+    assert grads[0] == grads[1]
+
+
+@pytest.mark.parametrize("kind", ["requires_grad", "sparse", "subclass"])
+def test_own_form_columns_must_be_plain_data(kind: str) -> None:
+    with pytest.raises(ValueError, match=r"tensor 0 is a .*Wrap them in a TensorDataset"):
+        fastddp.PrefetchLoader((TENSOR_KINDS[kind](),), batch_size=2)
