@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from .test_grad_scaler_contract import INF, _model, _side_by_side
+from .test_grad_scaler_contract import INF, NAN, _model, _side_by_side
 
 
 def _steps(cls: type, opt: torch.optim.Optimizer, model: nn.Module, scaler: Any, n: int = 4) -> list:
@@ -147,3 +147,22 @@ def test_optimizer_whose_step_takes_grad_scaler() -> None:
         return out + [[(w.category, str(w.message)) for w in caught]]
 
     assert _side_by_side(run)[-1][0][0] is FutureWarning
+
+
+def test_float64_gradients_beyond_float32_range() -> None:
+    # torch checks each float64 gradient element for inf/NaN; values whose squares overflow a
+    # double (|g| > 1.3e154), or that float32 cannot hold, are finite and the step is taken.
+    def run(cls):
+        p = nn.Parameter(torch.tensor([1.0, -2.0, 3.0], dtype=torch.float64))
+        opt = torch.optim.SGD([p], lr=1e-303)
+        scaler = cls("cpu", init_scale=2.0, growth_interval=1)
+        out = []
+        for factor in (1e300, 1e40, INF, 1e200, -NAN):
+            opt.zero_grad()
+            scaler.scale((p * factor).sum()).backward()
+            out += [scaler.step(opt), p.detach().clone()]
+            scaler.update()
+            out.append(scaler.get_scale())
+        return out
+
+    _side_by_side(run)
