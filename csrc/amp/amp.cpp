@@ -26,8 +26,10 @@ void check_grads(const std::vector<at::Tensor>& grads, const c10::Device& device
     // elements starting at data_ptr(): channels_last and transposed gradients need no copy.
     TORCH_CHECK(g.is_non_overlapping_and_dense(), op, ": gradient ", i, " of shape ", g.sizes(), " has strides ",
                 g.strides(), ", which leave gaps or overlap; give it a dense layout (.contiguous())");
-    TORCH_CHECK(at::isFloatingType(g.scalar_type()), op, ": gradient ", i, " has dtype ", g.scalar_type(),
-                "; expected a floating type");
+    // NotImplementedError, as torch's unscale kernel raises for complex gradients
+    TORCH_CHECK_NOT_IMPLEMENTED(at::isFloatingType(g.scalar_type()), op, ": gradient ", i, " has dtype ",
+                                g.scalar_type(), "; GradScaler handles floating-point gradients only (as "
+                                "torch.amp.GradScaler)");
   }
 }
 

@@ -166,3 +166,17 @@ def test_float64_gradients_beyond_float32_range() -> None:
         return out
 
     _side_by_side(run)
+
+
+@pytest.mark.parametrize("unscale_first", [False, True])
+def test_complex_gradients_not_implemented(unscale_first) -> None:
+    def run(cls):
+        p = nn.Parameter(torch.tensor([1 + 2j, 3 - 1j]))
+        opt = torch.optim.SGD([p], lr=0.1)
+        scaler = cls("cpu")
+        scaler.scale((p * p.conj()).real.sum()).backward()
+        if unscale_first:
+            scaler.unscale_(opt)
+        scaler.step(opt)
+
+    assert _side_by_side(run, same_message=False)[0] is NotImplementedError
