@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Optional, Union
 
 import torch
-from torch.utils.data import BatchSampler, default_collate
+from torch.utils.data import BatchSampler, DataLoader, default_collate
 
 from .iterator import LoaderHooks, LoaderIterator, Progress
 from .passes import NativePass, NativeSettings, Replay, TorchPass, build_runner
@@ -129,6 +129,11 @@ class PrefetchLoader:
         self._iterator: Optional[LoaderIterator] = None
         self._direct: Optional[bool] = None
         self._initialized = True
+
+    # DataLoader's own property: an assignment is checked against num_workers and a start
+    # method's name becomes its context, with DataLoader's code and exceptions
+    multiprocessing_context = property(DataLoader.multiprocessing_context.fget,
+                                       DataLoader.multiprocessing_context.fset)
 
     def __setattr__(self, attr: str, value: Any) -> None:
         if self.__dict__.get("_initialized") and attr in _LOCKED:
