@@ -3,6 +3,7 @@ the scale update fused in C++/CUDA, with no host sync on the fused-optimizer pat
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import numbers
 import operator
@@ -64,9 +65,7 @@ class _SparseGradients(TypeError):
     """An optimizer holds sparse gradients: unscale_/step then run torch's own code."""
 
 
-# Whether a fused optimizer's step() takes grad_scaler=, by step function (inspect is slow).
-_TAKES_GRAD_SCALER: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
+_TAKES_GRAD_SCALER: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # step function -> takes grad_scaler=
 # One statistics visitor per DDPWrapper, shared by every scaler that steps it (the reduction
 # computes the statistics once; the first consumer of a backward takes them).
 _BUCKET_STATS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -227,9 +226,11 @@ class GradScaler(torch.amp.GradScaler):
         """Whether ``optimizer.step`` takes ``grad_scaler=`` (the older contract of
         ``_step_supports_amp_scaling``, under which torch's scaler passes itself)."""
         step = getattr(optimizer.step, "__func__", optimizer.step)
-        known = _TAKES_GRAD_SCALER.get(step)
-        if known is None:
+        try:
+            return _TAKES_GRAD_SCALER[step]
+        except (KeyError, TypeError):  # not seen yet; TypeError: not weakly referenceable
             known = "grad_scaler" in inspect.signature(optimizer.step).parameters
+        with contextlib.suppress(TypeError):
             _TAKES_GRAD_SCALER[step] = known
         return known
 
