@@ -26,8 +26,10 @@ void check_grads(const std::vector<at::Tensor>& grads, const c10::Device& device
     // elements starting at data_ptr(): channels_last and transposed gradients need no copy.
     TORCH_CHECK(g.is_non_overlapping_and_dense(), op, ": gradient ", i, " of shape ", g.sizes(), " has strides ",
                 g.strides(), ", which leave gaps or overlap; give it a dense layout (.contiguous())");
-    TORCH_CHECK(at::isFloatingType(g.scalar_type()), op, ": gradient ", i, " has dtype ", g.scalar_type(),
-                "; expected a floating type");
+    // NotImplementedError, as torch's unscale kernel raises for complex gradients
+    TORCH_CHECK_NOT_IMPLEMENTED(at::isFloatingType(g.scalar_type()), op, ": gradient ", i, " has dtype ",
+                                g.scalar_type(), "; GradScaler handles floating-point gradients only (as "
+                                "torch.amp.GradScaler)");
   }
 }
 
@@ -89,15 +91,18 @@ std::vector<at::Tensor> finalize(const at::Tensor& stats, const at::Tensor& scal
   at::Tensor inv_coef = at::empty({1}, opts);
   const double sumsq = stats.data_ptr<double>()[0];
   const float inv_scale = static_cast<float>(1.0 / static_cast<double>(scale.data_ptr<float>()[0]));
+  // NaN: an inf/NaN gradient element (see sum_squares); +inf: finite float64 elements whose
+  // squares overflow, which torch's per-element check passes (the norm is then inf)
+  const bool found = std::isnan(sumsq);
   const bool finite = std::isfinite(sumsq);
   const float total = static_cast<float>(std::sqrt(sumsq)) * inv_scale;
   float c = inv_scale;
-  if (max_norm > 0 && finite) {
+  if (max_norm > 0 && !found) {
     // torch.nn.utils.clip_grad_norm_: clip_coef = max_norm / (total_norm + eps), clamped to 1
     const float clip = static_cast<float>(max_norm) / (total + static_cast<float>(eps));
     c = inv_scale * std::min(clip, 1.0f);
   }
-  found_inf.data_ptr<float>()[0] = finite ? 0.f : 1.f;
+  found_inf.data_ptr<float>()[0] = found ? 1.f : 0.f;
   norm.data_ptr<float>()[0] = finite ? total : std::numeric_limits<float>::infinity();
   coef.data_ptr<float>()[0] = c;
   inv_coef.data_ptr<float>()[0] = 1.0f / c;

@@ -18,8 +18,10 @@
 
 namespace fastddp {
 
-// Sum of squares of p[0..n), accumulated in double: squares of finite fp32/fp16/bf16 values
-// cannot overflow a double, so a non-finite result means an inf/NaN input (the AMP check).
+// Sum of squares of p[0..n), accumulated in double. NaN exactly when an element is inf or NaN
+// (each term adds v - v, which is 0 for a finite v); +inf only when finite squares overflow a
+// double (float64 elements beyond 1.3e154). The AMP check reads NaN as an inf/NaN gradient, as
+// torch's per-element check does, and takes an overflow as a finite gradient of infinite norm.
 double sum_squares(const float* p, int64_t n);
 double sum_squares(const double* p, int64_t n);
 double sum_squares(const c10::Half* p, int64_t n);
@@ -45,12 +47,12 @@ inline double sum_squares(const T* p, int64_t n) {
   for (; k + kLanes <= n; k += kLanes) {
     for (int j = 0; j < kLanes; ++j) {
       const double v = static_cast<double>(p[k + j]);
-      acc[j] += v * v;
+      acc[j] += v * v + (v - v);
     }
   }
   for (; k < n; ++k) {
     const double v = static_cast<double>(p[k]);
-    acc[0] += v * v;
+    acc[0] += v * v + (v - v);
   }
   double total = 0.0;
   for (double a : acc) total += a;

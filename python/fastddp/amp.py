@@ -3,6 +3,10 @@ the scale update fused in C++/CUDA, with no host sync on the fused-optimizer pat
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+import numbers
+import operator
 import weakref
 from collections import defaultdict
 from typing import Any, Optional
@@ -33,18 +37,35 @@ def _is_dense(t: torch.Tensor) -> bool:
     return True
 
 
-def _check_growth_interval(value: Any) -> None:
+def _check_growth_interval(value: Any) -> int:
+    """``value`` as the int torch's update kernel takes (int, numpy integer, 0-dim integer
+    tensor); TypeError for what that kernel refuses (bool, float, str, ...)."""
     # torch's update kernel takes an integer and grows the scale when the count of clean steps
     # equals it: an interval <= 0 is accepted and never reached. A non-integer fails only in
-    # torch's first update(); it is refused here when given.
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"GradScaler: growth_interval must be an integer, got {value!r}")
+    # torch's first update(); it is refused here when given, and again by update().
+    if not isinstance(value, bool) and (not isinstance(value, torch.Tensor) or value.dim() == 0):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise TypeError(f"GradScaler: growth_interval must be an integer, got {value!r}")
+
+
+def _check_factor(name: str, value: Any) -> float:
+    """``value`` as the float torch's update kernel takes (a real number or a 0-dim tensor);
+    TypeError, naming ``name``, for what that kernel refuses."""
+    if isinstance(value, numbers.Real) or (isinstance(value, torch.Tensor) and value.dim() == 0
+                                           and not value.is_complex()):
+        return float(value)
+    raise TypeError(f"GradScaler.update: {name} must be a float, got {value!r} "
+                    f"(set it with set_{name}(float) or a state_dict holding a float)")
 
 
 class _SparseGradients(TypeError):
     """An optimizer holds sparse gradients: unscale_/step then run torch's own code."""
 
 
+_TAKES_GRAD_SCALER: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # step function -> takes grad_scaler=
 # One statistics visitor per DDPWrapper, shared by every scaler that steps it (the reduction
 # computes the statistics once; the first consumer of a backward takes them).
 _BUCKET_STATS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -180,16 +201,38 @@ class GradScaler(torch.amp.GradScaler):
 
     @staticmethod
     def _fused_step(optimizer: torch.optim.Optimizer, grad_scale: Optional[torch.Tensor],
-                    found_inf: torch.Tensor, args: tuple, kwargs: dict) -> Any:
+                    found_inf: torch.Tensor, args: tuple, kwargs: dict, restore: bool = False) -> Any:
         """Step a fused optimizer (``_step_supports_amp_scaling``) that divides the gradients by
-        ``grad_scale`` and skips the update where ``found_inf`` is set, inside its kernel."""
-        optimizer.grad_scale = None if grad_scale is None else grad_scale.view(())  # type: ignore[attr-defined]
+        ``grad_scale`` and skips the update where ``found_inf`` is set, inside its kernel.
+
+        A ``grad_scale`` the user set on the optimizer multiplies ours, as in torch's scaler,
+        which then deletes it (``restore``: put it back, for a step torch's scaler would not
+        have touched)."""
+        preset = getattr(optimizer, "grad_scale", None)
+        if grad_scale is not None:
+            grad_scale = grad_scale.view(()) if preset is None else grad_scale.view(()) * preset
+        optimizer.grad_scale = preset if grad_scale is None else grad_scale  # type: ignore[attr-defined]
         optimizer.found_inf = found_inf.view(())  # type: ignore[attr-defined]
         try:
             return optimizer.step(*args, **kwargs)
         finally:
             del optimizer.grad_scale  # type: ignore[attr-defined]
             del optimizer.found_inf  # type: ignore[attr-defined]
+            if restore and preset is not None:
+                optimizer.grad_scale = preset  # type: ignore[attr-defined]
+
+    @staticmethod
+    def _passes_itself(optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer.step`` takes ``grad_scaler=`` (the older contract of
+        ``_step_supports_amp_scaling``, under which torch's scaler passes itself)."""
+        step = getattr(optimizer.step, "__func__", optimizer.step)
+        try:
+            return _TAKES_GRAD_SCALER[step]
+        except (KeyError, TypeError):  # not seen yet; TypeError: not weakly referenceable
+            known = "grad_scaler" in inspect.signature(optimizer.step).parameters
+        with contextlib.suppress(TypeError):
+            _TAKES_GRAD_SCALER[step] = known
+        return known
 
     def _device_of(self, grads: list[torch.Tensor]) -> torch.device:
         if self._scale is not None:
@@ -266,7 +309,8 @@ class GradScaler(torch.amp.GradScaler):
                 # The clip coefficient rides into the fused optimizer as its grad_scale: no
                 # separate multiply pass. Without AMP nothing is skipped (found_inf 0), and a
                 # non-finite norm leaves the gradients as they are, as the multiply path does.
-                self._fused_step(optimizer, inv_coef, torch.zeros_like(found_inf), args, kwargs)
+                self._fused_step(optimizer, inv_coef, torch.zeros_like(found_inf), args, kwargs,
+                                 restore=True)
                 return norm
             C.amp_scale_(g, coef)
             optimizer.step(*args, **kwargs)
@@ -283,9 +327,23 @@ class GradScaler(torch.amp.GradScaler):
             if grads is not None or ddp is not None or max_grad_norm is not None:
                 raise
             return super().step(optimizer, *args, **kwargs)  # unscale_ above takes the same path
+        fused = getattr(optimizer, "_step_supports_amp_scaling", False)
+        if fused and self._passes_itself(optimizer):
+            if grads is not None or ddp is not None or max_grad_norm is not None:
+                raise ValueError("GradScaler.step: this optimizer's step() takes grad_scaler= and "
+                                 "unscales by itself; call step(optimizer) without max_grad_norm, "
+                                 "grads or ddp")
+            return super().step(optimizer, *args, **kwargs)  # torch's FutureWarning and grad_scaler=self
         if not g or (state["stage"] is OptState.UNSCALED and not state["found_inf_per_device"]):
-            # torch's assertion: no parameter of this optimizer has a gradient (no backward ran?)
-            raise AssertionError("No inf checks were recorded for this optimizer.")
+            if not fused:
+                # torch's assertion: no parameter of this optimizer has a gradient (no backward ran?)
+                raise AssertionError("No inf checks were recorded for this optimizer.")
+            # torch's scaler steps a fused optimizer without gradients (a no-op) and records no
+            # inf check: update() then counts only the other optimizers' checks
+            retval = self._fused_step(optimizer, scale if state["stage"] is OptState.READY else None,
+                                      torch.zeros((), device=scale.device), args, kwargs)
+            state["stage"] = OptState.STEPPED
+            return torch.zeros((), device=scale.device) if max_grad_norm is not None else retval
         device = self._device_of(g)
         clip = float(max_grad_norm) if max_grad_norm is not None else 0.0
         if state["stage"] is OptState.READY:
@@ -299,7 +357,7 @@ class GradScaler(torch.amp.GradScaler):
             if rescale:
                 one = torch.ones(1, dtype=torch.float32, device=device)
                 _, norm, coef, inv_coef = C.amp_finalize(self._stats(g, device), one, clip, CLIP_EPS)
-        if getattr(optimizer, "_step_supports_amp_scaling", False):
+        if fused:
             # Fused optimizers divide by grad_scale and skip on found_inf inside their kernel:
             # the gradients are never rewritten and nothing is read back to the host.
             retval = self._fused_step(optimizer, inv_coef if rescale else None, found_inf, args, kwargs)
@@ -330,8 +388,11 @@ class GradScaler(torch.amp.GradScaler):
         combined = found_infs[0].reshape(1)
         for fi in found_infs[1:]:
             combined = combined + fi.reshape(1)
-        C.amp_update_scale_(scale, tracker, combined, float(self._growth_factor),
-                            float(self._backoff_factor), int(self._growth_interval))
+        # torch's kernel refuses what is not a float / an int here (after load_state_dict or a
+        # setter took it); so does this one, instead of converting it
+        C.amp_update_scale_(scale, tracker, combined, _check_factor("growth_factor", self._growth_factor),
+                            _check_factor("backoff_factor", self._backoff_factor),
+                            _check_growth_interval(self._growth_interval))
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
 
 

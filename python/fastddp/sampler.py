@@ -98,19 +98,22 @@ class DistributedSampler(torch.utils.data.Sampler[int]):
                              f"num_replicas={num_replicas}")
         if not -(2**63) <= num_replicas < 2**63:
             raise ValueError(f"DistributedSampler: num_replicas must be < 2**63, got {num_replicas}")
-        seed = _check_int("seed", seed)
+        _check_int("seed", seed)
         if order not in _ORDERS:
             raise ValueError(f"DistributedSampler: order must be one of {sorted(_ORDERS)}, got {order!r}")
         self.dataset = dataset
         self.length = length
         self.num_replicas = num_replicas
         self.rank = rank
-        self.shuffle = bool(shuffle)
+        # shuffle, drop_last, seed and epoch are kept as given, as torch's sampler keeps them:
+        # shuffle/drop_last act by truth value, seed + epoch reaches torch.Generator.manual_seed
+        # unconverted (which refuses a numpy integer as it does for torch's sampler)
+        self.shuffle = shuffle
         self.seed = seed
-        self.drop_last = bool(drop_last)
+        self.drop_last = drop_last
         self.order = order
         self.epoch = 0
-        self.num_samples = C.sampler_num_samples(length, num_replicas, self.drop_last)
+        self.num_samples = C.sampler_num_samples(length, num_replicas, bool(drop_last))
         self.total_size = self.num_samples * num_replicas
         self._resume = 0  # offset the next iterator starts at (set by load_state_dict)
         self._position = 0  # indices yielded in this epoch by the latest iterator
@@ -120,7 +123,7 @@ class DistributedSampler(torch.utils.data.Sampler[int]):
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch (the shuffle seed is ``seed + epoch``). Selecting another epoch
         drops a pending resume offset; selecting the same one keeps it."""
-        epoch = _check_int("epoch", epoch)
+        _check_int("epoch", epoch)
         if epoch != self.epoch:
             self._resume = self._position = 0
             self._generation += 1
@@ -138,17 +141,34 @@ class DistributedSampler(torch.utils.data.Sampler[int]):
                 raise ValueError(f"DistributedSampler: seed + epoch = {self.seed} + {self.epoch} is "
                                  "not a valid torch.Generator seed (it must lie in [-2**63, 2**64)); "
                                  f"choose a smaller seed ({exc})") from exc
-        return _as_int64(self.seed), _as_int64(self.epoch)
+        return _as_int64(int(self.seed)), _as_int64(int(self.epoch))
+
+    def _check_sizes(self) -> None:
+        """torch's sampler reads ``len(dataset)`` at every ``iter()`` but keeps ``num_samples``
+        and ``total_size`` from its construction. Where the dataset (or ``num_replicas``,
+        ``drop_last``, ``num_samples`` set directly) changed so that they no longer agree,
+        torch's iterator fails its size assertion or pads to the old size; ours refuses."""
+        length = self.length if isinstance(self.dataset, numbers.Integral) else len(self.dataset)
+        expected = C.sampler_num_samples(length, self.num_replicas, bool(self.drop_last))
+        if expected != self.num_samples or expected * self.num_replicas != self.total_size:
+            raise RuntimeError(
+                f"DistributedSampler: len(dataset)={length}, num_replicas={self.num_replicas} and "
+                f"drop_last={self.drop_last} give {expected} samples per rank, but num_samples="
+                f"{self.num_samples} and total_size={self.total_size} were fixed when the sampler "
+                "was created (for a dataset of "
+                f"{self.length}); create a new DistributedSampler after changing the dataset")
+        self.length = length  # a length with the same split gives torch's order for it
 
     def indices(self) -> torch.Tensor:
         """This rank's indices for the current epoch (all of them, ignoring any resume
         offset), as an int64 CPU tensor. Cached; treat it as read-only."""
-        key = (self.length, self.num_replicas, self.rank, self.shuffle, self.seed, self.epoch,
-               self.drop_last, self.order)
+        self._check_sizes()
+        key = (self.length, self.num_replicas, self.rank, bool(self.shuffle), self.seed, self.epoch,
+               bool(self.drop_last), self.order)
         if self._cache is None or self._cache[0] != key:
             seed, epoch = self._seeds()
-            t = C.sampler_epoch_indices(self.length, self.num_replicas, self.rank, self.shuffle,
-                                        seed, epoch, self.drop_last, _ORDERS[self.order])
+            t = C.sampler_epoch_indices(self.length, self.num_replicas, self.rank, bool(self.shuffle),
+                                        seed, epoch, bool(self.drop_last), _ORDERS[self.order])
             self._cache = (key, t)
         return self._cache[1]
 

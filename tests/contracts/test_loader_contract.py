@@ -233,3 +233,17 @@ def test_public_attributes_are_dataloaders() -> None:
             assert getattr(ref, name) == getattr(ours, name), name
         for name in ("sampler", "batch_sampler", "collate_fn"):
             assert type(getattr(ref, name)) is type(getattr(ours, name)), name
+
+
+@pytest.mark.parametrize(("workers", "value"), [(0, "spawn"), (0, None), (2, "bogus"), (2, 3), (2, "spawn"), (2, None)])
+def test_multiprocessing_context_assigned_after_construction(workers: int, value: Any) -> None:
+    # DataLoader's property checks the value against num_workers and turns a name into a context
+    seen = []
+    for cls in (DataLoader, fastddp.PrefetchLoader):
+        loader = cls(tensors(), batch_size=4, num_workers=workers)
+        try:
+            loader.multiprocessing_context = value
+            seen.append(("ok", type(loader.multiprocessing_context)))
+        except (ValueError, TypeError) as exc:
+            seen.append((type(exc), str(exc)))
+    assert seen[0] == seen[1]

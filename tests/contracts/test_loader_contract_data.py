@@ -4,6 +4,7 @@ samplers and dataset forms, errors while a pass starts, the iterator protocol an
 from __future__ import annotations
 
 import math
+import pickle
 from typing import Any, Callable
 
 import pytest
@@ -12,6 +13,7 @@ from torch.utils.data import (
     DataLoader,
     Dataset,
     IterableDataset,
+    TensorDataset,
     get_worker_info,
 )
 
@@ -261,3 +263,59 @@ def test_pin_memory_warnings_without_an_accelerator() -> None:
         with pytest.warns(UserWarning, match="'pin_memory' argument is set as true but no accelerator is found"):
             got = outcomes(loader)
         assert len(got) == 5 and not got[0][1][0].is_pinned()
+
+
+@pytest.mark.parametrize("layout", ["transposed", "pin_dataset", "device_resident"])
+def test_tensors_changed_in_place_between_passes(layout: str) -> None:
+    # DataLoader reads the dataset's current values in every pass; a copy the loader made of a
+    # non-contiguous (or pinned, or device-resident) tensor is made again once it changed.
+    if layout == "pin_dataset" and not torch.cuda.is_available():
+        pytest.skip("pin_dataset needs a CUDA device")
+    extra = {"transposed": {}, "pin_dataset": {"pin_dataset": True, "device": "cuda"},
+             "device_resident": {"device_resident": True}}[layout]
+    passes = []
+    for cls, kwargs in ((DataLoader, {}), (fastddp.PrefetchLoader, extra)):
+        base = torch.arange(24.0).reshape(3, 8)
+        loader = cls(TensorDataset(base.t(), torch.arange(8)), batch_size=3, **kwargs)
+        first = outcomes(loader)
+        base.mul_(-1)
+        passes.append((first, outcomes(loader)))
+    for ref, ours in zip(*passes):
+        same(ref, [(k, [t.cpu() for t in leaves], spec) for k, leaves, spec in ours])
+    assert passes[0][1][0][1][0][1, 1] == -9.0  # DataLoader saw the new values
+
+
+def test_iterator_cannot_be_pickled() -> None:
+    for cls in (DataLoader, fastddp.PrefetchLoader):
+        for dataset in (tensors(), Noisy()):
+            with pytest.raises(NotImplementedError, match="cannot be pickled"):
+                pickle.dumps(iter(cls(dataset, batch_size=4)))
+
+
+class _Tagged(torch.Tensor):
+    """A tensor subclass: torch.stack of its rows keeps the type."""
+
+
+TENSOR_KINDS = {
+    "conjugate_view": lambda: torch.tensor([1 + 2j, 3 - 1j, 2 + 2j, -1j, 5]).conj(),
+    "subclass": lambda: torch.arange(5.0).as_subclass(_Tagged),
+    "parameter": lambda: torch.nn.Parameter(torch.arange(5.0)),
+    "requires_grad": lambda: torch.arange(5.0, requires_grad=True),
+    "sparse": lambda: torch.eye(5).to_sparse(),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(TENSOR_KINDS))
+def test_tensor_dataset_of_tensors_that_are_not_plain_data(kind: str) -> None:
+    # the batches DataLoader's torch.stack makes of them: the conjugated values, the subclass,
+    # the autograd history (a learned dataset, e.g. dataset distillation), sparse's error
+    side_by_side(lambda: TensorDataset(TENSOR_KINDS[kind]()), batch_size=2)
+    grads = [[b[0].requires_grad for b in cls(TensorDataset(TENSOR_KINDS[kind]()), batch_size=2)]
+             for cls in (DataLoader, fastddp.PrefetchLoader)] if kind != "sparse" else [[], []]
+    assert grads[0] == grads[1]
+
+
+@pytest.mark.parametrize("kind", ["requires_grad", "sparse", "subclass"])
+def test_own_form_columns_must_be_plain_data(kind: str) -> None:
+    with pytest.raises(ValueError, match=r"tensor 0 is a .*Wrap them in a TensorDataset"):
+        fastddp.PrefetchLoader((TENSOR_KINDS[kind](),), batch_size=2)

@@ -14,6 +14,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -212,3 +213,63 @@ def test_pickle_and_deepcopy() -> None:
 
 def test_is_a_torch_sampler() -> None:
     _side_by_side(lambda cls: isinstance(cls(range(3), num_replicas=1, rank=0), torch.utils.data.Sampler))
+
+
+@pytest.mark.parametrize(("shuffle", "drop_last"), [(1, 0), ("yes", None), (None, "no"), (0.0, 2)])
+def test_flags_kept_as_given(shuffle, drop_last) -> None:
+    # torch keeps shuffle and drop_last as passed and acts on their truth value
+    def run(cls):
+        s = cls(range(11), num_replicas=2, rank=1, shuffle=shuffle, drop_last=drop_last)
+        return list(s), len(s), repr(s.shuffle), repr(s.drop_last)
+
+    _side_by_side(run)
+
+
+@pytest.mark.parametrize(("seed", "epoch"), [(np.int64(3), 0), (0, np.int64(2)), (np.int32(1), 1)])
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_numpy_integer_seed_and_epoch(seed, epoch, shuffle) -> None:
+    # torch passes seed + epoch to torch.Generator.manual_seed unconverted, which refuses a
+    # numpy integer (TypeError) when shuffling and never sees it otherwise
+    def run(cls):
+        s = cls(range(11), num_replicas=2, rank=1, shuffle=shuffle, seed=seed)
+        s.set_epoch(epoch)
+        return list(s), repr(s.seed), repr(s.epoch)
+
+    _side_by_side(run)
+
+
+def _shrink(s, data) -> None:
+    del data[-1]
+
+
+SIZE_CHANGES = {  # (dataset length, num_replicas, drop_last, change)
+    "dataset_shrinks_same_split": (10, 2, False, _shrink),  # 9 items still give 5 per rank
+    "dataset_shrinks": (11, 2, False, _shrink),
+    "dataset_grows": (10, 2, False, lambda s, data: data.append(0)),
+    "dataset_grows_drop_last": (10, 3, True, lambda s, data: data.extend([0, 0])),
+    "dataset_replaced": (11, 2, False, lambda s, data: setattr(s, "dataset", range(5))),
+    "drop_last_set": (11, 2, False, lambda s, data: setattr(s, "drop_last", True)),
+    "num_replicas_set": (11, 2, False, lambda s, data: setattr(s, "num_replicas", 3)),
+    "num_samples_set": (11, 2, False, lambda s, data: setattr(s, "num_samples", 3)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SIZE_CHANGES))
+def test_sizes_changed_after_construction(case) -> None:
+    # torch reads len(dataset) at every iter() but keeps num_samples/total_size from its
+    # construction: where they still agree the order is the new length's, otherwise torch's
+    # iterator fails its size assertion or pads to the old size. Ours refuses those, saying so.
+    n, replicas, drop_last, change = SIZE_CHANGES[case]
+
+    def run(cls):
+        data = list(range(n))
+        s = cls(data, num_replicas=replicas, rank=0, seed=4, drop_last=drop_last)
+        change(s, data)
+        return list(s), len(s)
+
+    if case.endswith("same_split"):
+        _side_by_side(run)
+        return
+    with pytest.raises(RuntimeError, match=r"were fixed when the sampler was created .* create a "
+                                           r"new DistributedSampler"):
+        run(fastddp.DistributedSampler)

@@ -23,6 +23,15 @@ __device__ bool aligned16(const T* p) {
   return (reinterpret_cast<uintptr_t>(p) & 15) == 0;
 }
 
+// An element in double: half/bfloat16 through float (their conversion), double as it is (through
+// float it would turn values beyond float32's range into inf).
+template <typename T>
+__device__ double as_double(T x) {
+  return static_cast<double>(static_cast<float>(x));
+}
+__device__ double as_double(double x) { return x; }
+
+// Sum of squares, NaN exactly when an element is inf/NaN (x - x), as the CPU sum_squares.
 template <typename scalar_t>
 __global__ void sumsq_kernel(TensorListMeta meta, double* __restrict__ out) {
   const int t = meta.block_to_tensor[blockIdx.x];
@@ -38,18 +47,18 @@ __global__ void sumsq_kernel(TensorListMeta meta, double* __restrict__ out) {
       const Vec16<scalar_t> v = pv[i];
 #pragma unroll
       for (int j = 0; j < V; ++j) {
-        const double x = static_cast<double>(static_cast<float>(v.v[j]));
-        acc += x * x;
+        const double x = as_double(v.v[j]);
+        acc += x * x + (x - x);
       }
     }
     for (int64_t i = nvec * V + threadIdx.x; i < n; i += blockDim.x) {
-      const double x = static_cast<double>(static_cast<float>(p[i]));
-      acc += x * x;
+      const double x = as_double(p[i]);
+      acc += x * x + (x - x);
     }
   } else {
     for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-      const double x = static_cast<double>(static_cast<float>(p[i]));
-      acc += x * x;
+      const double x = as_double(p[i]);
+      acc += x * x + (x - x);
     }
   }
   // Block reduction: warp shuffles, then one value per warp in shared memory.
@@ -103,11 +112,12 @@ __global__ void finalize_kernel(const double* __restrict__ stats, const float* _
                                 float eps, float* found_inf, float* norm, float* coef, float* inv_coef) {
   const double sumsq = stats[0];
   const float inv_scale = static_cast<float>(1.0 / static_cast<double>(scale[0]));
+  const bool found = isnan(sumsq);  // an inf/NaN element; +inf is finite float64 overflow
   const bool finite = isfinite(sumsq);
   const float total = static_cast<float>(sqrt(sumsq)) * inv_scale;
   float c = inv_scale;
-  if (max_norm > 0.f && finite) c = inv_scale * fminf(max_norm / (total + eps), 1.0f);
-  found_inf[0] = finite ? 0.f : 1.f;
+  if (max_norm > 0.f && !found) c = inv_scale * fminf(max_norm / (total + eps), 1.0f);
+  found_inf[0] = found ? 1.f : 0.f;
   norm[0] = finite ? total : INFINITY;
   coef[0] = c;
   inv_coef[0] = 1.0f / c;

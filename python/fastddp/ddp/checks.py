@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numbers
 import os
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -113,24 +114,57 @@ def check_lazy(module: nn.Module) -> None:
                            "nn.LazyLinear); run one forward pass with a sample batch before wrapping the model.")
 
 
-def input_device(named: list[tuple[str, nn.Parameter]], device_ids: Any) -> Optional[torch.device]:
+def input_device(named: list[tuple[str, nn.Parameter]], device_ids: Any,
+                 output_device: Any) -> Optional[torch.device]:
     """The device forward moves the inputs to (``device_ids``' one device, which must hold every
-    parameter), or None; a module spread over several GPUs is refused."""
+    parameter), or None; a module spread over several GPUs is refused. ``device_ids`` and
+    ``output_device`` are refused where torch DDP refuses them (a CPU module, no
+    ``device_ids``), with torch's truth-value test (``output_device=0`` alone passes)."""
     devices = {p.device for _, p in named}
-    if device_ids:
-        if len(device_ids) != 1:
-            raise ValueError(f"DDPWrapper: device_ids must name one device per process, got {device_ids}")
-        want = torch.device("cuda", device_ids[0]) if isinstance(device_ids[0], int) else torch.device(device_ids[0])
-        wrong = [n for n, p in named if p.device != want]
-        if wrong:
-            raise ValueError(f"DDPWrapper: device_ids={device_ids} but parameter {wrong[0]!r} is on "
-                             f"{dict(named)[wrong[0]].device}; move the module with "
-                             f"module.to({str(want)!r}) before wrapping it")
-        return want
-    if len(devices) > 1 and any(d.type == "cuda" for d in devices):
-        raise ValueError(f"DDPWrapper: module spans devices {sorted(map(str, devices))}; "
-                         "multi-device modules need device_ids=None and are not supported")
-    return None
+    if device_ids is not None and len(device_ids) > 1:
+        raise ValueError(f"DDPWrapper: device_ids can only be None or contain a single element (one device "
+                         f"per process, as torch DDP), got {device_ids}")
+    if not device_ids or all(d.type == "cpu" for d in devices) or len(devices) > 1:
+        if device_ids or output_device:
+            want = _device_of(device_ids[0]) if device_ids else None
+            move = (f"move the module with module.to({str(want)!r}) before wrapping it, or "
+                    if want is not None and want.type != "cpu" and len(devices) == 1 else "")
+            raise ValueError(f"DDPWrapper: device_ids={device_ids} and output_device={output_device} only work "
+                             "with a module on one GPU (as torch DDP's), but the module's parameters are on "
+                             f"{sorted(map(str, devices))}; {move}leave both unset for a CPU module")
+        if len(devices) > 1 and any(d.type == "cuda" for d in devices):
+            raise ValueError(f"DDPWrapper: module spans devices {sorted(map(str, devices))}; "
+                             "multi-device modules need device_ids=None and are not supported")
+        return None
+    want = _device_of(device_ids[0])
+    wrong = [n for n, p in named if p.device != want]
+    if wrong:
+        raise ValueError(f"DDPWrapper: device_ids={device_ids} but parameter {wrong[0]!r} is on "
+                         f"{dict(named)[wrong[0]].device}; move the module with "
+                         f"module.to({str(want)!r}) before wrapping it")
+    return want
+
+
+def _device_of(device_id: Any) -> torch.device:
+    """An entry of ``device_ids``: a CUDA index, or a device (or its name)."""
+    return torch.device("cuda", device_id) if isinstance(device_id, int) else torch.device(device_id)
+
+
+def deprecated_arguments(broadcast_buffers: Optional[bool], forward_sync_buffers: Optional[bool],
+                         check_reduction: bool) -> None:
+    """torch DDP's FutureWarnings for its deprecated arguments, given the same way."""
+    if broadcast_buffers is not None:
+        warnings.warn("`broadcast_buffers` is deprecated. Use `forward_sync_buffers` instead. IMPORTANT: "
+                      "unlike `broadcast_buffers=False`, `forward_sync_buffers=False` still syncs buffers "
+                      "at init. If you rely on buffers NOT being synced at init (e.g. rank-local buffers), "
+                      "keep using `broadcast_buffers=False` until `init_sync_buffers` is available."
+                      if forward_sync_buffers is None else
+                      "Both `broadcast_buffers` and `forward_sync_buffers` were specified. "
+                      "`broadcast_buffers` is deprecated and its value is ignored when "
+                      "`forward_sync_buffers` is provided.", FutureWarning, stacklevel=3)
+    if check_reduction:
+        warnings.warn("The `check_reduction` argument in `DistributedDataParallel` module is deprecated. "
+                      "Please avoid using it.", FutureWarning, stacklevel=3)
 
 
 def verify_across_ranks(named: list[tuple[str, nn.Parameter]], group: dist.ProcessGroup, world_size: int) -> None:

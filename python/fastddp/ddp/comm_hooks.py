@@ -58,8 +58,9 @@ class CommHooks:
         called for each full gradient bucket (a :class:`torch.distributed.GradBucket` holding
         the local, undivided sum of the gradients) and the Future's value, the reduced flat
         tensor, replaces the bucket: PowerSGD, custom compression, or any other hook written
-        for torch DDP. Like torch, only once and before the first backward; the hook runs in
-        every reduced backward, in a world of one too, and replaces the shared-memory transport.
+        for torch DDP. Only once, as torch, and before the first backward, as torch's
+        documentation requires; the hook runs in every reduced backward, in a world of one too,
+        and replaces the shared-memory transport.
 
         torch's ``default_hooks.allreduce_hook`` (what the reducer does anyway),
         ``fp16_compress_hook`` and ``bf16_compress_hook`` (the same as ``comm_dtype=
@@ -79,7 +80,8 @@ class CommHooks:
                                f"{hook_name(self._comm_hook)} is registered already.")
         if self._reducer.arrival_order():
             raise RuntimeError("DDPWrapper.register_comm_hook must be called before the first backward "
-                               "pass (as in torch DDP); register it right after wrapping the model.")
+                               "pass (torch DDP's documentation requires it; torch does not check it and "
+                               "switches hooks mid-training); register it right after wrapping the model.")
         if hook is not default_hooks.allreduce_hook:  # the others change what a sparse gradient becomes
             sparse.refuse(self._sparse_names, f"the communication hook {name}")
         if not any(hook is k for k in known):

@@ -87,9 +87,11 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, TorchInputMethods, nn.Module,
     buffers are broadcast from the highest rank still training.
 
     With ``device_ids``, forward moves input tensors (inside tuples, lists, dicts and named
-    tuples) to that device, as torch DDP does. ``output_device``, ``dim`` and
-    ``check_reduction`` are accepted for compatibility and have no effect (one device per
-    process, as torch DDP recommends). torch DDP's newer options work
+    tuples) to that device, as torch DDP does; ``device_ids`` or ``output_device`` given for a
+    CPU module is torch DDP's ``ValueError``. ``output_device``, ``dim`` and ``check_reduction``
+    are accepted for compatibility and have no effect (one device per process, as torch DDP
+    recommends); ``check_reduction=True`` and an explicit ``broadcast_buffers`` give torch's
+    ``FutureWarning``. torch DDP's newer options work
     as there: ``init_sync=False`` (no verification or broadcast at construction),
     ``forward_sync_buffers`` (2.13+'s name for ``broadcast_buffers``; given, buffers are still
     synced at construction; ``broadcast_buffers=False`` skips that too), ``device_mesh`` (1-D,
@@ -163,8 +165,6 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, TorchInputMethods, nn.Module,
         # as torch DDP: the list replaces bucket_cap_mb
         bucket_cap_mb = max(caps) if caps else 25.0 if bucket_cap_mb is None else checks.bucket_cap(bucket_cap_mb)
         self.module = module
-        self.device_ids = device_ids
-        self.output_device = output_device
         self.dim = dim
         # torch DDP (2.13+): forward_sync_buffers replaces broadcast_buffers; given, it decides
         # only the per-forward sync and the buffers are synced at construction anyway; else
@@ -189,7 +189,9 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, TorchInputMethods, nn.Module,
         self.rank = self.process_group.rank()
         diag.ensure_started(stall_threshold_s)  # before the first collective, so its hangs are reported
         checks.check_lazy(module)
+        self.output_device = output_device  # normalised by _select_parameters
         named = self._select_parameters(module, device_ids, static_graph, comm_dtype)
+        checks.deprecated_arguments(broadcast_buffers, forward_sync_buffers, check_reduction)
         if init_sync:
             with diag.phase(diag.Phase.SETUP):
                 checks.verify_across_ranks(named, self.process_group, self.world_size)
@@ -224,7 +226,15 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, TorchInputMethods, nn.Module,
                  if p.requires_grad and n not in self.parameters_to_ignore]
         if not named:
             raise RuntimeError("DDPWrapper: the module has no parameter that requires a gradient")
-        self._input_device = checks.input_device(named, device_ids)  # forward moves the inputs there
+        # forward moves the inputs there; the attributes hold device indices, as torch DDP's
+        self._input_device = checks.input_device(named, device_ids, self.output_device)
+        if self._input_device is None:
+            self.device_ids = self.output_device = None
+        else:
+            index = self._input_device.index
+            self.device_ids = [torch.cuda.current_device() if index is None else index]
+            out = device_ids[0] if self.output_device is None else self.output_device
+            self.output_device = out if isinstance(out, int) else torch.device(out).index
         sparse_names = sparse.sparse_parameter_names(module, [n for n, _ in named])
         self._sparse_names = [n for n, _ in named if n in sparse_names]
         sparse.refuse(self._sparse_names, "static_graph=True" if static_graph else

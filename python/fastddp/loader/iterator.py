@@ -71,3 +71,8 @@ class LoaderIterator:
 
     def __len__(self) -> int:
         return self._hooks.length()
+
+    def __getstate__(self) -> Any:
+        # DataLoader's iterators refuse with NotImplementedError too
+        raise NotImplementedError(f"{type(self).__name__} cannot be pickled, as DataLoader's iterators cannot; "
+                                  "save PrefetchLoader.state_dict() to resume a pass")

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Optional, Union
 
 import torch
-from torch.utils.data import BatchSampler, default_collate
+from torch.utils.data import BatchSampler, DataLoader, default_collate
 
 from .iterator import LoaderHooks, LoaderIterator, Progress
 from .passes import NativePass, NativeSettings, Replay, TorchPass, build_runner
@@ -130,6 +130,11 @@ class PrefetchLoader:
         self._direct: Optional[bool] = None
         self._initialized = True
 
+    # DataLoader's own property: an assignment is checked against num_workers and a start
+    # method's name becomes its context, with DataLoader's code and exceptions
+    multiprocessing_context = property(DataLoader.multiprocessing_context.fget,
+                                       DataLoader.multiprocessing_context.fset)
+
     def __setattr__(self, attr: str, value: Any) -> None:
         if self.__dict__.get("_initialized") and attr in _LOCKED:
             raise ValueError(f"{attr} attribute should not be set after {type(self).__name__} is initialized")
@@ -149,9 +154,11 @@ class PrefetchLoader:
 
     def _prepared(self) -> tuple[list[torch.Tensor], bool]:
         """The tensors rows are gathered from (pinned or device copies as configured), made
-        again when a TensorDataset's tensors were replaced; and whether they are on the device."""
+        again when a TensorDataset's tensors were replaced or changed in place (a copy of a
+        non-contiguous, pinned or resident tensor would otherwise keep the old values, where
+        DataLoader reads the current ones); and whether they are on the device."""
         current = self._src.tensors()
-        key = tuple(id(t) for t in current)
+        key = tuple((id(t), t._version) for t in current)  # views share their base's version
         if self._tensors is None or self._tensors[0] != key:
             resident, max_bytes, pin_dataset = self._tensor_options
             tensors, on_device = prepare_tensors(current, self.device, resident, max_bytes, pin_dataset)

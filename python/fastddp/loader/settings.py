@@ -55,7 +55,9 @@ def check_extras(device: Union[str, torch.device, None], prefetch: Optional[int]
 def prepare_tensors(tensors: list[torch.Tensor], device: torch.device, resident: Union[bool, str],
                     max_bytes: int, pin_dataset: bool) -> tuple[list[torch.Tensor], bool]:
     """The tensors a native pass gathers from: copies on ``device`` (``resident``, when they fit
-    for ``"auto"``), page-locked copies (``pin_dataset``), or the tensors themselves."""
+    for ``"auto"``), page-locked copies (``pin_dataset``), or the tensors themselves.
+    A conjugate or negative view is resolved first: the gather reads memory, not view bits."""
+    tensors = [t.resolve_conj().resolve_neg() for t in tensors]
     if resident:
         size = sum(t.numel() * t.element_size() for t in tensors)
         if resident is True or (resident == "auto" and size <= max_bytes):

@@ -72,12 +72,26 @@ class Sources:
         return self.wrap(batch) if self.own_form else batch
 
 
+def _plain_data(t: torch.Tensor) -> Optional[str]:
+    """None when gathering ``t``'s rows gives what ``torch.stack`` of them gives (a dense
+    tensor outside autograd, of no subclass); else what it is instead."""
+    if t.layout != torch.strided:
+        return f"a {t.layout} tensor"
+    if t.requires_grad:
+        return "a tensor that requires grad (its batches carry autograd history)"
+    if type(t) not in (torch.Tensor, torch.nn.Parameter):
+        return f"a {type(t).__name__} (a tensor subclass, kept by torch.stack)"
+    return None
+
+
 def is_plain_tensor_dataset(dataset: Any) -> bool:
     """A TensorDataset whose samples are TensorDataset's own rows (a subclass that overrides
-    how samples are read goes through Python, as with DataLoader)."""
+    how samples are read goes through Python, as with DataLoader) of tensors that are plain
+    data (others, e.g. ones that require grad, are collated by torch as DataLoader does)."""
     cls = type(dataset)
     return (isinstance(dataset, TensorDataset) and cls.__getitem__ is TensorDataset.__getitem__
-            and getattr(cls, "__getitems__", None) is None and len(dataset.tensors) > 0)
+            and getattr(cls, "__getitems__", None) is None and len(dataset.tensors) > 0
+            and all(_plain_data(t) is None for t in dataset.tensors))
 
 
 def _load_npy(paths: list[Any]) -> list[torch.Tensor]:
@@ -102,6 +116,11 @@ def _check_rows(tensors: list[torch.Tensor]) -> None:
         if s.dim() == 0 or len(s) != n:
             raise ValueError(f"PrefetchLoader: tensor {i} has shape {tuple(s.shape)}; every "
                              f"tensor needs the same first dimension ({n})")
+        what = _plain_data(s)
+        if what is not None:
+            raise ValueError(f"PrefetchLoader: tensor {i} is {what}; tensors given as columns are "
+                             "gathered as plain data. Wrap them in a TensorDataset to have them "
+                             "collated as DataLoader does")
 
 
 def classify(dataset: Any) -> Sources:

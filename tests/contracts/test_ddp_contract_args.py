@@ -1,0 +1,75 @@
+"""Contract: DDPWrapper's constructor arguments as torch.nn.parallel.DistributedDataParallel
+takes them, side by side in one gloo rank: device_ids / output_device on a CPU module (torch's
+ValueError, or accepted with the attributes torch sets) and torch's FutureWarnings for its
+deprecated arguments."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+import fastddp
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+
+
+def _built(cls: type, kwargs: dict[str, Any]) -> tuple:
+    """What wrapping ``_model()`` gives: the exception type, or the device attributes; and
+    the FutureWarnings raised."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            ddp = cls(_model(), **kwargs)
+            result: Any = ("ok", ddp.device_ids, ddp.output_device)
+        except ValueError as exc:
+            result = ("ValueError", str(exc))
+    return result, [str(w.message) for w in caught if w.category is FutureWarning]
+
+
+DEVICE_ARGS = [
+    {"device_ids": ["cpu"]}, {"device_ids": [torch.device("cpu")]}, {"output_device": "cpu"},
+    {"device_ids": [0]}, {"device_ids": [0, 1]}, {"device_ids": []}, {"output_device": 0},
+    {"device_ids": [], "output_device": None},
+]
+
+
+def _device_arguments(rank: int, world_size: int) -> list:
+    out = []
+    for kwargs in DEVICE_ARGS:
+        (ref, _), (ours, _) = _built(TorchDDP, kwargs), _built(fastddp.DDPWrapper, kwargs)
+        assert ours[0] == ref[0], (kwargs, ref, ours)
+        if ref[0] == "ok":
+            assert ours == ref, kwargs  # torch keeps None for a CPU module, whatever was given
+        out.append(ref[0])
+    return out
+
+
+def test_device_ids_and_output_device_on_a_cpu_module(ranks) -> None:
+    assert ranks.run(_device_arguments, world_size=1) == [["ValueError"] * 5 + ["ok"] * 3]
+
+
+DEPRECATED = [
+    {"broadcast_buffers": False}, {"broadcast_buffers": True}, {"broadcast_buffers": None},
+    {"broadcast_buffers": False, "forward_sync_buffers": True}, {"check_reduction": True},
+    {"forward_sync_buffers": False}, {},
+]
+
+
+def _deprecation_warnings(rank: int, world_size: int) -> list[int]:
+    counts = []
+    for kwargs in DEPRECATED:
+        (_, ref), (_, ours) = _built(TorchDDP, kwargs), _built(fastddp.DDPWrapper, kwargs)
+        assert ours == ref, kwargs
+        counts.append(len(ref))
+    return counts
+
+
+def test_deprecated_arguments_warn_as_torch(ranks) -> None:
+    assert ranks.run(_deprecation_warnings, world_size=1) == [[1, 1, 0, 1, 1, 0, 0]]
