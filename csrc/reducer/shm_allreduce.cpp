@@ -35,7 +35,11 @@ namespace {
 constexpr int64_t kSlotBytes = 128;              // one rank's counters, on their own cache lines
 constexpr int64_t kPage = 4096;
 constexpr int kReady = 0, kReduced = 1, kDone = 2;
-constexpr int kSpins = 256;  // busy checks before sleeping on the futex
+// How long a wait busy-checks its counter before sleeping on the futex. A peer usually arrives
+// within this on a latency-bound model, and a sleeping thread lets its (virtual) CPU idle, which
+// costs tens to hundreds of µs to wake: the HAR MLP steps 4-8 % faster with 100 µs than with
+// 6 µs (2-core VM, world 2); larger models do not change. A clock read every 64 checks.
+constexpr auto kSpinTime = std::chrono::microseconds(100);
 constexpr auto kLivenessPeriod = std::chrono::milliseconds(200);
 
 struct RankSlot {
@@ -480,9 +484,11 @@ void ShmAllreduce::publish(int which, uint32_t seq) const {
 void ShmAllreduce::wait_for(int peer, int which, uint32_t seq) const {
   auto& slot = segment_->slot(peer);
   auto* word = &slot.counter[which];
-  for (int i = 0; i < kSpins; ++i) {
+  const auto spin_until = std::chrono::steady_clock::now() + kSpinTime;
+  for (uint32_t i = 1;; ++i) {
     if (reached(word->load(std::memory_order_acquire), seq)) return;
     cpu_relax();
+    if (i % 64 == 0 && std::chrono::steady_clock::now() >= spin_until) break;
   }
   const auto start = std::chrono::steady_clock::now();
   auto next_check = start + kLivenessPeriod;
