@@ -8,7 +8,10 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <cmath>
 #include <cstdint>
+#include <limits>
+#include <type_traits>
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(FASTDDP_NO_CPU_CLONES)
 #define FASTDDP_CPU_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
@@ -44,19 +47,18 @@ inline double sum_squares(const T* p, int64_t n) {
   constexpr int kLanes = 16;
   double acc[kLanes] = {};
   int64_t k = 0;
+  // The square of a float32/float16/bfloat16 value cannot overflow a double, so an infinite sum
+  // means an inf element and becomes NaN once at the end; only float64 squares can overflow, so
+  // only float64 adds v - v (0, or NaN for inf/NaN) per element.
+  constexpr bool kWide = std::is_same_v<T, double>;
+  auto term = [](double v) { return kWide ? v * v + (v - v) : v * v; };
   for (; k + kLanes <= n; k += kLanes) {
-    for (int j = 0; j < kLanes; ++j) {
-      const double v = static_cast<double>(p[k + j]);
-      acc[j] += v * v + (v - v);
-    }
+    for (int j = 0; j < kLanes; ++j) acc[j] += term(static_cast<double>(p[k + j]));
   }
-  for (; k < n; ++k) {
-    const double v = static_cast<double>(p[k]);
-    acc[0] += v * v + (v - v);
-  }
+  for (; k < n; ++k) acc[0] += term(static_cast<double>(p[k]));
   double total = 0.0;
   for (double a : acc) total += a;
-  return total;
+  return !kWide && std::isinf(total) ? std::numeric_limits<double>::quiet_NaN() : total;
 }
 
 template <typename T, typename Op>
