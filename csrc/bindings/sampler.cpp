@@ -1,3 +1,4 @@
+#include "bindings/index_iterator.h"
 #include "bindings/registry.h"
 #include "sampler/sampler.h"
 
@@ -22,6 +23,7 @@ void bind_sampler(py::module_& m) {
   m.def("sampler_num_samples", &fastddp::sampler::num_samples, py::arg("length"),
         py::arg("replicas"), py::arg("drop_last"),
         "Samples per rank, as torch.utils.data.DistributedSampler computes num_samples.");
+  fastddp::bindings::add_index_iterator(m);
 }
 
 }  // namespace

@@ -12,7 +12,6 @@ import torch.distributed as dist
 from ._ext import C
 
 _ORDERS = {"torch": 0, "stateless": 1}
-_CHUNK = 1 << 16  # indices converted to Python ints at a time while iterating
 _STATE_KEYS = ("epoch", "seed", "position")
 
 
@@ -44,7 +43,9 @@ class DistributedSampler(torch.utils.data.Sampler[int]):
 
     For every (length, num_replicas, rank, shuffle, seed, epoch, drop_last) it yields exactly
     the indices torch's sampler yields, but builds them in C++ as an int64 tensor: no Python
-    list of the whole dataset is ever made, so lengths beyond 2**31 work. As torch's, each
+    list of the whole dataset is ever made, so lengths beyond 2**31 work, and the iterator
+    (``fastddp._C.IndexIterator``) behaves as torch's list iterator over it (length hint,
+    pickles as ``iter(list)`` of what is left). As torch's, each
     ``iter()`` starts the selected epoch from its beginning, and the indices of an iterator are
     fixed when it is created (a later :meth:`set_epoch` does not change them).
 
@@ -86,9 +87,11 @@ class DistributedSampler(torch.utils.data.Sampler[int]):
                             f"got {type(dataset).__name__}")
         if length < 0:
             raise ValueError(f"DistributedSampler: dataset length must be >= 0, got {length}")
-        num_replicas = _check_int("num_replicas", _world("num_replicas") if num_replicas is None
-                                  else num_replicas)
-        rank = _check_int("rank", _world("rank") if rank is None else rank)
+        # kept as given (a numpy integer stays one, as in torch's sampler); checked as ints
+        given_replicas = _world("num_replicas") if num_replicas is None else num_replicas
+        given_rank = _world("rank") if rank is None else rank
+        num_replicas = _check_int("num_replicas", given_replicas)
+        rank = _check_int("rank", given_rank)
         # torch's sentence first (its tests match "Invalid rank"), then what is wrong
         invalid = f"Invalid rank {rank}, rank should be in the interval [0, {num_replicas - 1}]"
         if num_replicas <= 0:
@@ -103,8 +106,8 @@ class DistributedSampler(torch.utils.data.Sampler[int]):
             raise ValueError(f"DistributedSampler: order must be one of {sorted(_ORDERS)}, got {order!r}")
         self.dataset = dataset
         self.length = length
-        self.num_replicas = num_replicas
-        self.rank = rank
+        self.num_replicas = given_replicas
+        self.rank = given_rank
         # shuffle, drop_last, seed and epoch are kept as given, as torch's sampler keeps them:
         # shuffle/drop_last act by truth value, seed + epoch reaches torch.Generator.manual_seed
         # unconverted (which refuses a numpy integer as it does for torch's sampler)
@@ -114,10 +117,10 @@ class DistributedSampler(torch.utils.data.Sampler[int]):
         self.order = order
         self.epoch = 0
         self.num_samples = C.sampler_num_samples(length, num_replicas, bool(drop_last))
-        self.total_size = self.num_samples * num_replicas
+        self.total_size = self.num_samples * given_replicas  # torch's product, of torch's type
         self._resume = 0  # offset the next iterator starts at (set by load_state_dict)
-        self._position = 0  # indices yielded in this epoch by the latest iterator
-        self._generation = 0  # which iterator is the latest: only it reports its position
+        self._position = 0  # indices yielded in this epoch, while no iterator reports it
+        self._latest: Optional[Any] = None  # the latest iterator (a C.IndexIterator): its position
         self._cache: Optional[tuple[tuple, torch.Tensor]] = None
 
     def set_epoch(self, epoch: int) -> None:
@@ -125,9 +128,18 @@ class DistributedSampler(torch.utils.data.Sampler[int]):
         drops a pending resume offset; selecting the same one keeps it."""
         _check_int("epoch", epoch)
         if epoch != self.epoch:
-            self._resume = self._position = 0
-            self._generation += 1
+            self._resume = 0
+            self._settle(0)
         self.epoch = epoch
+
+    def _settle(self, position: int) -> None:
+        """Record ``position`` as the epoch's yielded count; no earlier iterator reports it."""
+        self._latest = None
+        self._position = position
+
+    def _yielded(self) -> int:
+        """Indices of this epoch yielded by the latest iterator (or recorded without one)."""
+        return self._position if self._latest is None else self._latest.position
 
     def _seeds(self) -> tuple[int, int]:
         """(seed, epoch) as the C++ core takes them. For torch's order ``seed + epoch`` goes
@@ -149,7 +161,7 @@ class DistributedSampler(torch.utils.data.Sampler[int]):
         ``drop_last``, ``num_samples`` set directly) changed so that they no longer agree,
         torch's iterator fails its size assertion or pads to the old size; ours refuses."""
         length = self.length if isinstance(self.dataset, numbers.Integral) else len(self.dataset)
-        expected = C.sampler_num_samples(length, self.num_replicas, bool(self.drop_last))
+        expected = C.sampler_num_samples(length, int(self.num_replicas), bool(self.drop_last))
         if expected != self.num_samples or expected * self.num_replicas != self.total_size:
             raise RuntimeError(
                 f"DistributedSampler: len(dataset)={length}, num_replicas={self.num_replicas} and "
@@ -167,7 +179,7 @@ class DistributedSampler(torch.utils.data.Sampler[int]):
                bool(self.drop_last), self.order)
         if self._cache is None or self._cache[0] != key:
             seed, epoch = self._seeds()
-            t = C.sampler_epoch_indices(self.length, self.num_replicas, self.rank, bool(self.shuffle),
+            t = C.sampler_epoch_indices(self.length, int(self.num_replicas), int(self.rank), bool(self.shuffle),
                                         seed, epoch, bool(self.drop_last), _ORDERS[self.order])
             self._cache = (key, t)
         return self._cache[1]
@@ -182,13 +194,13 @@ class DistributedSampler(torch.utils.data.Sampler[int]):
         return list(idx[:end].split(batch_size))
 
     def __iter__(self) -> Iterator[int]:
-        # Not a generator function: the indices and the start are fixed when iter() is called,
-        # as torch's __iter__ fixes its list, and a resume offset goes to this iterator only.
+        # As torch's list iterator: the indices and the start are fixed when iter() is called,
+        # one C-level next() per index, a length hint, and pickling (as iter(list) of what is
+        # left). A resume offset goes to this iterator only.
         idx = self.indices()
         start, self._resume = self._resume, 0
-        self._generation += 1
-        self._position = start
-        return self._yield(idx, start, self._generation)
+        self._latest = C.index_iterator(idx, start)
+        return self._latest
 
     def iter_indices(self) -> torch.Tensor:
         """What a new iterator yields, all at once, as an int64 CPU tensor (read-only): it
@@ -196,27 +208,23 @@ class DistributedSampler(torch.utils.data.Sampler[int]):
         to the end, so :meth:`state_dict` then reports the whole epoch as yielded."""
         idx = self.indices()
         start, self._resume = self._resume, 0
-        self._generation += 1
-        self._position = len(idx)
+        self._settle(len(idx))
         return idx[start:]
-
-    def _yield(self, idx: torch.Tensor, start: int, generation: int) -> Iterator[int]:
-        position = start
-        for chunk_start in range(start, len(idx), _CHUNK):
-            for value in idx[chunk_start:chunk_start + _CHUNK].tolist():
-                position += 1
-                if self._generation == generation:
-                    self._position = position
-                yield value
 
     def __len__(self) -> int:
         return self.num_samples
 
+    def __getstate__(self) -> dict[str, Any]:
+        # a copy records the latest iterator's position; the iterator stays with the original
+        state = dict(self.__dict__)
+        state["_position"], state["_latest"] = self._yielded(), None
+        return state
+
     def state_dict(self) -> dict[str, Any]:
         """Epoch, seed and position in the epoch (indices yielded by the latest iterator,
         or the pending resume offset before one is created), for resuming."""
-        return {"epoch": self.epoch, "seed": self.seed, "position": self._position,
-                "num_replicas": self.num_replicas, "rank": self.rank, "shuffle": self.shuffle,
+        return {"epoch": self.epoch, "seed": self.seed, "position": self._yielded(),
+                "num_replicas": int(self.num_replicas), "rank": int(self.rank), "shuffle": self.shuffle,
                 "drop_last": self.drop_last, "order": self.order, "length": self.length}
 
     def pending_state_dict(self) -> dict[str, Any]:
@@ -245,5 +253,5 @@ class DistributedSampler(torch.utils.data.Sampler[int]):
             raise ValueError(f"DistributedSampler.load_state_dict: position {position} outside "
                              f"[0, {self.num_samples}]")
         self.seed, self.epoch = seed, epoch
-        self._resume = self._position = position
-        self._generation += 1
+        self._resume = position
+        self._settle(position)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import operator
 import pickle
 import re
 from collections.abc import Callable
@@ -207,6 +208,43 @@ def test_pickle_and_deepcopy() -> None:
         s.set_epoch(6)
         clones = (pickle.loads(pickle.dumps(s)), copy.deepcopy(s))
         return [list(c) for c in clones] + [[c.epoch, c.seed] for c in clones]
+
+    _side_by_side(run)
+
+
+@pytest.mark.parametrize("taken", [0, 2, 5])
+def test_iterator_length_hint_pickle_and_copy(taken) -> None:
+    # torch's iterator is iter(list): a length hint of what is left; pickled or copied, an
+    # iterator over the same remaining indices (the original goes on independently)
+    def run(cls):
+        it = iter(cls(range(9), num_replicas=2, rank=1, seed=4))
+        head = [next(it) for _ in range(taken)]
+        hint = operator.length_hint(it)
+        restored, copied = pickle.loads(pickle.dumps(it)), copy.copy(it)
+        return head, hint, list(restored), list(copied), list(it), operator.length_hint(it)
+
+    _side_by_side(run)
+
+
+def test_iterator_position_survives_pickling_the_sampler() -> None:
+    # beyond torch: state_dict reports what the latest iterator yielded; a pickled sampler
+    # records that position, and the iterator keeps reporting to the original only
+    s = fastddp.DistributedSampler(range(10), num_replicas=2, rank=0)
+    it = iter(s)
+    next(it), next(it)
+    clone = pickle.loads(pickle.dumps(s))
+    next(it)
+    assert clone.state_dict()["position"] == 2
+    assert s.state_dict()["position"] == 3
+    assert len(list(it)) == 2 and s.state_dict()["position"] == 5
+
+
+@pytest.mark.parametrize("kind", [np.int64, np.int32])
+def test_numpy_integer_rank_and_replicas_kept(kind) -> None:
+    # torch keeps rank and num_replicas as given (total_size is their product's type)
+    def run(cls):
+        s = cls(range(11), num_replicas=kind(3), rank=kind(2))
+        return list(s), repr(s.rank), repr(s.num_replicas), repr(s.total_size), len(s)
 
     _side_by_side(run)
 
