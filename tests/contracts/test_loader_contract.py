@@ -202,6 +202,26 @@ def test_timeout_without_workers_fails_at_iter_as_dataloader() -> None:
             iter(loader)
 
 
+@pytest.mark.parametrize(("value", "error"), [(-1, AssertionError), (1.5, TypeError), (2.0, TypeError)])
+def test_num_workers_assigned_later_fails_at_iter_as_dataloader(value, error) -> None:
+    # DataLoader checks num_workers only at construction; assigned later, its iterator fails
+    # (an assertion for a negative count, a comparison for a float); ours names the attribute
+    for cls in (DataLoader, fastddp.PrefetchLoader):
+        loader = cls(tensors(), batch_size=2)
+        loader.num_workers = value
+        with pytest.raises(error):
+            next(iter(loader))
+    with pytest.raises(error, match=f"num_workers={value} assigned|got {value} "):
+        next(iter(loader))
+
+
+def test_num_workers_zero_float_is_single_process_as_dataloader() -> None:
+    for cls in (DataLoader, fastddp.PrefetchLoader):
+        loader = cls(tensors(), batch_size=4)
+        loader.num_workers = 0.0
+        assert [b[0].tolist() for b in loader] == [b[0].tolist() for b in DataLoader(tensors(), batch_size=4)]
+
+
 @pytest.mark.parametrize("attr", ["batch_size", "batch_sampler", "sampler", "drop_last", "dataset",
                                   "persistent_workers"])
 def test_locked_attributes(attr: str) -> None:

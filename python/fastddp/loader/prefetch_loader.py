@@ -12,7 +12,14 @@ from torch.utils.data import BatchSampler, DataLoader, default_collate
 from .iterator import LoaderHooks, LoaderIterator, Progress
 from .passes import NativePass, NativeSettings, Replay, TorchPass, build_runner
 from .plan import reads_ahead_unobserved
-from .settings import check_extras, check_own_form, make_spec, prepare_tensors, start_warnings
+from .settings import (
+    check_extras,
+    check_own_form,
+    check_workers,
+    make_spec,
+    prepare_tensors,
+    start_warnings,
+)
 from .shuffle import EpochShuffle
 from .sources import classify
 
@@ -167,7 +174,7 @@ class PrefetchLoader:
 
     def _native_settings(self) -> NativeSettings:
         tensors, resident = self._prepared()
-        workers = self.num_workers
+        workers = check_workers(self.num_workers)
         if workers > 0:  # DataLoader's workers are handed prefetch_factor batches each at once
             factor = 2 if self.prefetch_factor is None else self.prefetch_factor  # DataLoader's default
             start, first = factor * workers, 0

@@ -52,6 +52,23 @@ def check_extras(device: Union[str, torch.device, None], prefetch: Optional[int]
     return dev, prefetch
 
 
+def check_workers(num_workers: Any) -> int:
+    """``num_workers`` as a native pass reads it when an iterator starts. DataLoader checks it
+    only at construction; one assigned later reaches its iterator unchecked, where a negative
+    count fails an assertion and a non-integer a comparison. The same exception types, naming
+    the attribute and the fix."""
+    if isinstance(num_workers, float) and num_workers == 0:
+        return 0  # DataLoader's test is `num_workers > 0`: 0.0 is single-process there too
+    if not isinstance(num_workers, int):
+        raise TypeError(f"PrefetchLoader: num_workers must be an integer, got {num_workers!r} "
+                        "(assigned after construction); assign 0 or a positive int")
+    if num_workers < 0:
+        raise AssertionError("num_workers must be greater than 0 for MultiProcessingDataLoaderIter "
+                             f"(PrefetchLoader: num_workers={num_workers} assigned after construction; "
+                             "assign 0 or a positive int)")
+    return int(num_workers)
+
+
 def prepare_tensors(tensors: list[torch.Tensor], device: torch.device, resident: Union[bool, str],
                     max_bytes: int, pin_dataset: bool) -> tuple[list[torch.Tensor], bool]:
     """The tensors a native pass gathers from: copies on ``device`` (``resident``, when they fit
