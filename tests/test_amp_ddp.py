@@ -57,12 +57,12 @@ def _ddp_scaler_parity(rank: int, world_size: int, fused: bool, via: str = "ddp"
 
 class _StatsSpy:
     """Counts the reduced-bucket statistics the scaler actually consumed (in this rank's
-    process, where it replaces fastddp.amp's accessor)."""
+    process, where it replaces fastddp.amp.stats.take_reduced_stats)."""
 
     def __init__(self) -> None:
-        self.take = fastddp.amp._take_reduced_stats
+        self.take = fastddp.amp.stats.take_reduced_stats
         self.hits = 0
-        fastddp.amp._take_reduced_stats = self
+        fastddp.amp.stats.take_reduced_stats = self
 
     def __call__(self, ddp):
         stats = self.take(ddp)

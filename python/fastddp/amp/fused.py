@@ -1,0 +1,49 @@
+"""Stepping torch's fused optimizers (``_step_supports_amp_scaling``): they divide by
+``grad_scale`` and skip the update on ``found_inf`` inside their kernel, so the gradients are
+never rewritten and nothing is read back to the host."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import weakref
+from typing import Any, Optional
+
+import torch
+
+_TAKES_GRAD_SCALER: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # step function -> takes grad_scaler=
+
+
+def fused_step(optimizer: torch.optim.Optimizer, grad_scale: Optional[torch.Tensor],
+               found_inf: torch.Tensor, args: tuple, kwargs: dict, restore: bool = False) -> Any:
+    """Step a fused optimizer that divides the gradients by ``grad_scale`` and skips the
+    update where ``found_inf`` is set, inside its kernel.
+
+    A ``grad_scale`` the user set on the optimizer multiplies ours, as in torch's scaler,
+    which then deletes it (``restore``: put it back, for a step torch's scaler would not
+    have touched)."""
+    preset = getattr(optimizer, "grad_scale", None)
+    if grad_scale is not None:
+        grad_scale = grad_scale.view(()) if preset is None else grad_scale.view(()) * preset
+    optimizer.grad_scale = preset if grad_scale is None else grad_scale  # type: ignore[attr-defined]
+    optimizer.found_inf = found_inf.view(())  # type: ignore[attr-defined]
+    try:
+        return optimizer.step(*args, **kwargs)
+    finally:
+        del optimizer.grad_scale  # type: ignore[attr-defined]
+        del optimizer.found_inf  # type: ignore[attr-defined]
+        if restore and preset is not None:
+            optimizer.grad_scale = preset  # type: ignore[attr-defined]
+
+
+def passes_itself(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step`` takes ``grad_scaler=`` (the older contract of
+    ``_step_supports_amp_scaling``, under which torch's scaler passes itself)."""
+    step = getattr(optimizer.step, "__func__", optimizer.step)
+    try:
+        return _TAKES_GRAD_SCALER[step]
+    except (KeyError, TypeError):  # not seen yet; TypeError: not weakly referenceable
+        known = "grad_scaler" in inspect.signature(optimizer.step).parameters
+    with contextlib.suppress(TypeError):
+        _TAKES_GRAD_SCALER[step] = known
+    return known
