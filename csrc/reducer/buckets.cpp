@@ -46,26 +46,7 @@ void Reducer::install_buckets_locked(const std::vector<std::vector<int64_t>>& bu
       bucket.offsets.push_back(total);
       total += p.numel();
     }
-    const bool compress = comm_dtype_ && *comm_dtype_ != first.scalar_type();
-    // Shared memory sums in fp32/fp64 and rounds once. An uncompressed bf16/fp16 bucket goes
-    // through the process group instead, so its rounding (and the training that depends on
-    // it) stays exactly torch DDP's.
-    const auto dtype = first.scalar_type();
-    bucket.shm = shm_ && (compress || dtype == at::kFloat || dtype == at::kDouble);
-    if (passthrough_ && !bucket.shm) {
-      // Nothing is ever copied into it: a shape-only (meta) tensor keeps the layout for
-      // bucket_report() without holding a second copy of every gradient.
-      bucket.buffer = at::empty({total}, first.options().device(at::kMeta).requires_grad(false));
-    } else if (const int64_t header = &indices == &bucket_indices.back() && !bucket.shm
-                                          ? fingerprint_header_elems(first, compress) : 0;
-               header > 0) {
-      bucket.wire = at::zeros({total + header}, first.options().requires_grad(false));
-      bucket.buffer = bucket.wire.narrow(0, 0, total);
-      bucket.header = header;
-    } else {
-      bucket.buffer = at::zeros({total}, first.options().requires_grad(false));
-      if (compress) bucket.comm = at::empty({total}, first.options().dtype(*comm_dtype_).requires_grad(false));
-    }
+    allocate_bucket_locked(bucket, first, total, &indices == &bucket_indices.back());
     buckets.push_back(std::move(bucket));
   }
   for (int64_t i = 0; i < n; ++i)
@@ -74,20 +55,7 @@ void Reducer::install_buckets_locked(const std::vector<std::vector<int64_t>>& bu
   param_bucket_ = std::move(param_bucket);
   param_slot_ = std::move(param_slot);
   fp_layout_ = layout_hash_locked();
-  // Each parameter's view is made once per bucket layout, not per gradient. A dense parameter's
-  // view takes the parameter's strides (a channels_last weight gets a channels_last gradient),
-  // as autograd's gradient layout contract and torch DDP do; any other parameter gets a
-  // row-major view, which is also what autograd gives it.
-  views_.clear();
-  for (int64_t i = 0; i < n; ++i) {
-    const auto& bucket = buckets_[param_bucket_[i]];
-    const auto& p = params_[i];
-    const int64_t offset = bucket.offsets[param_slot_[i]];
-    views_.push_back(p.is_non_overlapping_and_dense()
-                         ? bucket.buffer.as_strided(p.sizes(), p.strides(), bucket.buffer.storage_offset() + offset)
-                         : bucket.buffer.narrow(0, offset, p.numel()).view(p.sizes()));
-  }
-
+  make_views_locked();
   if (gradient_as_bucket_view_ && !passthrough_) {
     // Existing gradients (possibly views of the previous buffers, which stay alive until
     // the copy is done) move into the new buckets, so backward accumulates into them.
@@ -99,6 +67,48 @@ void Reducer::install_buckets_locked(const std::vector<std::vector<int64_t>>& bu
         grad = view;
       }
     }
+  }
+}
+
+void Reducer::allocate_bucket_locked(Bucket& bucket, const at::Tensor& first, int64_t total, bool last) {
+  const bool compress = comm_dtype_ && *comm_dtype_ != first.scalar_type();
+  // Shared memory sums in fp32/fp64 and rounds once. An uncompressed bf16/fp16 bucket goes
+  // through the process group instead, so its rounding (and the training that depends on
+  // it) stays exactly torch DDP's.
+  const auto dtype = first.scalar_type();
+  bucket.shm = shm_ && (compress || dtype == at::kFloat || dtype == at::kDouble);
+  const auto options = first.options().requires_grad(false);
+  if (passthrough_ && !bucket.shm) {
+    // Nothing is ever copied into it: a shape-only (meta) tensor keeps the layout for
+    // bucket_report() without holding a second copy of every gradient.
+    bucket.buffer = at::empty({total}, options.device(at::kMeta));
+    return;
+  }
+  // The last c10d bucket carries the fingerprint header after its gradients.
+  const int64_t header = last && !bucket.shm ? fingerprint_header_elems(first, compress) : 0;
+  if (header > 0) {
+    bucket.wire = at::zeros({total + header}, options);
+    bucket.buffer = bucket.wire.narrow(0, 0, total);
+    bucket.header = header;
+    return;
+  }
+  bucket.buffer = at::zeros({total}, options);
+  if (compress) bucket.comm = at::empty({total}, options.dtype(*comm_dtype_));
+}
+
+void Reducer::make_views_locked() {
+  // Each parameter's view is made once per bucket layout, not per gradient. A dense parameter's
+  // view takes the parameter's strides (a channels_last weight gets a channels_last gradient),
+  // as autograd's gradient layout contract and torch DDP do; any other parameter gets a
+  // row-major view, which is also what autograd gives it.
+  views_.clear();
+  for (int64_t i = 0; i < static_cast<int64_t>(params_.size()); ++i) {
+    const auto& bucket = buckets_[param_bucket_[i]];
+    const auto& p = params_[i];
+    const int64_t offset = bucket.offsets[param_slot_[i]];
+    views_.push_back(p.is_non_overlapping_and_dense()
+                         ? bucket.buffer.as_strided(p.sizes(), p.strides(), bucket.buffer.storage_offset() + offset)
+                         : bucket.buffer.narrow(0, offset, p.numel()).view(p.sizes()));
   }
 }
 

@@ -35,6 +35,35 @@ class NodeReachedHook : public torch::autograd::FunctionPreHook {
   std::function<void()> on_reached_;
 };
 
+// Which of `accumulators` (the parameters' AccumulateGrad nodes) the autograd graph behind
+// `outputs` reaches: a walk of the graph from the outputs' grad_fn. (A template: the pointer
+// type torch hands out for them differs between torch versions.)
+template <typename NodePtr>
+std::vector<char> reached_accumulators(const std::vector<at::Tensor>& outputs,
+                                       const std::vector<NodePtr>& accumulators) {
+  std::unordered_map<const torch::autograd::Node*, int64_t> accumulator_index;
+  for (int64_t i = 0; i < static_cast<int64_t>(accumulators.size()); ++i)
+    accumulator_index[accumulators[i].get()] = i;
+  std::unordered_set<const torch::autograd::Node*> seen;
+  std::vector<const torch::autograd::Node*> stack;
+  for (const auto& out : outputs) {
+    if (!out.defined() || !out.requires_grad()) continue;
+    const auto edge = torch::autograd::impl::gradient_edge(out);
+    if (edge.function && seen.insert(edge.function.get()).second) stack.push_back(edge.function.get());
+  }
+  std::vector<char> reached(accumulators.size(), 0);
+  while (!stack.empty()) {
+    const auto* node = stack.back();
+    stack.pop_back();
+    auto it = accumulator_index.find(node);
+    if (it != accumulator_index.end()) reached[it->second] = 1;
+    for (const auto& edge : node->next_edges()) {
+      if (edge.function && seen.insert(edge.function.get()).second) stack.push_back(edge.function.get());
+    }
+  }
+  return reached;
+}
+
 }  // namespace
 
 Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
@@ -131,20 +160,42 @@ void Reducer::register_hooks() {
 
 void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs, bool sync) {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (static_graph_ && expect_sync_ && hooks_seen_ && !callback_queued_) {
-    // With static_graph the reduction is finalised only once every expected gradient arrived
-    // (first iteration: once backward reached an output's grad_fn).
-    TORCH_CHECK(!static_first_iteration_, "DDPWrapper: the first backward pass with static_graph=True ran "
-                "without passing through the outputs of the preceding forward, so its gradients were not "
-                "reduced. Compute the loss from the tensors DDPWrapper's forward returned.");
-    std::string missing;
-    for (int64_t i = 0; i < static_cast<int64_t>(params_.size()); ++i)
-      if (!ready_[i]) missing += (missing.empty() ? "" : ", ") + names_[i];
-    TORCH_CHECK(false, "DDPWrapper: the previous backward pass did not reduce all gradients (static_graph=True): "
-                "these parameters received fewer gradients than in the first iteration: ", missing,
-                ". static_graph=True needs the same set of used parameters, each reached the same number of "
-                "times, in every iteration; use find_unused_parameters=True instead of static_graph=True.");
+  if (static_graph_ && expect_sync_ && hooks_seen_ && !callback_queued_) refuse_incomplete_static_locked();
+  reset_for_backward_locked(sync);
+  if (!sync) {
+    ++nosync_forwards_;
+    return;
   }
+  note_reducing_forward_locked();
+  if (static_graph_) {
+    prepare_static_locked(outputs);
+  } else if (find_unused_) {
+    // Parameters whose AccumulateGrad the graph does not reach get no gradient this iteration
+    // and are ready right away (zero contribution).
+    const auto reached = reached_accumulators(outputs, grad_accumulators_);
+    note_unused_locked(reached);
+    for (int64_t i = 0; i < static_cast<int64_t>(params_.size()); ++i)
+      if (!reached[i]) mark_unused_locked(i);
+    launch_ready_buckets_locked();
+  }
+}
+
+void Reducer::refuse_incomplete_static_locked() const {
+  // With static_graph the reduction is finalised only once every expected gradient arrived
+  // (first iteration: once backward reached an output's grad_fn).
+  TORCH_CHECK(!static_first_iteration_, "DDPWrapper: the first backward pass with static_graph=True ran "
+              "without passing through the outputs of the preceding forward, so its gradients were not "
+              "reduced. Compute the loss from the tensors DDPWrapper's forward returned.");
+  std::string missing;
+  for (int64_t i = 0; i < static_cast<int64_t>(params_.size()); ++i)
+    if (!ready_[i]) missing += (missing.empty() ? "" : ", ") + names_[i];
+  TORCH_CHECK(false, "DDPWrapper: the previous backward pass did not reduce all gradients (static_graph=True): "
+              "these parameters received fewer gradients than in the first iteration: ", missing,
+              ". static_graph=True needs the same set of used parameters, each reached the same number of "
+              "times, in every iteration; use find_unused_parameters=True instead of static_graph=True.");
+}
+
+void Reducer::reset_for_backward_locked(bool sync) {
   hooks_seen_ = false;
   expect_sync_ = sync;
   if (sync) diag::status().step_started();
@@ -159,63 +210,30 @@ void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs, bool 
     b.squares_in_work = false;
     b.deferred.clear();
   }
-  if (!sync) {
-    ++nosync_forwards_;
-    return;
-  }
-  note_reducing_forward_locked();
-  if (static_graph_) {
-    if (static_first_iteration_) {
-      // Reentrant backward passes (torch.utils.checkpoint with use_reentrant=True) have graph
-      // tasks of their own, so the reduction cannot be queued from a parameter hook: the outputs'
-      // grad_fn run in the outermost backward, which ends only after every gradient arrived.
-      std::fill(hooks_per_backward_.begin(), hooks_per_backward_.end(), 0);
-      std::weak_ptr<Reducer> weak = weak_from_this();
-      for (const auto& out : outputs) {
-        if (!out.defined() || !out.requires_grad()) continue;
-        const auto edge = torch::autograd::impl::gradient_edge(out);
-        if (!edge.function) continue;
-        edge.function->add_pre_hook(std::make_unique<NodeReachedHook>([weak] {
-          if (auto reducer = weak.lock()) reducer->queue_finalize();
-        }));
-      }
-      return;
-    }
-    // Later iterations: the first iteration told which parameters are unused and how many
-    // times each of the others is reached.
-    hooks_left_ = hooks_per_backward_;
-    for (int64_t i = 0; i < static_cast<int64_t>(params_.size()); ++i)
-      if (hooks_per_backward_[i] == 0) mark_unused_locked(i);
-    launch_ready_buckets_locked();
-    return;
-  }
-  if (!find_unused_) return;
+}
 
-  // Walk the autograd graph from the outputs: parameters whose AccumulateGrad is not reached
-  // get no gradient this iteration and are ready right away (zero contribution).
-  std::unordered_map<const torch::autograd::Node*, int64_t> accumulator_index;
-  for (int64_t i = 0; i < static_cast<int64_t>(grad_accumulators_.size()); ++i)
-    accumulator_index[grad_accumulators_[i].get()] = i;
-  std::unordered_set<const torch::autograd::Node*> seen;
-  std::vector<const torch::autograd::Node*> stack;
-  for (const auto& out : outputs) {
-    if (!out.defined() || !out.requires_grad()) continue;
-    const auto edge = torch::autograd::impl::gradient_edge(out);
-    if (edge.function && seen.insert(edge.function.get()).second) stack.push_back(edge.function.get());
-  }
-  std::vector<char> reached(params_.size(), 0);
-  while (!stack.empty()) {
-    const auto* node = stack.back();
-    stack.pop_back();
-    auto it = accumulator_index.find(node);
-    if (it != accumulator_index.end()) reached[it->second] = 1;
-    for (const auto& edge : node->next_edges()) {
-      if (edge.function && seen.insert(edge.function.get()).second) stack.push_back(edge.function.get());
+void Reducer::prepare_static_locked(const std::vector<at::Tensor>& outputs) {
+  if (static_first_iteration_) {
+    // Reentrant backward passes (torch.utils.checkpoint with use_reentrant=True) have graph
+    // tasks of their own, so the reduction cannot be queued from a parameter hook: the outputs'
+    // grad_fn run in the outermost backward, which ends only after every gradient arrived.
+    std::fill(hooks_per_backward_.begin(), hooks_per_backward_.end(), 0);
+    std::weak_ptr<Reducer> weak = weak_from_this();
+    for (const auto& out : outputs) {
+      if (!out.defined() || !out.requires_grad()) continue;
+      const auto edge = torch::autograd::impl::gradient_edge(out);
+      if (!edge.function) continue;
+      edge.function->add_pre_hook(std::make_unique<NodeReachedHook>([weak] {
+        if (auto reducer = weak.lock()) reducer->queue_finalize();
+      }));
     }
+    return;
   }
-  note_unused_locked(reached);
+  // Later iterations: the first iteration told which parameters are unused and how many
+  // times each of the others is reached.
+  hooks_left_ = hooks_per_backward_;
   for (int64_t i = 0; i < static_cast<int64_t>(params_.size()); ++i)
-    if (!reached[i]) mark_unused_locked(i);
+    if (hooks_per_backward_[i] == 0) mark_unused_locked(i);
   launch_ready_buckets_locked();
 }
 
@@ -472,119 +490,6 @@ std::string Reducer::missing_gradients_locked() {
                    : std::string("If some parameters are legitimately unused in some iterations, pass "
                                  "find_unused_parameters=True; also make sure every forward output that depends "
                                  "on parameters takes part in the loss.")));
-}
-
-void Reducer::finalize_backward() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  callback_queued_ = false;
-  if (!expect_sync_) return;
-  expect_sync_ = false;
-  record_arrival_ = false;  // the first reduced backward's order is the one kept
-  const bool static_first = static_graph_ && static_first_iteration_;
-  if (static_first) {
-    static_first_iteration_ = false;
-    for (int64_t i = 0; i < static_cast<int64_t>(params_.size()); ++i) {
-      if (hooks_per_backward_[i] == 0) {
-        mark_unused_locked(i);
-      } else {
-        copy_grad_to_bucket_locked(i);
-        ready_[i] = 1;
-        --buckets_[param_bucket_[i]].pending;
-      }
-    }
-  }
-  const std::string missing_error = missing_gradients_locked();
-  TORCH_CHECK(missing_error.empty() || fingerprint_, missing_error);
-  if (!missing_error.empty()) {
-    // The other ranks may be waiting in this reduction's collectives: issue them all (what they
-    // carry does not matter, this rank raises), with a fingerprint that names what is missing.
-    for (auto& bucket : buckets_) bucket.pending = 0;
-  }
-  launch_ready_buckets_locked();
-  if (passthrough_) {
-    // The gradients are autograd's own and a world of one sums nothing: no bucket to wait
-    // for, no gradient to put back (parameters unused here keep .grad, as in torch DDP).
-    for (auto& bucket : buckets_) bucket.last_allreduce_ms = 0.0;
-    diag::status().step_finished();
-    diag::status().enter(diag::Phase::kOutside);
-    return;
-  }
-
-  at::Tensor global_used = static_global_used_;
-  if ((find_unused_ && !static_graph_) || static_first) {
-    // Which parameters were used on any rank: those unused everywhere keep their .grad.
-    diag::PhaseScope waiting(diag::Phase::kUsedMap);
-    try {
-      global_used = allreduce_used_locked(locally_used_);
-    } catch (const std::exception& e) {
-      fail_collective("the all-reduce of the used-parameter map", e);
-    }
-    // static_graph: the parameters unused on every rank in the first iteration stay unused.
-    if (static_first) static_global_used_ = global_used;
-  }
-  // Usage is counted from one reduction to the next, no_sync() iterations in between included.
-  std::fill(locally_used_.begin(), locally_used_.end(), 0);
-  if (fingerprint_) check_fingerprints_locked(missing_error);
-  const bool visiting = !visitors_.empty() && !buckets_.empty();
-  if (visiting)
-    for (const auto& v : visitors_) v->begin(buckets_[0].buffer);
-  for (int64_t index = 0; index < static_cast<int64_t>(buckets_.size()); ++index) {
-    auto& bucket = buckets_[index];
-    std::optional<double> fused_squares;  // the reduction already summed this bucket's squares
-    if (bucket.hook_future) {
-      diag::PhaseScope waiting(diag::Phase::kAllreduce, index);
-      take_comm_hook_result_locked(index);
-      bucket.last_allreduce_ms =
-          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - bucket.launched).count();
-    } else if (bucket.work) {
-      wait_bucket_locked(*bucket.work, index);
-      bucket.last_allreduce_ms =
-          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - bucket.launched).count();
-      // squares_in_work is set only where the work came from ShmAllreduce::allreduce_sum.
-      if (bucket.squares_in_work) fused_squares = static_cast<const ShmWork&>(*bucket.work).sum_of_squares();
-      bucket.work.reset();
-    } else {
-      bucket.last_allreduce_ms = 0.0;  // a world of one: nothing to reduce
-    }
-    // A compressed bucket's squares were taken of the reduced bf16/fp16 values, which the copy
-    // below widens exactly: the same numbers the buffer then holds.
-    if (bucket.comm.defined()) bucket.buffer.copy_(bucket.comm);
-    if (reduction_scale_ != 1.0) {  // join(divide_by_initial_world_size=False)
-      bucket.buffer.mul_(reduction_scale_);
-      if (fused_squares) *fused_squares *= reduction_scale_ * reduction_scale_;
-    }
-    // The bucket is final: visitors read it while the later buckets are still on the wire.
-    if (visiting)
-      for (const auto& v : visitors_) v->visit(index, bucket.buffer, fused_squares);
-  }
-  if (visiting)
-    for (const auto& v : visitors_) v->end();
-  reduction_scale_ = 1.0;
-  const int32_t* gu = global_used.defined() ? global_used.data_ptr<int32_t>() : nullptr;
-  for (int64_t i = 0; i < static_cast<int64_t>(params_.size()); ++i) {
-    auto& grad = params_[i].mutable_grad();
-    if (gu && gu[i] == 0) continue;  // unused on every rank: .grad untouched, as in torch DDP
-    auto view = bucket_view(i);
-    if (gradient_as_bucket_view_) {
-      if (!grad.defined() || !grad.is_alias_of(view)) grad = view;
-    } else if (!grad.defined()) {
-      grad = view.clone();
-    } else {
-      grad.copy_(view);
-    }
-  }
-  buckets_hold_grads_ = gradient_as_bucket_view_;
-  diag::status().step_finished();
-  diag::status().enter(diag::Phase::kOutside);
-}
-
-void Reducer::wait_bucket_locked(c10d::Work& work, int64_t index) const {
-  diag::PhaseScope waiting(diag::Phase::kAllreduce, index);
-  try {
-    work.wait();
-  } catch (const std::exception& e) {
-    fail_collective("the all-reduce of bucket " + std::to_string(index), e);
-  }
 }
 
 void Reducer::fail_collective(const std::string& what, const std::exception& error) const {

@@ -135,6 +135,18 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
 
  private:
   void install_buckets_locked(const std::vector<std::vector<int64_t>>& bucket_indices);
+  // The flat buffers of a bucket whose parameters are like `first`, `total` elements: shape
+  // only (a passthrough world of one), with the fingerprint header (`last` c10d bucket), or
+  // plain, plus the compressed wire copy with comm_dtype.
+  void allocate_bucket_locked(Bucket& bucket, const at::Tensor& first, int64_t total, bool last);
+  void make_views_locked();  // each parameter's gradient view into its bucket
+  // Start of a backward (prepare_for_backward): with static_graph, an earlier reduction that
+  // never completed is refused, naming the parameters that fell short.
+  void refuse_incomplete_static_locked() const;
+  void reset_for_backward_locked(bool sync);  // buckets pending, no collective in flight
+  // static_graph: the first iteration hooks the outputs' grad_fn to finalize; later ones mark
+  // the parameters the first found unused and count down each one's hooks.
+  void prepare_static_locked(const std::vector<at::Tensor>& outputs);
   // Bytes of shared memory every rank's gradient buckets need, in the widest layout any plan
   // can give them (each bucket aligned, so at most one pad per parameter).
   int64_t wire_bytes() const;  // gradient bytes one backward reduces, in the wire dtype
@@ -185,7 +197,20 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void take_comm_hook_result_locked(int64_t index);
   // Sums the per-parameter "has a gradient" flags over the ranks; int32 on the CPU.
   at::Tensor allreduce_used_locked(const std::vector<char>& used_here);
+  // End of a reduced backward (finalize.cpp), in the order it runs them:
   void finalize_backward();
+  // static_graph's first iteration: what the hooks saw becomes the graph (unused parameters
+  // marked, the used ones' gradients moved into their buckets).
+  void settle_static_first_locked();
+  // Which parameters were used on any rank (an all-reduce with find_unused_parameters or in
+  // static_graph's first iteration; static_graph's kept map after); undefined: all of them.
+  at::Tensor global_used_locked(bool static_first);
+  // Waits for every bucket's reduction in index order and makes it final (a compressed
+  // bucket widened, join's scale applied); visitors read each one as it completes.
+  void finish_buckets_locked();
+  // Puts the reduced values into .grad: the bucket views themselves (gradient_as_bucket_view)
+  // or copies of them; parameters unused on every rank keep theirs.
+  void write_grads_locked(const at::Tensor& global_used);
   void queue_finalize();         // from the outputs' grad_fn pre-hook (static_graph, first iteration)
   void queue_finalize_locked();  // end-of-backward callback on the current graph task
   const at::Tensor& bucket_view(int64_t index) const { return views_[index]; }

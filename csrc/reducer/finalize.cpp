@@ -1,0 +1,146 @@
+// The end of a reduced backward (the autograd engine's final callback): the last buckets are
+// launched, the used-parameter map and the fingerprints are settled, every bucket's collective
+// is waited for in index order (visitors read each one as it completes) and the reduced values
+// reach .grad.
+#include "reducer/reducer.h"
+
+#include "diag/status.h"
+
+#include <algorithm>
+#include <optional>
+
+namespace fastddp::reducer {
+
+namespace {
+
+double ms_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+}
+
+}  // namespace
+
+void Reducer::finalize_backward() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  callback_queued_ = false;
+  if (!expect_sync_) return;
+  expect_sync_ = false;
+  record_arrival_ = false;  // the first reduced backward's order is the one kept
+  const bool static_first = static_graph_ && static_first_iteration_;
+  if (static_first) settle_static_first_locked();
+  const std::string missing_error = missing_gradients_locked();
+  TORCH_CHECK(missing_error.empty() || fingerprint_, missing_error);
+  if (!missing_error.empty()) {
+    // The other ranks may be waiting in this reduction's collectives: issue them all (what they
+    // carry does not matter, this rank raises), with a fingerprint that names what is missing.
+    for (auto& bucket : buckets_) bucket.pending = 0;
+  }
+  launch_ready_buckets_locked();
+  if (passthrough_) {
+    // The gradients are autograd's own and a world of one sums nothing: no bucket to wait
+    // for, no gradient to put back (parameters unused here keep .grad, as in torch DDP).
+    for (auto& bucket : buckets_) bucket.last_allreduce_ms = 0.0;
+    diag::status().step_finished();
+    diag::status().enter(diag::Phase::kOutside);
+    return;
+  }
+  const at::Tensor global_used = global_used_locked(static_first);
+  // Usage is counted from one reduction to the next, no_sync() iterations in between included.
+  std::fill(locally_used_.begin(), locally_used_.end(), 0);
+  if (fingerprint_) check_fingerprints_locked(missing_error);
+  finish_buckets_locked();
+  reduction_scale_ = 1.0;
+  write_grads_locked(global_used);
+  buckets_hold_grads_ = gradient_as_bucket_view_;
+  diag::status().step_finished();
+  diag::status().enter(diag::Phase::kOutside);
+}
+
+void Reducer::settle_static_first_locked() {
+  static_first_iteration_ = false;
+  for (int64_t i = 0; i < static_cast<int64_t>(params_.size()); ++i) {
+    if (hooks_per_backward_[i] == 0) {
+      mark_unused_locked(i);
+    } else {
+      copy_grad_to_bucket_locked(i);
+      ready_[i] = 1;
+      --buckets_[param_bucket_[i]].pending;
+    }
+  }
+}
+
+at::Tensor Reducer::global_used_locked(bool static_first) {
+  if (!(find_unused_ && !static_graph_) && !static_first) return static_global_used_;
+  // Which parameters were used on any rank: those unused everywhere keep their .grad.
+  diag::PhaseScope waiting(diag::Phase::kUsedMap);
+  at::Tensor global_used;
+  try {
+    global_used = allreduce_used_locked(locally_used_);
+  } catch (const std::exception& e) {
+    fail_collective("the all-reduce of the used-parameter map", e);
+  }
+  // static_graph: the parameters unused on every rank in the first iteration stay unused.
+  if (static_first) static_global_used_ = global_used;
+  return global_used;
+}
+
+void Reducer::finish_buckets_locked() {
+  const bool visiting = !visitors_.empty() && !buckets_.empty();
+  if (visiting)
+    for (const auto& v : visitors_) v->begin(buckets_[0].buffer);
+  for (int64_t index = 0; index < static_cast<int64_t>(buckets_.size()); ++index) {
+    auto& bucket = buckets_[index];
+    std::optional<double> fused_squares;  // the reduction already summed this bucket's squares
+    if (bucket.hook_future) {
+      diag::PhaseScope waiting(diag::Phase::kAllreduce, index);
+      take_comm_hook_result_locked(index);
+      bucket.last_allreduce_ms = ms_since(bucket.launched);
+    } else if (bucket.work) {
+      wait_bucket_locked(*bucket.work, index);
+      bucket.last_allreduce_ms = ms_since(bucket.launched);
+      // squares_in_work is set only where the work came from ShmAllreduce::allreduce_sum.
+      if (bucket.squares_in_work) fused_squares = static_cast<const ShmWork&>(*bucket.work).sum_of_squares();
+      bucket.work.reset();
+    } else {
+      bucket.last_allreduce_ms = 0.0;  // a world of one: nothing to reduce
+    }
+    // A compressed bucket's squares were taken of the reduced bf16/fp16 values, which the copy
+    // below widens exactly: the same numbers the buffer then holds.
+    if (bucket.comm.defined()) bucket.buffer.copy_(bucket.comm);
+    if (reduction_scale_ != 1.0) {  // join(divide_by_initial_world_size=False)
+      bucket.buffer.mul_(reduction_scale_);
+      if (fused_squares) *fused_squares *= reduction_scale_ * reduction_scale_;
+    }
+    // The bucket is final: visitors read it while the later buckets are still on the wire.
+    if (visiting)
+      for (const auto& v : visitors_) v->visit(index, bucket.buffer, fused_squares);
+  }
+  if (visiting)
+    for (const auto& v : visitors_) v->end();
+}
+
+void Reducer::write_grads_locked(const at::Tensor& global_used) {
+  const int32_t* gu = global_used.defined() ? global_used.data_ptr<int32_t>() : nullptr;
+  for (int64_t i = 0; i < static_cast<int64_t>(params_.size()); ++i) {
+    auto& grad = params_[i].mutable_grad();
+    if (gu && gu[i] == 0) continue;  // unused on every rank: .grad untouched, as in torch DDP
+    auto view = bucket_view(i);
+    if (gradient_as_bucket_view_) {
+      if (!grad.defined() || !grad.is_alias_of(view)) grad = view;
+    } else if (!grad.defined()) {
+      grad = view.clone();
+    } else {
+      grad.copy_(view);
+    }
+  }
+}
+
+void Reducer::wait_bucket_locked(c10d::Work& work, int64_t index) const {
+  diag::PhaseScope waiting(diag::Phase::kAllreduce, index);
+  try {
+    work.wait();
+  } catch (const std::exception& e) {
+    fail_collective("the all-reduce of bucket " + std::to_string(index), e);
+  }
+}
+
+}  // namespace fastddp::reducer
