@@ -53,11 +53,12 @@ def _mlp_buckets(rank: int, world_size: int, transport: str, set_to_none: bool, 
     if passthrough:  # bucket_buffers() then hands out the gradients themselves
         assert [b.data_ptr() for b in ours.bucket_buffers()] == [p.grad.data_ptr() for p in ours.parameters()]
         return
-    # .grad lives in the buckets exactly when the layout asks for it
+    # .grad lives in the buckets either way: bucket views with gradient_as_bucket_view, lent
+    # aliases without (no copy out of the buckets), and no bucket moved (nothing held .grad)
     storages = {b.untyped_storage().data_ptr() for b in ours.bucket_buffers()}
     for name, p in ours.module.named_parameters():
-        in_bucket = p.grad.untyped_storage().data_ptr() in storages
-        assert in_bucket == as_view, (name, in_bucket)
+        assert p.grad.untyped_storage().data_ptr() in storages, name
+    assert report["relocations"] == 0
 
 
 def _conv_bn_case(rank: int, world_size: int, transport: str) -> None:

@@ -117,7 +117,9 @@ void bind_reducer(py::module_& m) {
            "Per bucket: True when it is reduced through shared memory.", py::call_guard<py::gil_scoped_release>())
       .def("bucket_allreduce_ms", &fastddp::reducer::Reducer::bucket_allreduce_ms,
            "Per bucket: milliseconds from launch to completion in the last reduced backward (-1: none yet).",
-           py::call_guard<py::gil_scoped_release>());
+           py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("relocations", &fastddp::reducer::Reducer::relocations,
+                             "Buckets moved to new memory because a lent .grad view was held across a backward.");
 }
 
 }  // namespace

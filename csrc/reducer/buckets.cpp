@@ -55,19 +55,21 @@ void Reducer::install_buckets_locked(const std::vector<std::vector<int64_t>>& bu
   param_bucket_ = std::move(param_bucket);
   param_slot_ = std::move(param_slot);
   fp_layout_ = layout_hash_locked();
-  make_views_locked();
+  views_.assign(n, at::Tensor());
+  for (int64_t b = 0; b < static_cast<int64_t>(buckets_.size()); ++b) make_views_locked(b);
   if (gradient_as_bucket_view_ && !passthrough_) {
     // Existing gradients (possibly views of the previous buffers, which stay alive until
-    // the copy is done) move into the new buckets, so backward accumulates into them.
+    // the copy is done) move into the new buckets, so backward accumulates into them. (Lent
+    // views stay where they are: someone may hold them; the next backward copies them in.)
     for (int64_t i = 0; i < n; ++i) {
       auto& grad = params_[i].mutable_grad();
       if (grad.defined()) {
-        auto view = bucket_view(i);
-        view.copy_(grad);
-        grad = view;
+        views_[i].copy_(grad);
+        grad = views_[i];
       }
     }
   }
+  for (auto& bucket : buckets_) bucket.storage_refs = bucket.buffer.storage().use_count();
 }
 
 void Reducer::allocate_bucket_locked(Bucket& bucket, const at::Tensor& first, int64_t total, bool last) {
@@ -96,20 +98,59 @@ void Reducer::allocate_bucket_locked(Bucket& bucket, const at::Tensor& first, in
   if (compress) bucket.comm = at::empty({total}, options.dtype(*comm_dtype_));
 }
 
-void Reducer::make_views_locked() {
+void Reducer::make_views_locked(int64_t bucket_index) {
   // Each parameter's view is made once per bucket layout, not per gradient. A dense parameter's
   // view takes the parameter's strides (a channels_last weight gets a channels_last gradient),
   // as autograd's gradient layout contract and torch DDP do; any other parameter gets a
   // row-major view, which is also what autograd gives it.
-  views_.clear();
-  for (int64_t i = 0; i < static_cast<int64_t>(params_.size()); ++i) {
-    const auto& bucket = buckets_[param_bucket_[i]];
+  const auto& bucket = buckets_[bucket_index];
+  for (size_t slot = 0; slot < bucket.params.size(); ++slot) {
+    const int64_t i = bucket.params[slot];
     const auto& p = params_[i];
-    const int64_t offset = bucket.offsets[param_slot_[i]];
-    views_.push_back(p.is_non_overlapping_and_dense()
-                         ? bucket.buffer.as_strided(p.sizes(), p.strides(), bucket.buffer.storage_offset() + offset)
-                         : bucket.buffer.narrow(0, offset, p.numel()).view(p.sizes()));
+    const int64_t offset = bucket.offsets[slot];
+    views_[i] = p.is_non_overlapping_and_dense()
+                    ? bucket.buffer.as_strided(p.sizes(), p.strides(), bucket.buffer.storage_offset() + offset)
+                    : bucket.buffer.narrow(0, offset, p.numel()).view(p.sizes());
   }
+}
+
+void Reducer::ensure_private_locked(int64_t bucket_index, bool lent_counts) {
+  auto& bucket = buckets_[bucket_index];
+  if (gradient_as_bucket_view_ || passthrough_ || bucket.private_checked) return;
+  bucket.private_checked = !lent_counts;
+  // An alias lent from this memory, still alive but no longer its parameter's .grad, is held
+  // by someone; a tensor into this memory that is neither ours nor a lent alias (a slice of an
+  // old .grad, its storage) adds a reference to the storage. (A lent alias is never
+  // dereferenced here: another thread may release it; only its liveness and address are read.)
+  bool held = false;
+  int64_t alive = 0;
+  const auto* memory = bucket.buffer.storage().unsafeGetStorageImpl();
+  for (const int64_t i : bucket.params) {
+    if (lent_[i].expired()) continue;
+    alive += lent_from_[i] == memory;
+    const auto& grad = params_[i].grad();
+    const bool attached = grad.defined() && grad.unsafeGetTensorImpl() == lent_[i]._unsafe_get_target();
+    held = held || (lent_from_[i] == memory && (!attached || lent_counts));
+  }
+  held = held || static_cast<int64_t>(bucket.buffer.storage().use_count()) > bucket.storage_refs + alive;
+  if (held) relocate_bucket_locked(bucket_index);
+}
+
+void Reducer::relocate_bucket_locked(int64_t bucket_index) {
+  // New memory for the bucket; the old one stays with whoever holds it, with the values torch's
+  // separate .grad tensors would have kept. Gradients accumulated in lent views (.grad still
+  // the old view) are copied in by their hooks, as any gradient outside the bucket is.
+  auto& bucket = buckets_[bucket_index];
+  const auto& first = params_[bucket.params.front()];
+  const bool last = bucket_index + 1 == static_cast<int64_t>(buckets_.size());
+  const auto total = bucket.buffer.numel();
+  bucket.wire = at::Tensor();
+  bucket.comm = at::Tensor();
+  bucket.header = 0;
+  allocate_bucket_locked(bucket, first, total, last);
+  make_views_locked(bucket_index);
+  bucket.storage_refs = bucket.buffer.storage().use_count();
+  ++relocations_;
 }
 
 bool Reducer::rebuild_buckets_in_arrival_order() {

@@ -50,7 +50,6 @@ void Reducer::finalize_backward() {
   finish_buckets_locked();
   reduction_scale_ = 1.0;
   write_grads_locked(global_used);
-  buckets_hold_grads_ = gradient_as_bucket_view_;
   diag::status().step_finished();
   diag::status().enter(diag::Phase::kOutside);
 }
@@ -120,18 +119,44 @@ void Reducer::finish_buckets_locked() {
 
 void Reducer::write_grads_locked(const at::Tensor& global_used) {
   const int32_t* gu = global_used.defined() ? global_used.data_ptr<int32_t>() : nullptr;
+  bool all_views = true;
   for (int64_t i = 0; i < static_cast<int64_t>(params_.size()); ++i) {
-    auto& grad = params_[i].mutable_grad();
     if (gu && gu[i] == 0) continue;  // unused on every rank: .grad untouched, as in torch DDP
-    auto view = bucket_view(i);
-    if (gradient_as_bucket_view_) {
-      if (!grad.defined() || !grad.is_alias_of(view)) grad = view;
-    } else if (!grad.defined()) {
-      grad = view.clone();
-    } else {
-      grad.copy_(view);
+    if (!gradient_as_bucket_view_) {
+      all_views = lend_or_copy_locked(i) && all_views;
+      continue;
     }
+    auto& grad = params_[i].mutable_grad();
+    const auto& view = bucket_view(i);
+    if (!grad.defined() || !grad.is_alias_of(view)) grad = view;
   }
+  buckets_hold_grads_ = all_views;
+}
+
+bool Reducer::lend_or_copy_locked(int64_t index) {
+  auto& grad = params_[index].mutable_grad();
+  const auto& view = bucket_view(index);
+  if (grad.defined() && grad.unsafeGetTensorImpl() == lent_[index]._unsafe_get_target() &&
+      grad.is_alias_of(view))
+    return true;  // the lent view accumulated in place: it holds the result
+  // torch copies the result into .grad (or into a new tensor when it has none). Where only the
+  // parameter holds .grad, nobody can tell that tensor from an alias of the bucket: that alias
+  // is lent instead, and ensure_private_locked keeps the values of a lent one someone holds.
+  const bool lend = !grad.defined() ||
+                    (grad.use_count() == 1 && grad.storage().use_count() == 1 && !grad.requires_grad() &&
+                     grad.layout() == at::kStrided && grad.scalar_type() == view.scalar_type() &&
+                     grad.device() == view.device() && grad.sizes() == view.sizes() &&
+                     grad.strides() == view.strides());
+  if (!lend) {
+    grad.copy_(view);
+    return false;
+  }
+  // A new TensorImpl over the same memory (no dispatch, no autograd metadata).
+  grad = at::Tensor(view.unsafeGetTensorImpl()->shallow_copy_and_detach(c10::VariableVersion(0),
+                                                                        /*allow_tensor_metadata_change=*/true));
+  lent_[index] = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>(grad.getIntrusivePtr());
+  lent_from_[index] = view.storage().unsafeGetStorageImpl();
+  return true;
 }
 
 void Reducer::wait_bucket_locked(c10d::Work& work, int64_t index) const {

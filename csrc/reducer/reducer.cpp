@@ -98,6 +98,8 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
   locally_used_.assign(n, 0);
   hooks_per_backward_.assign(n, 0);
   hooks_left_.assign(n, 0);
+  lent_.assign(n, c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>(at::Tensor().getIntrusivePtr()));
+  lent_from_.assign(n, nullptr);
   unused_now_.assign(n, 0);
   missing_now_.assign(n, 0);
   fingerprint_ = options_.fingerprint && process_group_->getSize() > 1 && !comm_hook_ && !passthrough_;
@@ -208,6 +210,7 @@ void Reducer::reset_for_backward_locked(bool sync) {
     b.work.reset();
     b.hook_future.reset();
     b.squares_in_work = false;
+    b.private_checked = false;
     b.deferred.clear();
   }
 }
@@ -247,6 +250,7 @@ void Reducer::mark_unused_locked(int64_t index) {
 
 void Reducer::copy_grad_to_bucket_locked(int64_t index) {
   if (passthrough_) return;  // nothing to reduce: .grad stays autograd's
+  ensure_private_locked(param_bucket_[index]);  // before this backward writes the bucket
   auto& grad = params_[index].mutable_grad();
   auto view = bucket_view(index);
   // Divide by the world size before the reduction (SUM), unless the collective averages
@@ -523,6 +527,7 @@ void Reducer::shadow_reduction() {
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   works.reserve(buckets_.size());
   for (int64_t index = 0; index < static_cast<int64_t>(buckets_.size()); ++index) {
+    ensure_private_locked(index, /*lent_counts=*/true);  // .grad stays as it is, as in torch DDP
     auto& bucket = buckets_[index];
     (bucket.comm.defined() ? bucket.comm : bucket.buffer).zero_();
     if (comm_hook_) {
@@ -591,6 +596,11 @@ bool Reducer::broadcast_buffers(const std::vector<at::Tensor>& tensors) {
   diag::PhaseScope broadcasting(diag::Phase::kBroadcast);
   shm_->broadcast_from_root(tensors);
   return true;
+}
+
+int64_t Reducer::relocations() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return relocations_;
 }
 
 std::vector<bool> Reducer::bucket_shm() const {

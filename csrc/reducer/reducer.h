@@ -48,6 +48,11 @@ struct Bucket {
   // The shared-memory reduction also summed the squares of the result (a ShmWork), for the
   // visitors that want them, instead of another pass over the bucket.
   bool squares_in_work = false;
+  // Lent views (gradient_as_bucket_view=False): TensorImpls that reference the buffer's storage
+  // when nobody outside holds a part of it (the buffer, the wire, the views); checked once per
+  // reduced backward before the bucket is written (`private_checked`).
+  int64_t storage_refs = 0;
+  bool private_checked = false;
   std::chrono::steady_clock::time_point launched;
   double last_allreduce_ms = -1;  // launch to completion seen by the waiting thread
 };
@@ -71,7 +76,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // the bare model's; the hooks still check what torch DDP checks.
   bool passthrough() const { return passthrough_; }
   // Whether the buckets hold the gradients now: param.grad are views into bucket_buffers()
-  // (gradient_as_bucket_view, not a world of one) since the last reduced backward, and no later
+  // (gradient_as_bucket_view, or every view lent; not a world of one) since the last reduced backward, and no later
   // backward (no_sync(), a second backward) put a gradient anywhere else. The buffers can then
   // stand in for the gradients.
   bool grads_in_buckets() const { return buckets_hold_grads_; }
@@ -126,6 +131,9 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   std::vector<std::vector<int64_t>> bucket_indices() const;
   std::vector<double> bucket_allreduce_ms() const;
   std::vector<bool> bucket_shm() const;  // per bucket: reduced through shared memory
+  // Buckets moved to new memory because a lent gradient view was held across a backward
+  // (gradient_as_bucket_view=False; 0 in a loop that keeps no .grad).
+  int64_t relocations() const;
 
   // Whether reductions carry fingerprints (options().fingerprint, more than one rank, no hook).
   bool fingerprinting() const { return fingerprint_; }
@@ -135,11 +143,22 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
 
  private:
   void install_buckets_locked(const std::vector<std::vector<int64_t>>& bucket_indices);
+  // gradient_as_bucket_view=False lends the views as .grad when nobody else can tell (see
+  // lend_or_copy_locked) and moves a bucket to new memory before writing it when a lent view,
+  // or any tensor into its memory, is still held elsewhere (torch's copies stay intact there).
+  // `lent_counts`: whether a view .grad still holds counts as held (join() leaves .grad as is).
+  void ensure_private_locked(int64_t bucket_index, bool lent_counts = false);
+  void relocate_bucket_locked(int64_t bucket_index);
+  // End of backward, gradient_as_bucket_view=False: parameter `index`'s .grad becomes its view
+  // when that is indistinguishable from torch's copy (.grad undefined, or a tensor only the
+  // parameter holds, of the view's layout, outside autograd); otherwise the result is copied
+  // into .grad. Returns whether .grad is the view.
+  bool lend_or_copy_locked(int64_t index);
   // The flat buffers of a bucket whose parameters are like `first`, `total` elements: shape
   // only (a passthrough world of one), with the fingerprint header (`last` c10d bucket), or
   // plain, plus the compressed wire copy with comm_dtype.
   void allocate_bucket_locked(Bucket& bucket, const at::Tensor& first, int64_t total, bool last);
-  void make_views_locked();  // each parameter's gradient view into its bucket
+  void make_views_locked(int64_t bucket_index);  // its parameters' gradient views into it
   // Start of a backward (prepare_for_backward): with static_graph, an earlier reduction that
   // never completed is refused, naming the parameters that fell short.
   void refuse_incomplete_static_locked() const;
@@ -208,8 +227,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // Waits for every bucket's reduction in index order and makes it final (a compressed
   // bucket widened, join's scale applied); visitors read each one as it completes.
   void finish_buckets_locked();
-  // Puts the reduced values into .grad: the bucket views themselves (gradient_as_bucket_view)
-  // or copies of them; parameters unused on every rank keep theirs.
+  // Puts the reduced values into .grad: the bucket views themselves (gradient_as_bucket_view),
+  // else each lent or copied (lend_or_copy_locked); parameters unused on every rank keep theirs.
   void write_grads_locked(const at::Tensor& global_used);
   void queue_finalize();         // from the outputs' grad_fn pre-hook (static_graph, first iteration)
   void queue_finalize_locked();  // end-of-backward callback on the current graph task
@@ -266,6 +285,11 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   bool record_arrival_ = true;
   double reduction_scale_ = 1.0;  // set_reduction_scale(), for the next reduction only
   bool buckets_hold_grads_ = false;  // see grads_in_buckets()
+  int64_t relocations_ = 0;          // buckets moved by ensure_private_locked
+  // gradient_as_bucket_view=False: the tensor last lent to each parameter as .grad (an alias of
+  // its view; the views themselves are never handed out), to tell whether anyone still holds it.
+  std::vector<c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>> lent_;
+  std::vector<const c10::StorageImpl*> lent_from_;  // the bucket memory each was lent from (compared only)
   std::vector<std::shared_ptr<BucketVisitor>> visitors_;
 
   // Fingerprints (see fingerprint.h and options.h).

@@ -8,6 +8,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
@@ -73,3 +74,36 @@ def _deprecation_warnings(rank: int, world_size: int) -> list[int]:
 
 def test_deprecated_arguments_warn_as_torch(ranks) -> None:
     assert ranks.run(_deprecation_warnings, world_size=1) == [[1, 1, 0, 1, 1, 0, 0]]
+
+
+def _cap_error(rank: int, world_size: int, cap: float) -> list[str]:
+    kinds = []
+    for cls in (TorchDDP, fastddp.DDPWrapper):
+        try:
+            cls(_model(), bucket_cap_mb=cap)
+            kinds.append("ok")
+        except Exception as exc:  # the type is what is compared
+            kinds.append(type(exc).__name__)
+    return kinds
+
+
+@pytest.mark.parametrize(("cap", "error"), [(float("inf"), "OverflowError"), (float("nan"), "ValueError")])
+def test_non_finite_bucket_cap_mb_raises_torchs_exception_type(ranks, cap, error) -> None:
+    assert ranks.run(_cap_error, world_size=1, args=(cap,)) == [[error, error]]
+
+
+FLAGS = [{"static_graph": 1}, {"static_graph": 0}, {"find_unused_parameters": 1},
+         {"gradient_as_bucket_view": 0}]
+
+
+def _flag_attributes(rank: int, world_size: int, kwargs: dict[str, Any]) -> list[str]:
+    names = ("static_graph", "find_unused_parameters", "gradient_as_bucket_view")
+    ref, ours = TorchDDP(_model(), **kwargs), fastddp.DDPWrapper(_model(), **kwargs)
+    assert [repr(getattr(ours, n)) for n in names] == [repr(getattr(ref, n)) for n in names], kwargs
+    return [repr(getattr(ref, n)) for n in names]
+
+
+@pytest.mark.parametrize("kwargs", FLAGS)
+def test_flag_attributes_hold_what_torch_sets(ranks, kwargs) -> None:
+    # torch sets static_graph to True/False itself and keeps the other flags as given
+    assert len(ranks.run(_flag_attributes, world_size=1, args=(kwargs,))[0]) == 3

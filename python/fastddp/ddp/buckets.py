@@ -194,6 +194,7 @@ class Buckets:
                 "transport": self._reducer.transport, "transport_note": self._reducer.transport_note,
                 "first_bucket_mb": FIRST_BUCKET_MB, "comm_dtype": str(self.comm_dtype),
                 "passthrough": self._reducer.passthrough, "batch_copies": self._reducer.batch_copies,
+                "relocations": self._reducer.relocations,
                 "comm_hook": None if self._comm_hook is None else hook_name(self._comm_hook),
                 "buckets": buckets,
                 "param_to_bucket": {self._param_names[i]: b for b, idx in enumerate(indices) for i in idx}}

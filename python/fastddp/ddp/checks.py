@@ -39,12 +39,15 @@ def refuse_unsupported(delay_all_reduce_named_params: Any, param_to_hook_all_red
 def bucket_cap(bucket_cap_mb: Any) -> float:
     """``bucket_cap_mb`` as torch DDP takes it: a real number of MiB, 0 giving each parameter
     a bucket of its own. A string is refused with torch's exception type (``ValueError``; torch
-    fails converting ``"25" * 2**20`` to int). A negative cap, which torch takes as 0, is refused
-    as the mistake it is."""
+    fails converting ``"25" * 2**20`` to int), infinity with torch's ``OverflowError``. A negative
+    cap, which torch takes as 0, is refused as the mistake it is."""
     if isinstance(bucket_cap_mb, (str, bytes)) or not isinstance(bucket_cap_mb, numbers.Real):
         raise ValueError(f"DDPWrapper: bucket_cap_mb must be a number of MiB (e.g. 25), got "
                          f"{type(bucket_cap_mb).__name__} {bucket_cap_mb!r}")
-    if not bucket_cap_mb >= 0 or bucket_cap_mb == float("inf"):
+    if bucket_cap_mb == float("inf"):  # torch's OverflowError converting it to bytes
+        raise OverflowError("DDPWrapper: bucket_cap_mb must be a finite number of MiB, got inf (a "
+                            "very large cap, e.g. 1e6, puts every parameter in one bucket)")
+    if not bucket_cap_mb >= 0:
         raise ValueError(f"DDPWrapper: bucket_cap_mb must be a finite number >= 0 (0: one parameter per "
                          f"bucket), got {bucket_cap_mb}")
     return float(bucket_cap_mb)

@@ -47,11 +47,16 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, TorchInputMethods, nn.Module,
     hooks: called per bucket through torch's own hook adapter); torch's ``allreduce_hook``,
     ``fp16_compress_hook`` and ``bf16_compress_hook`` run in C++ (mapped onto ``comm_dtype``).
 
-    ``gradient_as_bucket_view`` defaults to True: ``param.grad`` is a view into its bucket, so
-    gradients are never copied when they accumulate in place (``zero_grad(set_to_none=False)``).
-    After ``zero_grad(set_to_none=True)`` each new gradient is copied into its bucket; on a GPU
-    the copies of a bucket are made with one multi-tensor copy once the bucket is full
-    (``FASTDDP_BATCH_GRAD_COPIES=0|1`` forces one copy per gradient / batched copies).
+    ``gradient_as_bucket_view`` defaults to False, as in torch DDP, with torch's meaning: each
+    ``.grad`` behaves as a tensor of its own (a gradient kept from an earlier step keeps its
+    values; a tensor assigned to ``.grad`` stays ``.grad`` and receives the result). Where
+    nobody else holds it, ``.grad`` is nevertheless an alias of its bucket (no copy out of the
+    buckets); a bucket moves to new memory before a backward would overwrite a gradient someone
+    kept (``bucket_report()["relocations"]``). With True, ``.grad`` is the bucket view itself,
+    as torch's option gives. After ``zero_grad(set_to_none=True)`` each new gradient is copied
+    into its bucket; on a GPU the copies of a bucket are made with one multi-tensor copy once
+    the bucket is full (``FASTDDP_BATCH_GRAD_COPIES=0|1`` forces one copy per gradient /
+    batched copies).
 
     ``process_group`` may be any ``ProcessGroup`` (a ``dist.new_group`` subgroup, or one built on
     a store without a default group): every collective goes to it, with its own ranks.
@@ -136,7 +141,7 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, TorchInputMethods, nn.Module,
         bucket_cap_mb: Optional[float] = None,
         find_unused_parameters: bool = False,
         check_reduction: bool = False,
-        gradient_as_bucket_view: bool = True,
+        gradient_as_bucket_view: bool = False,
         static_graph: bool = False,
         delay_all_reduce_named_params: Optional[list[tuple[str, nn.Parameter]]] = None,
         param_to_hook_all_reduce: Optional[nn.Parameter] = None,
@@ -177,7 +182,7 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, TorchInputMethods, nn.Module,
             init_sync_buffers = self.broadcast_buffers
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
-        self.static_graph = static_graph
+        self.static_graph = bool(static_graph)  # torch DDP sets True through _set_static_graph()
         self.comm_dtype = comm_dtype
         self.device_mesh = device_mesh
         self.batched_grad_copy = batched_grad_copy
