@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -61,6 +62,44 @@ def test_config_unknown_keys_are_named(tmp_path) -> None:
     cfg.write_text(json.dumps({"training": {"batch_sise": 3}, "colour": "red"}))
     with pytest.raises(UsageError, match=r"unknown keys colour, training\.batch_sise"):
         parse_args(["--config", str(cfg)])
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"epochs": True}, r"epochs \(--epochs\) must be an integer, got true"),
+        ({"training": {"epochs": 2.5}}, r"training\.epochs \(--epochs\) must be an integer, got 2\.5"),
+        ({"save_interval": 1.5}, r"save_interval \(--save-interval\) must be an integer, got 1\.5"),
+        ({"seed": "x"}, r'seed \(--seed\) must be an integer, got "x"'),
+        ({"lr": [0.1]}, r"lr \(--lr\) must be a number, got \[0\.1\]"),
+        ({"warmup_epochs": None}, r"warmup_epochs \(--warmup-epochs\) must be set \(null is not "
+                                  r"a value; remove the key for the default 1\.0\)"),
+        ({"tensorboard": "false"}, r'tensorboard \(--tensorboard\) must be true or false, got "false"'),
+        ({"training": {"amp": "no"}}, r'training\.amp \(--amp\) must be true or false, got "no"'),
+        ({"distributed": {"backend": "mpi"}},
+         r'distributed\.backend \(--backend\) must be one of auto, nccl, gloo, got "mpi"'),
+        ({"comm_dtype": "int8"}, r'comm_dtype \(--comm-dtype\) must be one of none, bf16, fp16'),
+        ({"training": {"lr": 0.1}, "lr": 0.2},
+         r"training\.lr and lr both set --lr, to 0\.1 and 0\.2; keep one of them"),
+        ({"training": {"lr": 0.1, "learning_rate": 0.2}},
+         r"training\.lr and training\.learning_rate both set --lr"),
+    ],
+    ids=["bool-int", "float-int", "float-interval", "text-int", "list-float", "null", "text-switch",
+         "text-amp", "backend-choice", "comm-dtype-choice", "conflict-flat", "conflict-alias"],
+)
+def test_config_value_is_checked_like_the_flag(tmp_path, settings, message) -> None:
+    cfg = tmp_path / "run.json"
+    cfg.write_text(json.dumps(settings))
+    with pytest.raises(UsageError, match=rf"^--config {re.escape(str(cfg))}: {message}"):
+        parse_args(["--config", str(cfg)])
+
+
+def test_config_values_convert_as_on_the_command_line(tmp_path) -> None:
+    cfg = tmp_path / "run.json"
+    cfg.write_text(json.dumps({"lr": "1e-3", "epochs": "2", "gpu_ids": [0, 1], "amp": False,
+                               "training": {"lr": 0.001}, "save_dir": 2024}))
+    args = parse_args(["--config", str(cfg)])
+    assert (args.lr, args.epochs, args.gpu_ids, args.amp, args.save_dir) == (0.001, 2, "0,1", False, "2024")
 
 
 @pytest.mark.parametrize(

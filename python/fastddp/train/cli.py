@@ -4,45 +4,16 @@ file (YAML or JSON) that can set every flag, and validation that fails before an
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 from pathlib import Path
-from typing import Any
 
+from .config import load_config
 from .errors import UsageError
 from .models import MODES, load_factory
 
 # torch.manual_seed takes 64 bits; per-rank and per-epoch seeds are derived by adding to it.
 MAX_SEED = 2**63 - 1
-
-
-# Keys of the classic configs/multi_gpu.yaml and configs/distributed.yaml -> our flags.
-NESTED_KEYS = {
-    "training.batch_size": "batch_size",
-    "training.lr": "lr",
-    "training.learning_rate": "lr",
-    "training.epochs": "epochs",
-    "training.weight_decay": "weight_decay",
-    "training.warmup_epochs": "warmup_epochs",
-    "training.grad_accum_steps": "grad_accum_steps",
-    "training.num_workers": "num_workers",
-    "training.amp": "amp",
-    "training.clip_grad": "clip_grad",
-    "training.seed": "seed",
-    "training.mode": "mode",
-    "training.save_dir": "save_dir",
-    "model.mode": "mode",
-    "data.data_dir": "data_dir",
-    "data.num_workers": "num_workers",
-    "distributed.backend": "backend",
-    "distributed.find_unused_parameters": "find_unused_parameters",
-    "distributed.sync_batchnorm": "sync_batchnorm",
-    "distributed.multi_gpu": "multi_gpu",
-    "distributed.gpu_ids": "gpu_ids",
-    "distributed.comm_dtype": "comm_dtype",
-    "distributed.timeout": "timeout",
-}
 
 
 def under_torchrun() -> bool:
@@ -140,67 +111,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="YAML or JSON file setting any flag (flat names or the classic "
                         "training./distributed. sections); flags on the command line win")
     return p
-
-
-def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(_flatten(v, key + "."))
-        else:
-            out[key] = v
-    return out
-
-
-def load_config(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
-    """Read a config file into ``{dest: value}``; unknown keys are an error naming them."""
-    file = Path(path)
-    if not file.is_file():
-        raise UsageError(f"--config {path}: no such file")
-    try:
-        text = file.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UsageError(f"--config {path}: cannot be read as a text file ({exc}); give a YAML "
-                         "or JSON file") from None
-    if file.suffix in (".yaml", ".yml"):
-        try:
-            import yaml
-        except ImportError:
-            raise UsageError(f"--config {path}: reading YAML needs PyYAML (pip install pyyaml), "
-                             "or give a .json file") from None
-        try:
-            data = yaml.safe_load(text) or {}
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-            raise UsageError(f"--config {path}: invalid YAML{where} ({problem}); fix the file "
-                             "or check it with python -c 'import yaml,sys; "
-                             "yaml.safe_load(open(sys.argv[1]))' FILE") from None
-    else:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise UsageError(f"--config {path}: invalid JSON ({exc}); fix the file (a .yaml or "
-                             ".yml name reads it as YAML)") from None
-    if not isinstance(data, dict):
-        raise UsageError(f"--config {path}: expected a mapping of settings at the top level")
-    dests = {a.dest for a in parser._actions}
-    resolved: dict[str, Any] = {}
-    unknown = []
-    for key, value in _flatten(data).items():
-        dest = NESTED_KEYS.get(key) or key.replace("-", "_")
-        if "." in key and key not in NESTED_KEYS:
-            dest = key.split(".")[-1].replace("-", "_")
-        if dest in dests and dest not in ("help", "config"):
-            resolved[dest] = value
-        else:
-            unknown.append(key)
-    if unknown:
-        raise UsageError(f"--config {path}: unknown keys {', '.join(sorted(unknown))} "
-                         "(see python -m fastddp.train --help for the settable flags)")
-    return resolved
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
