@@ -102,6 +102,13 @@ def test_config_values_convert_as_on_the_command_line(tmp_path) -> None:
     assert (args.lr, args.epochs, args.gpu_ids, args.amp, args.save_dir) == (0.001, 2, "0,1", False, "2024")
 
 
+def test_debug_in_the_config_file_shows_the_traceback(tmp_path) -> None:
+    cfg = tmp_path / "run.json"
+    cfg.write_text(json.dumps({"debug": True, "lr": -1}))
+    proc = _launcher(["--config", str(cfg)])
+    assert "Traceback" in proc.stderr and "UsageError: --lr must be" in proc.stderr
+
+
 @pytest.mark.parametrize(
     ("argv", "cuda_count", "message"),
     [
