@@ -234,3 +234,13 @@ def test_debug_shows_the_traceback(tmp_path, how) -> None:
     proc = _launcher(["--config", cfg, *argv], env=env)
     assert proc.returncode != 0
     assert "Traceback" in proc.stderr and "UsageError: --config" in proc.stderr
+
+
+def test_model_factory_that_returns_no_module_is_one_clear_error(tmp_path, monkeypatch) -> None:
+    from fastddp.train.models import build_model
+
+    (tmp_path / "not_a_model.py").write_text("def make():\n    return (1, 2)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(UsageError, match=r"^--model 'not_a_model:make' returned a tuple, not a "
+                                         r"torch\.nn\.Module; the factory must build and return"):
+        build_model("flatten", "not_a_model:make")
