@@ -24,6 +24,7 @@ import fastddp
 
 from .._net import finish_collectives
 from . import checkpoint, signals
+from .cli import resume_flags
 from .epoch import end_epoch, run_epoch
 from .errors import UsageError
 from .graph import GraphedStep, hold_lr
@@ -160,8 +161,11 @@ def build(args: argparse.Namespace, ctx: Context, save_dir: Path,
         steps_per_epoch * args.epochs, int(args.warmup_epochs * steps_per_epoch)))
     scaler = fastddp.GradScaler(device=ctx.device.type, enabled=scaler_on)
     weight = class_weights(train_set, ctx.device) if args.class_weights == "auto" else None
+    settings = {**resume_flags(args), "amp": amp, "lr_scaled": lr,
+                "amp_dtype": {torch.float16: "fp16", torch.bfloat16: "bf16"}[amp_dtype] if amp else None,
+                "train_samples": len(train_set) if hasattr(train_set, "__len__") else None}
     state = TrainState(model, optimizer, scheduler, scaler, loader, mode=args.model or args.mode,
-                       world=ctx.world)
+                       world=ctx.world, settings=settings)
     loss_fn = nn.CrossEntropyLoss(weight=weight)
     step = TrainStep(model, loss_fn, optimizer, scaler, autocast_factory(amp, amp_dtype, ctx.device),
                      args.clip_grad or None,

@@ -8,6 +8,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from .cli import resume_conflict
+
 # One rank's part of the state: its RNG streams and the running sums of an unfinished epoch.
 RankState = dict[str, Any]
 
@@ -38,6 +40,7 @@ class TrainState:
     loader: Any
     mode: str
     world: int
+    settings: dict[str, Any] = field(default_factory=dict)
     epoch: int = 0
     step: int = 0
     epoch_done: bool = False
@@ -57,7 +60,7 @@ class TrainState:
             "loader": self.loader.state_dict(), "epoch": self.epoch, "step": self.step,
             "epoch_done": self.epoch_done, "best_f1": self.best_f1, "history": self.history,
             "rng": self.ranks, "world": self.world, "mode": self.mode,
-            "signature": model_signature(self.model),
+            "signature": model_signature(self.model), "settings": self.settings,
         }
 
     def check_compatible(self, state: dict[str, Any], source: str) -> Optional[str]:
@@ -65,7 +68,8 @@ class TrainState:
         if state.get("signature") != model_signature(self.model) or state.get("mode") != self.mode:
             return (f"{source} was written for model {state.get('mode')!r} with other parameter "
                     "shapes; use a different --save-dir or --resume none")
-        return None
+        # checkpoints written before settings were recorded are not compared
+        return resume_conflict(state.get("settings", {}), self.settings, source)
 
     def load_state_dict(self, state: dict[str, Any]) -> bool:
         """Restore a checkpoint. Returns whether the run continues inside an unfinished epoch

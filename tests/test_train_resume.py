@@ -1,0 +1,87 @@
+"""Resuming a checkpoint with flags that change what the run computes is refused, naming the
+flags, before anything in --save-dir is written; flags that do not (more --epochs, logging,
+checkpoint timing) continue the run."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests import trainer_runs
+
+
+@pytest.fixture(scope="module")
+def data_path(tmp_path_factory) -> str:
+    path = trainer_runs.write_data(tmp_path_factory.mktemp("data"))
+    (Path(path) / "tiny_half.py").write_text(
+        "from torch.utils.data import TensorDataset\n\nfrom tiny_har import make\n\n\n"
+        "def first_half():\n    train, test = make()\n"
+        "    return TensorDataset(*(t[:96] for t in train.tensors)), test\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def one_epoch(tmp_path_factory, data_path) -> Path:
+    """A finished run of one epoch (default flags, tiny data)."""
+    save = tmp_path_factory.mktemp("done") / "run"
+    codes, out = trainer_runs.run(save, data_path, ["--epochs", "1"])
+    assert codes == [0], out
+    return save
+
+
+def _files(save: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(save.iterdir())}
+
+
+def _resume(one_epoch: Path, tmp_path: Path, data_path: str, extra: list[str],
+            world: int = 1) -> tuple[Path, list[int], str]:
+    save = tmp_path / "run"
+    shutil.copytree(one_epoch, save)
+    codes, out = trainer_runs.run(save, data_path, ["--epochs", "2", *extra], world=world)
+    return save, codes, out
+
+
+@pytest.mark.parametrize(("extra", "named"), [
+    (["--lr", "0.01"], "--lr 0.001 (this run: 0.01)"),
+    (["--batch-size", "16"], "--batch-size 32 (this run: 16)"),
+    (["--seed", "7"], "--seed 42 (this run: 7)"),
+    (["--weight-decay", "0"], "--weight-decay 0.01 (this run: 0.0)"),
+    (["--amp"], "--amp off (this run: on)"),
+    (["--dataset", "tiny_half:first_half"], "training samples (--dataset, --data-dir) 192 "
+                                              "(this run: 96)"),
+], ids=["lr", "batch-size", "seed", "weight-decay", "amp", "data"])
+def test_resume_with_other_settings_is_refused_and_writes_nothing(
+        one_epoch, tmp_path, data_path, extra, named) -> None:
+    before = _files(one_epoch)
+    save, codes, out = _resume(one_epoch, tmp_path, data_path, extra)
+    assert codes == [2], out
+    lines = [ln for ln in out.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "Traceback" not in out, out
+    assert lines[0].startswith(f"fastddp.train: error: {save / 'last.pt'} was written by a run "
+                               f"with other settings: {named}. Resuming it would continue "
+                               "neither that run nor this one; give the checkpoint's values"), out
+    assert "start a new run with --resume none" in lines[0]
+    after = _files(save)
+    assert after == before  # no config.json, metrics.csv or checkpoint rewritten
+
+
+def test_resume_with_more_epochs_and_other_logging_continues(one_epoch, tmp_path, data_path) -> None:
+    save, codes, out = _resume(one_epoch, tmp_path, data_path,
+                               ["--log-interval", "2", "--sync-checkpoints", "--save-interval", "3"])
+    assert codes == [0], out
+    assert f"resumed from {save / 'last.pt'} at epoch 2, step 6" in out, out
+    assert [row["epoch"] for row in trainer_runs.metrics(save)] == ["1", "2"]
+
+
+def test_resume_on_another_world_size_with_scale_lr_is_refused(tmp_path, data_path) -> None:
+    save = tmp_path / "run"
+    codes, out = trainer_runs.run(save, data_path, ["--epochs", "1", "--scale-lr", "linear"],
+                                  world=2)
+    assert codes == [0, 0], out
+    codes, out = trainer_runs.run(save, data_path, ["--epochs", "2", "--scale-lr", "linear"])
+    assert codes == [2], out
+    assert re.search(r"other settings: learning rate after --scale-lr and the world size 0\.002 "
+                     r"\(this run: 0\.001\)\.", out), out
