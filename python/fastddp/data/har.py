@@ -110,6 +110,7 @@ def _read_matrix(path: Path, columns: int | None) -> np.ndarray:
     if not path.is_file():
         raise FileNotFoundError(f"UCI HAR file missing: {path}")
     rows = []
+    linenos = []
     with open(path) as f:
         for lineno, line in enumerate(f, 1):
             parts = line.split()
@@ -122,9 +123,19 @@ def _read_matrix(path: Path, columns: int | None) -> np.ndarray:
             if columns is not None and len(values) != columns:
                 raise ValueError(f"{path}:{lineno}: expected {columns} values, found {len(values)}")
             rows.append(values)
+            linenos.append(lineno)
     if not rows:
         raise ValueError(f"{path}: file is empty")
-    return np.asarray(rows, dtype=np.float32)
+    array = np.asarray(rows, dtype=np.float64)
+    # float() takes "nan" and "inf", and float32 turns 1e40 into inf: a window with one of
+    # them would train on NaN losses, so they are refused like any other malformed value.
+    bad = ~(np.abs(array) <= np.finfo(np.float32).max)
+    if bad.any():
+        row = int(np.nonzero(bad.any(axis=1))[0][0])
+        value = array[row][bad[row]][0]
+        what = "not a finite value" if not np.isfinite(value) else "outside the float32 range"
+        raise ValueError(f"{path}:{linenos[row]}: {value:g} is {what}")
+    return array.astype(np.float32)
 
 
 def _load_split(root: Path, split: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -145,6 +156,10 @@ def _load_split(root: Path, split: str) -> tuple[np.ndarray, np.ndarray, np.ndar
     bad = np.nonzero((y < 1) | (y > 6) | (y != np.round(y)))[0]
     if len(bad):
         raise ValueError(f"{base / f'y_{split}.txt'}:{bad[0] + 1}: label {y[bad[0]]:g} is not 1-6")
+    bad = np.nonzero((s < 1) | (s != np.round(s)))[0]
+    if len(bad):
+        raise ValueError(f"{base / f'subject_{split}.txt'}:{bad[0] + 1}: subject {s[bad[0]]:g} is "
+                         "not a positive integer")
     return x, (y - 1).astype(np.int64), s.astype(np.int64)
 
 

@@ -1,0 +1,50 @@
+"""``--data-dir``: the UCI HAR files the launcher reads, malformed values refused naming the
+file and line, and the parsed-array cache that never serves stale or broken arrays."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fastddp.data.har import SIGNALS, load_uci_har
+
+
+def _write(root: Path, n: int = 12) -> None:
+    """A small UCI HAR layout: ``n`` windows per split."""
+    rng = np.random.default_rng(0)
+    for split in ("train", "test"):
+        signals = root / split / "Inertial Signals"
+        signals.mkdir(parents=True, exist_ok=True)
+        for name in SIGNALS:
+            np.savetxt(signals / f"{name}_{split}.txt", rng.standard_normal((n, 128)), fmt="%.5f")
+        np.savetxt(root / split / f"y_{split}.txt", np.arange(n) % 6 + 1, fmt="%d")
+        np.savetxt(root / split / f"subject_{split}.txt", np.arange(n) % 3 + 1, fmt="%d")
+
+
+def _replace_line(path: Path, lineno: int, text: str) -> None:
+    lines = path.read_text().splitlines()
+    lines[lineno - 1] = text
+    path.write_text("\n".join(lines) + "\n")
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ("nan", "nan is not a finite value"), ("inf", "inf is not a finite value"),
+    ("-inf", "-inf is not a finite value"), ("1e40", "1e\\+40 is outside the float32 range")])
+def test_non_finite_signal_value_is_named_with_file_and_line(tmp_path, value, message) -> None:
+    _write(tmp_path)
+    path = tmp_path / "train" / "Inertial Signals" / "body_gyro_y_train.txt"
+    _replace_line(path, 3, " ".join([value] + ["0.5"] * 127))
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}:3: {message}$"):
+        load_uci_har(tmp_path, cache=False)
+
+
+def test_fractional_subject_id_is_named_with_file_and_line(tmp_path) -> None:
+    _write(tmp_path)
+    path = tmp_path / "test" / "subject_test.txt"
+    _replace_line(path, 5, "2.5")
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}:5: subject 2.5 is not a "
+                                         "positive integer"):
+        load_uci_har(tmp_path, cache=False)
