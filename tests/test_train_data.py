@@ -3,11 +3,13 @@ file and line, and the parsed-array cache that never serves stale or broken arra
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from fastddp.data.har import SIGNALS, load_uci_har
 
@@ -48,3 +50,41 @@ def test_fractional_subject_id_is_named_with_file_and_line(tmp_path) -> None:
     with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}:5: subject 2.5 is not a "
                                          "positive integer"):
         load_uci_har(tmp_path, cache=False)
+
+
+def _cached(root: Path):
+    """Load ``root`` twice: the second load comes from the cache the first one wrote."""
+    first = load_uci_har(root)
+    assert (root / ".fastddp_cache" / "x_train.npy").is_file()
+    return first, load_uci_har(root)
+
+
+def test_cache_is_not_used_after_a_source_file_changes(tmp_path) -> None:
+    _write(tmp_path)
+    first, cached = _cached(tmp_path)
+    assert torch.equal(cached.y_train, first.y_train)
+    labels = tmp_path / "train" / "y_train.txt"
+    labels.write_text("".join(f"{6 - i % 6}\n" for i in range(12)))
+    os.utime(labels, ns=(labels.stat().st_atime_ns, labels.stat().st_mtime_ns + 10**9))
+    again = load_uci_har(tmp_path)
+    assert again.y_train.tolist() == [5 - i % 6 for i in range(12)]
+
+
+def test_damaged_cache_file_is_parsed_again(tmp_path) -> None:
+    _write(tmp_path)
+    first, _ = _cached(tmp_path)
+    array = tmp_path / ".fastddp_cache" / "x_train.npy"
+    array.write_bytes(array.read_bytes()[:100])  # as a crash of the writing machine leaves it
+    again = load_uci_har(tmp_path)
+    assert torch.equal(again.x_train, first.x_train)
+    assert torch.equal(load_uci_har(tmp_path).x_train, first.x_train)  # the cache is whole again
+
+
+def test_cache_whose_writing_did_not_finish_is_not_used(tmp_path) -> None:
+    _write(tmp_path)
+    first, _ = _cached(tmp_path)
+    cache = tmp_path / ".fastddp_cache"
+    # a writer stopped between its arrays: one array of other sources, no record of the sources
+    (cache / "sources.json").unlink(missing_ok=True)
+    np.save(cache / "y_train.npy", np.zeros(12, dtype=np.int64))
+    assert torch.equal(load_uci_har(tmp_path).y_train, first.y_train)
