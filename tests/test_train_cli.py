@@ -126,7 +126,11 @@ def test_debug_in_the_config_file_shows_the_traceback(tmp_path) -> None:
         (["--weight-decay", "-0.1"], 0, r"--weight-decay must be a finite number >= 0 \(0 disables\), got -0.1"),
         (["--clip-grad", "nan"], 0, "--clip-grad must be a finite number >= 0"),
         (["--warmup-epochs", "inf"], 0, "--warmup-epochs must be a finite number >= 0"),
-        (["--timeout", "0"], 0, "--timeout must be a finite number of seconds > 0, got 0.0"),
+        (["--timeout", "0"], 0, r"--timeout must be a number of seconds > 0 and <= 1e\+09 \(about "
+                                r"31 years\), got 0$"),
+        (["--timeout", "1e10", "--multi-gpu", "ddp"], 0, r"--timeout must be a number of seconds > 0 "
+                                                         r"and <= 1e\+09 \(about 31 years\), got 1e\+10"),
+        (["--gpu-ids", ",,"], 0, r"^--gpu-ids must name at least one GPU id, e\.g\. 0,1, got ',,'"),
         (["--max-nan-steps", "0"], 0, r"--max-nan-steps must be >= 1 \(1 stops at the first"),
         (["--save-interval", "-1"], 0, r"--save-interval must be >= 0 \(0: a checkpoint per epoch only\), got -1"),
     ],

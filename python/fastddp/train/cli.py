@@ -15,6 +15,10 @@ from .models import MODES, load_factory
 
 # torch.manual_seed takes 64 bits; per-rank and per-epoch seeds are derived by adding to it.
 MAX_SEED = 2**63 - 1
+# c10d counts a timeout in 64-bit nanoseconds (at most 9.2e9 s); beyond that the store's
+# connect times out at once or the conversion overflows.
+MAX_TIMEOUT = 10**9
+
 
 
 # The flags that decide what a run computes. A checkpoint records them (with the values the
@@ -188,8 +192,9 @@ def validate(args: argparse.Namespace, cuda_count: int) -> None:
         raise UsageError(f"--clip-grad must be a finite number >= 0 (0 disables), got {args.clip_grad}")
     if not (math.isfinite(args.warmup_epochs) and args.warmup_epochs >= 0):
         raise UsageError(f"--warmup-epochs must be a finite number >= 0, got {args.warmup_epochs}")
-    if not (math.isfinite(args.timeout) and args.timeout > 0):
-        raise UsageError(f"--timeout must be a finite number of seconds > 0, got {args.timeout}")
+    if not (math.isfinite(args.timeout) and 0 < args.timeout <= MAX_TIMEOUT):
+        raise UsageError(f"--timeout must be a number of seconds > 0 and <= {MAX_TIMEOUT:.0e} "
+                         f"(about 31 years), got {args.timeout:g}")
     if not 0 <= args.seed <= MAX_SEED:
         raise UsageError(f"--seed must be an integer in 0..{MAX_SEED} (2**63 - 1), got {args.seed}")
     for flag, spec in (("--model", args.model), ("--dataset", args.dataset)):
@@ -241,6 +246,8 @@ def parse_gpu_ids(spec: str | None, cuda_count: int) -> list[int]:
         ids = [int(s) for s in str(spec).split(",") if s.strip() != ""]
     except ValueError:
         raise UsageError(f"--gpu-ids must be comma-separated integers, got {spec!r}") from None
+    if not ids:
+        raise UsageError(f"--gpu-ids must name at least one GPU id, e.g. 0,1, got {spec!r}")
     absent = [i for i in ids if i < 0 or i >= cuda_count]
     if absent:
         raise UsageError(f"--gpu-ids {spec}: GPU(s) {absent} not present "
