@@ -130,6 +130,18 @@ def test_debug_in_the_config_file_shows_the_traceback(tmp_path) -> None:
                                 r"31 years\), got 0$"),
         (["--timeout", "1e10", "--multi-gpu", "ddp"], 0, r"--timeout must be a number of seconds > 0 "
                                                          r"and <= 1e\+09 \(about 31 years\), got 1e\+10"),
+        (["--comm-dtype", "bf16"], 0, r"^--comm-dtype bf16 only applies to --multi-gpu ddp \(it sets "
+                                      r"DDPWrapper's all-reduce\); this run is --multi-gpu none: drop "
+                                      r"it, or start the run with torchrun"),
+        (["--find-unused-parameters"], 0, r"^--find-unused-parameters only applies to --multi-gpu ddp"),
+        (["--sync-batchnorm", "--multi-gpu", "dp"], 1, r"^--sync-batchnorm only applies to --multi-gpu "
+                                                       r"ddp .* this run is --multi-gpu dp"),
+        (["--backend", "gloo"], 0, r"^--backend gloo only applies to --multi-gpu ddp"),
+        (["--amp-dtype", "fp16"], 0, r"^--amp-dtype fp16 sets the autocast dtype but AMP is off by "
+                                     r"default without a GPU; add --amp to train in mixed precision, "
+                                     r"or drop --amp-dtype"),
+        (["--amp-dtype", "bf16", "--no-amp"], 1, r"^--amp-dtype bf16 sets the autocast dtype but "
+                                                 r"--no-amp is given"),
         (["--gpu-ids", ",,"], 0, r"^--gpu-ids must name at least one GPU id, e\.g\. 0,1, got ',,'"),
         (["--max-nan-steps", "0"], 0, r"--max-nan-steps must be >= 1 \(1 stops at the first"),
         (["--save-interval", "-1"], 0, r"--save-interval must be >= 0 \(0: a checkpoint per epoch only\), got -1"),

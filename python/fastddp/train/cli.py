@@ -19,6 +19,12 @@ MAX_SEED = 2**63 - 1
 # connect times out at once or the conversion overflows.
 MAX_TIMEOUT = 10**9
 
+# Flags (and their defaults) that configure DDPWrapper or the process group, which only
+# --multi-gpu ddp has: anything else given with another mode would be ignored.
+DDP_ONLY = {"comm_dtype": ("none", "DDPWrapper's all-reduce"),
+            "find_unused_parameters": (False, "DDPWrapper's gradient reduction"),
+            "sync_batchnorm": (False, "BatchNorm statistics across the DDP ranks"),
+            "backend": ("auto", "the process group of the DDP ranks")}
 
 
 # The flags that decide what a run computes. A checkpoint records them (with the values the
@@ -230,6 +236,7 @@ def validate(args: argparse.Namespace, cuda_count: int) -> None:
     if args.sync_batchnorm and args.multi_gpu == "ddp" and (cuda_count == 0 or args.backend == "gloo"):
         raise UsageError("--sync-batchnorm needs CUDA GPUs (torch's SyncBatchNorm runs on GPUs "
                          "only) and none is used here; drop the flag on CPU ranks")
+    check_mode_flags(args, cuda_count)
     if args.data_dir is not None:
         root = Path(args.data_dir)
         if not root.is_dir() or not os.access(root, os.R_OK):
@@ -237,6 +244,24 @@ def validate(args: argparse.Namespace, cuda_count: int) -> None:
     if args.resume not in ("auto", "none") and not Path(args.resume).is_file():
         raise UsageError(f"--resume {args.resume}: no such checkpoint file "
                          "(use auto, none or a path to a .pt written by fastddp.train)")
+
+
+def check_mode_flags(args: argparse.Namespace, cuda_count: int) -> None:
+    """Refuse flags that the chosen mode would ignore: DDP's flags without --multi-gpu ddp,
+    --amp-dtype with AMP off."""
+    if args.multi_gpu != "ddp":
+        for name, (default, what) in DDP_ONLY.items():
+            value = getattr(args, name)
+            if value != default:
+                flag = f"--{name.replace('_', '-')}" + ("" if value is True else f" {value}")
+                raise UsageError(f"{flag} only applies to --multi-gpu ddp (it sets {what}); this "
+                                 f"run is --multi-gpu {args.multi_gpu}: drop it, or start the run "
+                                 "with torchrun --nproc_per_node=N -m fastddp.train --multi-gpu ddp")
+    amp_on_by_default = cuda_count > 0 and args.backend != "gloo"
+    if args.amp_dtype is not None and not (args.amp or (args.amp is None and amp_on_by_default)):
+        why = "--no-amp is given" if args.amp is False else "AMP is off by default without a GPU"
+        raise UsageError(f"--amp-dtype {args.amp_dtype} sets the autocast dtype but {why}; add "
+                         "--amp to train in mixed precision, or drop --amp-dtype")
 
 
 def parse_gpu_ids(spec: str | None, cuda_count: int) -> list[int]:
