@@ -85,3 +85,14 @@ def test_resume_on_another_world_size_with_scale_lr_is_refused(tmp_path, data_pa
     assert codes == [2], out
     assert re.search(r"other settings: learning rate after --scale-lr and the world size 0\.002 "
                      r"\(this run: 0\.001\)\.", out), out
+
+
+def test_resume_from_best_pt_is_one_clear_error(one_epoch, tmp_path, data_path) -> None:
+    best = one_epoch / "best.pt"
+    codes, out = trainer_runs.run(tmp_path / "run", data_path, ["--resume", str(best)])
+    assert codes == [2], out
+    assert out.strip().splitlines() == [
+        f"fastddp.train: error: {best} is not a checkpoint to resume from (it has no optimizer, "
+        "scheduler, scaler, loader, step, best_f1, history): best.pt holds only the weights of "
+        "the best epoch, for evaluation. Resume from last.pt (--resume auto does) or start over "
+        "with --resume none"], out
