@@ -88,3 +88,55 @@ def test_cache_whose_writing_did_not_finish_is_not_used(tmp_path) -> None:
     (cache / "sources.json").unlink(missing_ok=True)
     np.save(cache / "y_train.npy", np.zeros(12, dtype=np.int64))
     assert torch.equal(load_uci_har(tmp_path).y_train, first.y_train)
+
+
+DATASETS = '''
+import torch
+from torch.utils.data import TensorDataset
+
+def _pair(x, y):
+    return TensorDataset(x, y), TensorDataset(x[:6], y[:6])
+
+def label_9():
+    return _pair(torch.zeros(12, 9, 128), torch.arange(12) % 10)
+
+def negative_label():
+    return _pair(torch.zeros(12, 9, 128), torch.arange(12) % 6 - 1)
+
+def float_labels():
+    return _pair(torch.zeros(12, 9, 128), (torch.arange(12) % 6).float())
+
+def short_windows():
+    return _pair(torch.zeros(12, 3, 50), torch.arange(12) % 6)
+
+def not_pairs():
+    return [torch.zeros(9, 128)] * 4, [torch.zeros(9, 128)] * 4
+
+def empty_test():
+    train, _ = _pair(torch.zeros(12, 9, 128), torch.arange(12) % 6)
+    return train, TensorDataset(torch.zeros(0, 9, 128), torch.zeros(0, dtype=torch.long))
+'''
+
+
+@pytest.mark.parametrize(("factory", "model", "message"), [
+    ("label_9", None, "the train set has label 9; the labels must be 0..5 (the six HAR activities)"),
+    ("label_9", "m:any", "the train set has label 9; the labels must be 0..5"),
+    ("negative_label", None, "the train set has label -1; the labels must be 0..5"),
+    ("float_labels", None, "the train set has torch.float32 labels; give integer class indices 0..5"),
+    ("short_windows", None, "the train set has samples of shape 3x50, but --mode flatten takes "
+                            "9x128 windows; reshape the data or give your own --model"),
+    ("not_pairs", None, "the train set must give (x, y) samples, its first is a Tensor"),
+    ("empty_test", None, "the test set is empty"),
+], ids=["label-9", "label-9-own-model", "label-minus-1", "float-labels", "window-shape",
+        "not-pairs", "empty-test"])
+def test_dataset_that_does_not_fit_the_task_is_one_clear_error(tmp_path, monkeypatch, factory,
+                                                               model, message) -> None:
+    from fastddp.train.cli import parse_args
+    from fastddp.train.errors import UsageError
+    from fastddp.train.setup import load_data
+
+    (tmp_path / "har_sets.py").write_text(DATASETS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    argv = ["--dataset", f"har_sets:{factory}", *(["--model", model] if model else [])]
+    with pytest.raises(UsageError, match=rf"^--dataset har_sets:{factory}: {re.escape(message)}"):
+        load_data(parse_args(argv))

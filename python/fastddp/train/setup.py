@@ -120,6 +120,8 @@ def load_data(args: argparse.Namespace) -> tuple[Any, Any]:
             train, test = load_factory(args.dataset, "--dataset")()
         except (TypeError, ValueError) as exc:
             raise UsageError(f"--dataset {args.dataset}: must return (train, test) ({exc})") from exc
+        for split, data in (("train", train), ("test", test)):
+            check_dataset(data, split, args)
         return train, test
     from fastddp.data import har
 
@@ -131,6 +133,38 @@ def load_data(args: argparse.Namespace) -> tuple[Any, Any]:
     else:
         data = har.synthetic_har(seed=0)
     return (TensorDataset(data.x_train, data.y_train), TensorDataset(data.x_test, data.y_test))
+
+
+def check_dataset(data: Any, split: str, args: argparse.Namespace) -> None:
+    """A ``--dataset`` split must hold (x, y) samples with labels 0..5 (the metrics count six
+    classes) and, for the built-in ``--mode`` models, 9x128 windows: anything else would fail
+    inside a training step with the model's or the loss's traceback. A TensorDataset's labels
+    are checked in full, any other data set's first sample."""
+    where = f"--dataset {args.dataset}: the {split} set"
+    try:
+        size = len(data)
+    except TypeError:
+        return  # an iterable data set: nothing to look at before training
+    if size == 0:
+        raise UsageError(f"{where} is empty")
+    tensors = getattr(data, "tensors", None)
+    sample = data[0]
+    if not (isinstance(sample, (tuple, list)) and len(sample) == 2):
+        raise UsageError(f"{where} must give (x, y) samples, its first is a "
+                         f"{type(sample).__name__}")
+    x, y = sample
+    labels = tensors[1] if tensors is not None and len(tensors) == 2 else torch.as_tensor(y)
+    if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+        raise UsageError(f"{where} has {labels.dtype} labels; give integer class indices 0..5")
+    if labels.numel() and not (0 <= int(labels.min()) and int(labels.max()) < CLASSES):
+        bad = int(labels.max()) if int(labels.max()) >= CLASSES else int(labels.min())
+        raise UsageError(f"{where} has label {bad}; the labels must be 0..{CLASSES - 1} (the six "
+                         "HAR activities)")
+    shape = tuple(torch.as_tensor(x).shape)
+    if not args.model and shape != (9, 128):
+        raise UsageError(f"{where} has samples of shape {'x'.join(map(str, shape)) or 'scalar'}, "
+                         f"but --mode {args.mode} takes 9x128 windows; reshape the data or give "
+                         "your own --model")
 
 
 def class_weights(train: Any, device: torch.device) -> torch.Tensor:
