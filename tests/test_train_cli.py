@@ -142,6 +142,10 @@ def test_debug_in_the_config_file_shows_the_traceback(tmp_path) -> None:
                                      r"or drop --amp-dtype"),
         (["--amp-dtype", "bf16", "--no-amp"], 1, r"^--amp-dtype bf16 sets the autocast dtype but "
                                                  r"--no-amp is given"),
+        (["--dataset", "m:make", "--data-dir", "/tmp"], 0,
+         r"^--dataset m:make and --data-dir /tmp both choose the training data; give one"),
+        (["--model", "m:make", "--mode", "lstm"], 0,
+         r"^--model m:make and --mode lstm both choose the model; give one"),
         (["--gpu-ids", ",,"], 0, r"^--gpu-ids must name at least one GPU id, e\.g\. 0,1, got ',,'"),
         (["--max-nan-steps", "0"], 0, r"--max-nan-steps must be >= 1 \(1 stops at the first"),
         (["--save-interval", "-1"], 0, r"--save-interval must be >= 0 \(0: a checkpoint per epoch only\), got -1"),

@@ -180,6 +180,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def validate(args: argparse.Namespace, cuda_count: int) -> None:
     """Check every flag that can be checked before a process group or data exist."""
+    check_exclusive(args)
     if args.mode not in MODES and not args.model:
         raise UsageError(f"unknown --mode {args.mode!r}: choose one of {', '.join(MODES)}")
     for name in ("epochs", "batch_size", "grad_accum_steps", "log_interval"):
@@ -262,6 +263,18 @@ def check_mode_flags(args: argparse.Namespace, cuda_count: int) -> None:
         why = "--no-amp is given" if args.amp is False else "AMP is off by default without a GPU"
         raise UsageError(f"--amp-dtype {args.amp_dtype} sets the autocast dtype but {why}; add "
                          "--amp to train in mixed precision, or drop --amp-dtype")
+
+
+def check_exclusive(args: argparse.Namespace) -> None:
+    """Refuse two flags that choose the same thing: one of them would be ignored."""
+    if args.dataset and args.data_dir is not None:
+        raise UsageError(f"--dataset {args.dataset} and --data-dir {args.data_dir} both choose the "
+                         "training data; give one (--data-dir: the UCI HAR files, --dataset: "
+                         "your own pkg.module:factory)")
+    if args.model and args.mode != "flatten":
+        raise UsageError(f"--model {args.model} and --mode {args.mode} both choose the model; "
+                         "give one (--mode: a built-in HAR model, --model: your own "
+                         "pkg.module:factory)")
 
 
 def parse_gpu_ids(spec: str | None, cuda_count: int) -> list[int]:
