@@ -146,6 +146,8 @@ def test_debug_in_the_config_file_shows_the_traceback(tmp_path) -> None:
          r"^--dataset m:make and --data-dir /tmp both choose the training data; give one"),
         (["--model", "m:make", "--mode", "lstm"], 0,
          r"^--model m:make and --mode lstm both choose the model; give one"),
+        (["--resume", "/tmp"], 0, r"^--resume /tmp: is a directory; give the checkpoint file in it "
+                                   r"\(/tmp/last\.pt\), or --save-dir /tmp to continue the run there"),
         (["--gpu-ids", ",,"], 0, r"^--gpu-ids must name at least one GPU id, e\.g\. 0,1, got ',,'"),
         (["--max-nan-steps", "0"], 0, r"--max-nan-steps must be >= 1 \(1 stops at the first"),
         (["--save-interval", "-1"], 0, r"--save-interval must be >= 0 \(0: a checkpoint per epoch only\), got -1"),
@@ -264,3 +266,20 @@ def test_model_factory_that_returns_no_module_is_one_clear_error(tmp_path, monke
     with pytest.raises(UsageError, match=r"^--model 'not_a_model:make' returned a tuple, not a "
                                          r"torch\.nn\.Module; the factory must build and return"):
         build_model("flatten", "not_a_model:make")
+
+
+def test_config_that_is_a_directory_is_named_as_one(tmp_path) -> None:
+    with pytest.raises(UsageError, match=rf"^--config {re.escape(str(tmp_path))}: is a directory; "
+                                         "give the YAML or JSON file$"):
+        parse_args(["--config", str(tmp_path)])
+
+
+def test_save_dir_that_is_a_file_is_named_as_one(tmp_path) -> None:
+    from fastddp.train.setup import check_save_dir
+
+    file = tmp_path / "run"
+    file.write_text("results of something else")
+    with pytest.raises(UsageError, match=rf"^--save-dir {re.escape(str(file))}: is a file, not a "
+                                         r"directory; choose a directory \(it is created if missing\)$"):
+        check_save_dir(file)
+    assert file.read_text() == "results of something else"

@@ -242,6 +242,10 @@ def validate(args: argparse.Namespace, cuda_count: int) -> None:
         root = Path(args.data_dir)
         if not root.is_dir() or not os.access(root, os.R_OK):
             raise UsageError(f"--data-dir {args.data_dir}: not a readable directory")
+    if args.resume not in ("auto", "none") and Path(args.resume).is_dir():
+        raise UsageError(f"--resume {args.resume}: is a directory; give the checkpoint file in it "
+                         f"({Path(args.resume) / 'last.pt'}), or --save-dir {args.resume} to "
+                         "continue the run there with --resume auto")
     if args.resume not in ("auto", "none") and not Path(args.resume).is_file():
         raise UsageError(f"--resume {args.resume}: no such checkpoint file "
                          "(use auto, none or a path to a .pt written by fastddp.train)")

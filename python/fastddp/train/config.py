@@ -145,6 +145,8 @@ def load_config(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
     keys, values of the wrong type or outside the choices, and two keys that set one flag to
     different values are one :class:`UsageError` naming every such key."""
     file = Path(path)
+    if file.is_dir():
+        raise UsageError(f"--config {path}: is a directory; give the YAML or JSON file")
     if not file.is_file():
         raise UsageError(f"--config {path}: no such file")
     data = _read(file)

@@ -184,6 +184,9 @@ def lr_lambda(total_steps: int, warmup_steps: int):
 
 
 def check_save_dir(save_dir: Path) -> None:
+    if save_dir.exists() and not save_dir.is_dir():
+        raise UsageError(f"--save-dir {save_dir}: is a file, not a directory; choose a directory "
+                         "(it is created if missing)")
     try:
         save_dir.mkdir(parents=True, exist_ok=True)
         probe = save_dir / ".write-test"
