@@ -283,3 +283,20 @@ def test_save_dir_that_is_a_file_is_named_as_one(tmp_path) -> None:
                                          r"directory; choose a directory \(it is created if missing\)$"):
         check_save_dir(file)
     assert file.read_text() == "results of something else"
+
+
+def test_key_given_twice_in_a_json_config_is_refused(tmp_path) -> None:
+    cfg = tmp_path / "run.json"
+    cfg.write_text('{"training": {"lr": 0.1, "lr": 0.2}}')
+    with pytest.raises(UsageError, match=rf"^--config {re.escape(str(cfg))}: key 'lr' is given "
+                                         r"twice in one mapping \(values 0\.1 and 0\.2\); keep one$"):
+        parse_args(["--config", str(cfg)])
+
+
+def test_key_given_twice_in_a_yaml_config_is_refused(tmp_path) -> None:
+    pytest.importorskip("yaml")
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("training:\n  lr: 0.1\n  epochs: 3\n  lr: 0.2\n")
+    with pytest.raises(UsageError, match=rf"^--config {re.escape(str(cfg))}: key 'lr' is given "
+                                         r"twice in one mapping \(lines 2 and 4\); keep one$"):
+        parse_args(["--config", str(cfg)])

@@ -58,6 +58,42 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def _unique_keys(path: str):
+    """A json ``object_pairs_hook`` that refuses a key given twice in one object (json keeps
+    the last one without a word)."""
+
+    def pairs_to_dict(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in out:
+                raise UsageError(f"--config {path}: key {key!r} is given twice in one mapping "
+                                 f"(values {_show(out[key])} and {_show(value)}); keep one")
+            out[key] = value
+        return out
+
+    return pairs_to_dict
+
+
+def _unique_key_loader(yaml: Any, path: str) -> Any:
+    """PyYAML's SafeLoader, refusing a key given twice in one mapping (it keeps the last)."""
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                if not isinstance(key, (str, int, float, bool)):
+                    continue  # SafeLoader itself refuses unhashable keys
+                if key in seen:
+                    raise UsageError(f"--config {path}: key {key!r} is given twice in one "
+                                     f"mapping (lines {seen[key]} and "
+                                     f"{key_node.start_mark.line + 1}); keep one")
+                seen[key] = key_node.start_mark.line + 1
+            return super().construct_mapping(node, deep=deep)
+
+    return UniqueKeyLoader
+
+
 def _read(file: Path) -> Any:
     """The parsed contents of ``file`` (YAML for .yaml/.yml, else JSON)."""
     path = str(file)
@@ -68,7 +104,7 @@ def _read(file: Path) -> Any:
                          "or JSON file") from None
     if file.suffix not in (".yaml", ".yml"):
         try:
-            return json.loads(text)
+            return json.loads(text, object_pairs_hook=_unique_keys(path))
         except json.JSONDecodeError as exc:
             raise UsageError(f"--config {path}: invalid JSON ({exc}); fix the file (a .yaml or "
                              ".yml name reads it as YAML)") from None
@@ -78,7 +114,7 @@ def _read(file: Path) -> Any:
         raise UsageError(f"--config {path}: reading YAML needs PyYAML (pip install pyyaml), "
                          "or give a .json file") from None
     try:
-        return yaml.safe_load(text) or {}
+        return yaml.load(text, Loader=_unique_key_loader(yaml, path)) or {}
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
