@@ -4,13 +4,18 @@ checkpoint timing) continue the run."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from tests import trainer_runs
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -96,3 +101,24 @@ def test_resume_from_best_pt_is_one_clear_error(one_epoch, tmp_path, data_path) 
         "scheduler, scaler, loader, step, best_f1, history): best.pt holds only the weights of "
         "the best epoch, for evaluation. Resume from last.pt (--resume auto does) or start over "
         "with --resume none"], out
+
+
+def test_torchrun_restart_of_a_resume_none_job_continues_its_own_checkpoint(tmp_path,
+                                                                            data_path) -> None:
+    """torchrun --max-restarts reruns the failed attempt's command line, --resume none
+    included: the restart continues what the job's first attempt saved, not a checkpoint of
+    another run in the same directory (here a longer one, left as last.pt.prev)."""
+    save = tmp_path / "run"
+    codes, out = trainer_runs.run(save, data_path, ["--epochs", "3", "--batch-size", "16"])
+    assert codes == [0], out  # another run's checkpoint: 36 steps
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--max-restarts=1",
+           "--nproc_per_node=2", "-m", "fastddp.train", "--multi-gpu", "ddp",
+           *trainer_runs.ARGS, "--save-dir", str(save), "--resume", "none", "--save-interval", "2"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", FASTDDP_FAULT_KILL_AFTER_STEP="2",
+               FASTDDP_FAULT_RANK="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [data_path, os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (f"resumed from {save / 'last.pt'} at epoch 1, step 2 (restart 1 of this torchrun "
+            "job: --resume none applied to its first attempt)") in proc.stdout, proc.stdout
+    assert [row["epoch"] for row in trainer_runs.metrics(save)] == ["1", "2", "3"]

@@ -8,6 +8,7 @@ import argparse
 import contextlib
 import json
 import math
+import os
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -165,7 +166,8 @@ def build(args: argparse.Namespace, ctx: Context, save_dir: Path,
                 "amp_dtype": {torch.float16: "fp16", torch.bfloat16: "bf16"}[amp_dtype] if amp else None,
                 "train_samples": len(train_set) if hasattr(train_set, "__len__") else None}
     state = TrainState(model, optimizer, scheduler, scaler, loader, mode=args.model or args.mode,
-                       world=ctx.world, settings=settings)
+                       world=ctx.world, settings=settings,
+                       run_id=os.environ.get("TORCHELASTIC_RUN_ID"))
     loss_fn = nn.CrossEntropyLoss(weight=weight)
     step = TrainStep(model, loss_fn, optimizer, scaler, autocast_factory(amp, amp_dtype, ctx.device),
                      args.clip_grad or None,

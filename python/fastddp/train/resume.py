@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,15 +20,19 @@ def newness(state: dict[str, Any]) -> tuple[int, bool]:
     return int(state.get("step", -1)), bool(state.get("epoch_done"))
 
 
-def find_resume_state(args: argparse.Namespace, ctx: Context,
-                      save_dir: Path) -> tuple[dict[str, Any] | None, Path | None, str]:
+def find_resume_state(args: argparse.Namespace, ctx: Context, save_dir: Path,
+                      key: Callable[[dict[str, Any]], Any] = newness,
+                      ) -> tuple[dict[str, Any] | None, Path | None, str]:
     """The checkpoint ``--resume`` asks for: ``(state, file, note for the log)``, or ``None``s.
 
-    With ``auto`` rank 0 picks the newest checkpoint in ``save_dir`` that verifies and every
-    rank loads that file; checkpoint files of which none verifies stop the run (UsageError)
-    instead of starting over."""
+    With ``auto`` rank 0 picks the newest (largest ``key``) checkpoint in ``save_dir`` that
+    verifies and every rank loads that file; checkpoint files of which none verifies stop the
+    run (UsageError) instead of starting over. ``none`` starts over, except in a restarted
+    torchrun job (:func:`own_checkpoint`)."""
     if args.resume == "none":
-        return None, None, ""
+        if not restarted_job():
+            return None, None, ""
+        return own_checkpoint(args, ctx, save_dir)
     if args.resume != "auto":
         path = Path(args.resume)
         try:
@@ -36,7 +42,7 @@ def find_resume_state(args: argparse.Namespace, ctx: Context,
     choice: list[Any] = [None, None, ""]  # path, error, note
     if ctx.is_main:
         try:
-            found = checkpoint.latest(save_dir / "last.pt", key=newness)
+            found = checkpoint.latest(save_dir / "last.pt", key=key)
         except checkpoint.CheckpointError as exc:
             choice[1] = str(exc)
         else:
@@ -63,6 +69,32 @@ def find_resume_state(args: argparse.Namespace, ctx: Context,
     return state, Path(path), note
 
 
+
+
+def restarted_job() -> bool:
+    """Whether this process is a restart of a torchrun job (``--max-restarts``): torchrun
+    starts it with the same command line as the attempt that failed."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+
+
+def own_checkpoint(args: argparse.Namespace, ctx: Context,
+                   save_dir: Path) -> tuple[dict[str, Any] | None, Path | None, str]:
+    """``--resume none`` in a restarted torchrun job: the job's first attempt started over, and
+    the attempts after it continue the newest checkpoint that attempt or a later one wrote
+    (the same ``TORCHELASTIC_RUN_ID``); starting over again would throw away the job's own
+    progress at every restart. A checkpoint of another job is not taken."""
+    job = os.environ.get("TORCHELASTIC_RUN_ID")
+    auto = argparse.Namespace(**{**vars(args), "resume": "auto"})
+    try:
+        state, path, note = find_resume_state(
+            auto, ctx, save_dir, key=lambda s: (s.get("run_id") == job, *newness(s)))
+    except UsageError:
+        return None, None, ""  # nothing of this job's that verifies: start over, as asked
+    if state is None or state.get("run_id") != job:
+        return None, None, ""
+    restart = os.environ["TORCHELASTIC_RESTART_COUNT"]
+    return state, path, (f"{note} (restart {restart} of this torchrun job: --resume none "
+                         "applied to its first attempt)")
 
 
 def nothing_to_resume(save_dir: Path) -> tuple[str | None, str]:
