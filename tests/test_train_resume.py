@@ -122,3 +122,32 @@ def test_torchrun_restart_of_a_resume_none_job_continues_its_own_checkpoint(tmp_
     assert (f"resumed from {save / 'last.pt'} at epoch 1, step 2 (restart 1 of this torchrun "
             "job: --resume none applied to its first attempt)") in proc.stdout, proc.stdout
     assert [row["epoch"] for row in trainer_runs.metrics(save)] == ["1", "2", "3"]
+
+
+def test_resume_path_command_run_again_after_a_kill_continues_its_save_dir(
+        one_epoch, tmp_path, data_path) -> None:
+    save, given = tmp_path / "run", one_epoch / "last.pt"
+    argv = ["--epochs", "3", "--resume", str(given)]
+    codes, out = trainer_runs.run(save, data_path, argv,
+                                  env={"FASTDDP_FAULT_KILL_AFTER_EPOCH": "2"})
+    assert codes == [-9] and f"resumed from {given} at epoch 2, step 6" in out, out
+    codes, out = trainer_runs.run(save, data_path, argv)
+    assert codes == [0], out
+    assert (f"resumed from {save / 'last.pt'} at epoch 3, step 12 (it continues --resume "
+            f"{given})") in out, out
+    assert [row["epoch"] for row in trainer_runs.metrics(save)] == ["1", "2", "3"]
+
+
+def test_resume_path_into_the_save_dir_of_another_run_is_refused(one_epoch, tmp_path,
+                                                                  data_path) -> None:
+    save, given = tmp_path / "run", one_epoch / "last.pt"
+    codes, out = trainer_runs.run(save, data_path, ["--epochs", "1", "--lr", "0.01"])
+    assert codes == [0], out
+    before = _files(save)
+    codes, out = trainer_runs.run(save, data_path, ["--epochs", "2", "--resume", str(given)])
+    assert codes == [2], out
+    assert (f"fastddp.train: error: --save-dir {save} holds the checkpoint of another run "
+            f"({save / 'last.pt'}: 1 epoch(s), step 6); continuing {given} there would "
+            "overwrite it. Choose another --save-dir, or continue that run with --resume auto"
+            ) in out, out
+    assert _files(save) == before

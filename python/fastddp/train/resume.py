@@ -28,17 +28,13 @@ def find_resume_state(args: argparse.Namespace, ctx: Context, save_dir: Path,
     With ``auto`` rank 0 picks the newest (largest ``key``) checkpoint in ``save_dir`` that
     verifies and every rank loads that file; checkpoint files of which none verifies stop the
     run (UsageError) instead of starting over. ``none`` starts over, except in a restarted
-    torchrun job (:func:`own_checkpoint`)."""
+    torchrun job (:func:`own_checkpoint`); a path: :func:`given_checkpoint`."""
     if args.resume == "none":
         if not restarted_job():
             return None, None, ""
         return own_checkpoint(args, ctx, save_dir)
     if args.resume != "auto":
-        path = Path(args.resume)
-        try:
-            return checkpoint.load(path), path, ""
-        except checkpoint.CheckpointError as exc:
-            raise UsageError(str(exc)) from None
+        return given_checkpoint(args, ctx, save_dir)
     choice: list[Any] = [None, None, ""]  # path, error, note
     if ctx.is_main:
         try:
@@ -69,6 +65,40 @@ def find_resume_state(args: argparse.Namespace, ctx: Context, save_dir: Path,
     return state, Path(path), note
 
 
+
+
+def given_checkpoint(args: argparse.Namespace, ctx: Context,
+                     save_dir: Path) -> tuple[dict[str, Any] | None, Path | None, str]:
+    """``--resume PATH``. When PATH lies outside ``save_dir`` and ``save_dir`` holds a
+    checkpoint that continues PATH's run (PATH's history, then more: what this command wrote
+    before it was stopped), that one is taken, so the same command run again continues
+    instead of starting over from PATH. A ``save_dir`` that holds another run is refused:
+    continuing PATH there would overwrite it."""
+    path = Path(args.resume)
+    try:
+        given = checkpoint.load(path)
+    except checkpoint.CheckpointError as exc:
+        raise UsageError(str(exc)) from None
+    if path.resolve().parent == save_dir.resolve():
+        return given, path, ""
+    auto = argparse.Namespace(**{**vars(args), "resume": "auto"})
+    own, own_path, note = find_resume_state(auto, ctx, save_dir)
+    if own is None:
+        return given, path, ""
+    if continues(own, given):
+        return own, own_path, f"{note} (it continues --resume {path})"
+    raise UsageError(f"--save-dir {save_dir} holds the checkpoint of another run ({own_path}: "
+                     f"{len(own.get('history', []))} epoch(s), step {own.get('step')}); "
+                     f"continuing {path} there would overwrite it. Choose another --save-dir, "
+                     "or continue that run with --resume auto")
+
+
+def continues(later: dict[str, Any], earlier: dict[str, Any]) -> bool:
+    """Whether checkpoint ``later`` is ``earlier``'s run trained further: the same epochs
+    first, at least as many steps."""
+    history = earlier.get("history", [])
+    return (newness(later) >= newness(earlier)
+            and later.get("history", [])[:len(history)] == history)
 
 
 def restarted_job() -> bool:
