@@ -148,6 +148,9 @@ def test_debug_in_the_config_file_shows_the_traceback(tmp_path) -> None:
          r"^--model m:make and --mode lstm both choose the model; give one"),
         (["--resume", "/tmp"], 0, r"^--resume /tmp: is a directory; give the checkpoint file in it "
                                    r"\(/tmp/last\.pt\), or --save-dir /tmp to continue the run there"),
+        (["--num-workers", "-1"], 0, r"^--num-workers must be 0\.\.\d+ \(loader threads per "
+                                     r"process, at most 8 per CPU core of this machine\), got -1$"),
+        (["--num-workers", "10" + "0" * 20], 0, r"^--num-workers must be 0\.\.\d+ .* got 10{21}$"),
         (["--gpu-ids", ",,"], 0, r"^--gpu-ids must name at least one GPU id, e\.g\. 0,1, got ',,'"),
         (["--max-nan-steps", "0"], 0, r"--max-nan-steps must be >= 1 \(1 stops at the first"),
         (["--save-interval", "-1"], 0, r"--save-interval must be >= 0 \(0: a checkpoint per epoch only\), got -1"),

@@ -193,8 +193,12 @@ def validate(args: argparse.Namespace, cuda_count: int) -> None:
         raise UsageError(f"--lr must be a finite number > 0, got {args.lr}")
     if not (math.isfinite(args.weight_decay) and args.weight_decay >= 0):
         raise UsageError(f"--weight-decay must be a finite number >= 0 (0 disables), got {args.weight_decay}")
-    if args.num_workers < 0:
-        raise UsageError(f"--num-workers must be >= 0, got {args.num_workers}")
+    max_workers = max(32, 8 * (os.cpu_count() or 1))
+    if not 0 <= args.num_workers <= max_workers:
+        # each is a thread of the C++ loader; past the system's thread limit the loader's
+        # start fails ("Resource temporarily unavailable"), long before that they only contend
+        raise UsageError(f"--num-workers must be 0..{max_workers} (loader threads per process, "
+                         f"at most 8 per CPU core of this machine), got {args.num_workers}")
     if not (math.isfinite(args.clip_grad) and args.clip_grad >= 0):
         raise UsageError(f"--clip-grad must be a finite number >= 0 (0 disables), got {args.clip_grad}")
     if not (math.isfinite(args.warmup_epochs) and args.warmup_epochs >= 0):
