@@ -151,6 +151,9 @@ def test_debug_in_the_config_file_shows_the_traceback(tmp_path) -> None:
         (["--num-workers", "-1"], 0, r"^--num-workers must be 0\.\.\d+ \(loader threads per "
                                      r"process, at most 8 per CPU core of this machine\), got -1$"),
         (["--num-workers", "10" + "0" * 20], 0, r"^--num-workers must be 0\.\.\d+ .* got 10{21}$"),
+        (["--warmup-epochs", "3", "--epochs", "2"], 0,
+         r"^--warmup-epochs 3 is longer than the run \(--epochs 2\): the learning rate would "
+         r"still be rising when training ends; give at most --epochs$"),
         (["--gpu-ids", ",,"], 0, r"^--gpu-ids must name at least one GPU id, e\.g\. 0,1, got ',,'"),
         (["--max-nan-steps", "0"], 0, r"--max-nan-steps must be >= 1 \(1 stops at the first"),
         (["--save-interval", "-1"], 0, r"--save-interval must be >= 0 \(0: a checkpoint per epoch only\), got -1"),

@@ -203,6 +203,10 @@ def validate(args: argparse.Namespace, cuda_count: int) -> None:
         raise UsageError(f"--clip-grad must be a finite number >= 0 (0 disables), got {args.clip_grad}")
     if not (math.isfinite(args.warmup_epochs) and args.warmup_epochs >= 0):
         raise UsageError(f"--warmup-epochs must be a finite number >= 0, got {args.warmup_epochs}")
+    if args.warmup_epochs > args.epochs:
+        raise UsageError(f"--warmup-epochs {args.warmup_epochs:g} is longer than the run "
+                         f"(--epochs {args.epochs}): the learning rate would still be rising "
+                         "when training ends; give at most --epochs")
     if not (math.isfinite(args.timeout) and 0 < args.timeout <= MAX_TIMEOUT):
         raise UsageError(f"--timeout must be a number of seconds > 0 and <= {MAX_TIMEOUT:.0e} "
                          f"(about 31 years), got {args.timeout:g}")
