@@ -1,6 +1,8 @@
-"""Resuming a checkpoint with flags that change what the run computes is refused, naming the
-flags, before anything in --save-dir is written; flags that do not (more --epochs, logging,
-checkpoint timing) continue the run."""
+"""What a run continues and what it refuses to overwrite: a checkpoint resumed with flags that
+change what the run computes is refused, naming the flags, before anything in --save-dir is
+written (more --epochs, logging, checkpoint timing continue the run); --resume PATH run again
+continues its own --save-dir; a torchrun restart of a --resume none job continues the job's
+checkpoints; a --save-dir in use by another run is refused."""
 
 from __future__ import annotations
 
@@ -151,3 +153,33 @@ def test_resume_path_into_the_save_dir_of_another_run_is_refused(one_epoch, tmp_
             "overwrite it. Choose another --save-dir, or continue that run with --resume auto"
             ) in out, out
     assert _files(save) == before
+
+
+def test_second_run_into_a_save_dir_in_use_is_refused(tmp_path, data_path) -> None:
+    save = tmp_path / "run"
+    codes, out = trainer_runs.run(save, data_path, ["--epochs", "1"])
+    assert codes == [0], out
+    before = _files(save)
+    # a run writing there holds the lock: here a process that holds it as the launcher does
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(save / ".fastddp.lock")],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        codes, out = trainer_runs.run(save, data_path, ["--epochs", "2"])
+    finally:
+        holder.kill()
+        holder.wait()
+    assert codes == [2], out
+    assert out.strip().splitlines()[-1] == (
+        f"fastddp.train: error: --save-dir {save}: another fastddp.train run is writing there; "
+        "wait for it to end, or choose another --save-dir"), out
+    assert _files(save) == before
+
+
+HOLD_LOCK = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
+fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+print("locked", flush=True)
+time.sleep(300)
+"""

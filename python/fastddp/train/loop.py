@@ -40,6 +40,7 @@ from .setup import (
     log,
     lr_lambda,
     resolve_cuda_graph,
+    save_dir_lock,
     seed_everything,
     setup_distributed,
 )
@@ -86,10 +87,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # SIGTERM (torchrun stopping the survivors of a failed rank, a preemption) raises
     # signals.Terminated instead of ending the process on the spot, so the checkpoint still
     # being written reaches the disk.
-    with signals.SigtermGuard() as sigterm:
+    # The save directory's lock is released after the writer closed (the last with-item exits
+    # first), so no second run starts writing there before this one's files are on disk.
+    with contextlib.ExitStack() as held, signals.SigtermGuard() as sigterm:
         try:
             try:
-                result = _train(args, ctx, saver)
+                result = _train(args, ctx, saver, held)
             except BaseException:
                 try:
                     with sigterm.shielded():
@@ -107,10 +110,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 dist.destroy_process_group()
 
 
-def _train(args: argparse.Namespace, ctx: Context, saver: checkpoint.CheckpointWriter) -> dict[str, Any]:
+def _train(args: argparse.Namespace, ctx: Context, saver: checkpoint.CheckpointWriter,
+           held: contextlib.ExitStack) -> dict[str, Any]:
     save_dir = Path(args.save_dir)
     if ctx.is_main:
         check_save_dir(save_dir)
+        held.enter_context(save_dir_lock(save_dir))
     r = build(args, ctx, save_dir, saver)
     partial, resumed = restore(r)
     if resumed and r.state.start_epoch >= args.epochs:

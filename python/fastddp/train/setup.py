@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -197,3 +199,31 @@ def check_save_dir(save_dir: Path) -> None:
                          "choose a writable directory") from None
 
 
+
+
+@contextlib.contextmanager
+def save_dir_lock(save_dir: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``save_dir/.fastddp.lock`` (an empty file) while the run
+    writes there: a second run started into the same directory (two jobs with the default
+    runs/har) would interleave its checkpoints and metrics with this one's. A POSIX record
+    lock (lockf), not flock: it belongs to this process alone, so forked data-loader workers
+    that outlive a SIGKILLed run for a few seconds do not keep it from being restarted; the
+    kernel drops it when the process ends. Where the file system has no locks the run goes on
+    without one."""
+    try:
+        import fcntl
+    except ImportError:  # not a POSIX system
+        yield
+        return
+    fd = os.open(save_dir / ".fastddp.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except (BlockingIOError, PermissionError):
+            raise UsageError(f"--save-dir {save_dir}: another fastddp.train run is writing "
+                             "there; wait for it to end, or choose another --save-dir") from None
+        except OSError:
+            pass  # no locks on this file system
+        yield
+    finally:
+        os.close(fd)
