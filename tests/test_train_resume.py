@@ -183,3 +183,13 @@ fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
 print("locked", flush=True)
 time.sleep(300)
 """
+
+
+def test_unusable_save_dir_stops_every_rank_with_one_error(tmp_path, data_path) -> None:
+    save = tmp_path / "run"
+    save.write_text("not a directory")
+    codes, out = trainer_runs.run(save, data_path, ["--epochs", "1"], world=2)
+    assert codes == [2, 2], out
+    assert out.strip().splitlines() == [
+        f"fastddp.train: error: --save-dir {save}: is a file, not a directory; choose a "
+        "directory (it is created if missing)"], out

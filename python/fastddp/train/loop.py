@@ -113,9 +113,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def _train(args: argparse.Namespace, ctx: Context, saver: checkpoint.CheckpointWriter,
            held: contextlib.ExitStack) -> dict[str, Any]:
     save_dir = Path(args.save_dir)
+    # Rank 0 checks the directory; every rank stops with its verdict, so that the others end
+    # with the same input error (printed once) instead of being stopped by torchrun.
+    problem: list[Optional[str]] = [None]
     if ctx.is_main:
-        check_save_dir(save_dir)
-        held.enter_context(save_dir_lock(save_dir))
+        try:
+            check_save_dir(save_dir)
+            held.enter_context(save_dir_lock(save_dir))
+        except UsageError as exc:
+            problem[0] = str(exc)
+    if ctx.distributed:
+        dist.broadcast_object_list(problem, src=0)
+    if problem[0] is not None:
+        raise UsageError(problem[0])
     r = build(args, ctx, save_dir, saver)
     partial, resumed = restore(r)
     if resumed and r.state.start_epoch >= args.epochs:
