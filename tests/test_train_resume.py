@@ -193,3 +193,4 @@ def test_unusable_save_dir_stops_every_rank_with_one_error(tmp_path, data_path) 
     assert out.strip().splitlines() == [
         f"fastddp.train: error: --save-dir {save}: is a file, not a directory; choose a "
         "directory (it is created if missing)"], out
+

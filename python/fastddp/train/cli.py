@@ -142,7 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="max global grad norm (0 disables clipping)")
     g.add_argument("--seed", type=int, default=42, help="random seed (per-rank streams derived)")
     g.add_argument("--max-nan-steps", type=int, default=5,
-                   help="abort after this many consecutive non-finite losses (AMP off)")
+                   help="abort after this many consecutive non-finite losses (checked "
+                        "unless fp16 AMP's GradScaler skips such steps itself)")
 
     g = p.add_argument_group("input pipeline")
     g.add_argument("--num-workers", type=int, default=2, help="loader threads per process")

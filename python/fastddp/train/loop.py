@@ -187,7 +187,10 @@ def build(args: argparse.Namespace, ctx: Context, save_dir: Path,
     step = TrainStep(model, loss_fn, optimizer, scaler, autocast_factory(amp, amp_dtype, ctx.device),
                      args.clip_grad or None,
                      ddp=model if isinstance(model, fastddp.DDPWrapper) else None,
-                     check_finite=not amp, max_nan_steps=args.max_nan_steps, rank=ctx.rank)
+                     # without fp16's GradScaler (AMP off, or bf16) nothing else skips a
+                     # non-finite step: the weights would turn NaN and training go on
+                     check_finite=not scaler_on, max_nan_steps=args.max_nan_steps,
+                     rank=ctx.rank)
     sums = EpochSums(ctx.device)
     return Run(args, ctx, save_dir, saver, model, state, val_loader, loss_fn, amp, amp_dtype, lr,
                steps_per_epoch, step, sums,
