@@ -113,9 +113,11 @@ def test_corrupt_checkpoint_falls_back_or_stops(single_run: Path, tmp_path: Path
                    "--save-dir", str(tmp_path)], check=False)
     assert proc.returncode == 2
     assert "checksum mismatch" in proc.stderr and "--resume none" in proc.stderr
-    # the run stopped before writing anything: the damaged file is left for the user
+    # the run stopped before writing anything: the damaged file is left for the user (beside
+    # the empty file the run's directory lock is taken on)
     assert (tmp_path / "last.pt").read_bytes() == bytes(data)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.pt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".fastddp.lock", "last.pt"]
+    assert (tmp_path / ".fastddp.lock").read_bytes() == b""
 
 
 def test_run_without_matplotlib_says_why_there_are_no_curves(tmp_path: Path) -> None:

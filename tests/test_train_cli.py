@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -64,6 +65,51 @@ def test_config_unknown_keys_are_named(tmp_path) -> None:
 
 
 @pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"epochs": True}, r"epochs \(--epochs\) must be an integer, got true"),
+        ({"training": {"epochs": 2.5}}, r"training\.epochs \(--epochs\) must be an integer, got 2\.5"),
+        ({"save_interval": 1.5}, r"save_interval \(--save-interval\) must be an integer, got 1\.5"),
+        ({"seed": "x"}, r'seed \(--seed\) must be an integer, got "x"'),
+        ({"lr": [0.1]}, r"lr \(--lr\) must be a number, got \[0\.1\]"),
+        ({"warmup_epochs": None}, r"warmup_epochs \(--warmup-epochs\) must be set \(null is not "
+                                  r"a value; remove the key for the default 1\.0\)"),
+        ({"tensorboard": "false"}, r'tensorboard \(--tensorboard\) must be true or false, got "false"'),
+        ({"training": {"amp": "no"}}, r'training\.amp \(--amp\) must be true or false, got "no"'),
+        ({"distributed": {"backend": "mpi"}},
+         r'distributed\.backend \(--backend\) must be one of auto, nccl, gloo, got "mpi"'),
+        ({"comm_dtype": "int8"}, r'comm_dtype \(--comm-dtype\) must be one of none, bf16, fp16'),
+        ({"training": {"lr": 0.1}, "lr": 0.2},
+         r"training\.lr and lr both set --lr, to 0\.1 and 0\.2; keep one of them"),
+        ({"training": {"lr": 0.1, "learning_rate": 0.2}},
+         r"training\.lr and training\.learning_rate both set --lr"),
+    ],
+    ids=["bool-int", "float-int", "float-interval", "text-int", "list-float", "null", "text-switch",
+         "text-amp", "backend-choice", "comm-dtype-choice", "conflict-flat", "conflict-alias"],
+)
+def test_config_value_is_checked_like_the_flag(tmp_path, settings, message) -> None:
+    cfg = tmp_path / "run.json"
+    cfg.write_text(json.dumps(settings))
+    with pytest.raises(UsageError, match=rf"^--config {re.escape(str(cfg))}: {message}"):
+        parse_args(["--config", str(cfg)])
+
+
+def test_config_values_convert_as_on_the_command_line(tmp_path) -> None:
+    cfg = tmp_path / "run.json"
+    cfg.write_text(json.dumps({"lr": "1e-3", "epochs": "2", "gpu_ids": [0, 1], "amp": False,
+                               "training": {"lr": 0.001}, "save_dir": 2024}))
+    args = parse_args(["--config", str(cfg)])
+    assert (args.lr, args.epochs, args.gpu_ids, args.amp, args.save_dir) == (0.001, 2, "0,1", False, "2024")
+
+
+def test_debug_in_the_config_file_shows_the_traceback(tmp_path) -> None:
+    cfg = tmp_path / "run.json"
+    cfg.write_text(json.dumps({"debug": True, "lr": -1}))
+    proc = _launcher(["--config", str(cfg)])
+    assert "Traceback" in proc.stderr and "UsageError: --lr must be" in proc.stderr
+
+
+@pytest.mark.parametrize(
     ("argv", "cuda_count", "message"),
     [
         (["--mode", "transformer"], 0, "unknown --mode 'transformer'"),
@@ -80,7 +126,35 @@ def test_config_unknown_keys_are_named(tmp_path) -> None:
         (["--weight-decay", "-0.1"], 0, r"--weight-decay must be a finite number >= 0 \(0 disables\), got -0.1"),
         (["--clip-grad", "nan"], 0, "--clip-grad must be a finite number >= 0"),
         (["--warmup-epochs", "inf"], 0, "--warmup-epochs must be a finite number >= 0"),
-        (["--timeout", "0"], 0, "--timeout must be a finite number of seconds > 0, got 0.0"),
+        (["--timeout", "0"], 0, r"--timeout must be a number of seconds > 0 and <= 1e\+09 \(about "
+                                r"31 years\), got 0$"),
+        (["--timeout", "1e10", "--multi-gpu", "ddp"], 0, r"--timeout must be a number of seconds > 0 "
+                                                         r"and <= 1e\+09 \(about 31 years\), got 1e\+10"),
+        (["--comm-dtype", "bf16"], 0, r"^--comm-dtype bf16 only applies to --multi-gpu ddp \(it sets "
+                                      r"DDPWrapper's all-reduce\); this run is --multi-gpu none: drop "
+                                      r"it, or start the run with torchrun"),
+        (["--find-unused-parameters"], 0, r"^--find-unused-parameters only applies to --multi-gpu ddp"),
+        (["--sync-batchnorm", "--multi-gpu", "dp"], 1, r"^--sync-batchnorm only applies to --multi-gpu "
+                                                       r"ddp .* this run is --multi-gpu dp"),
+        (["--backend", "gloo"], 0, r"^--backend gloo only applies to --multi-gpu ddp"),
+        (["--amp-dtype", "fp16"], 0, r"^--amp-dtype fp16 sets the autocast dtype but AMP is off by "
+                                     r"default without a GPU; add --amp to train in mixed precision, "
+                                     r"or drop --amp-dtype"),
+        (["--amp-dtype", "bf16", "--no-amp"], 1, r"^--amp-dtype bf16 sets the autocast dtype but "
+                                                 r"--no-amp is given"),
+        (["--dataset", "m:make", "--data-dir", "/tmp"], 0,
+         r"^--dataset m:make and --data-dir /tmp both choose the training data; give one"),
+        (["--model", "m:make", "--mode", "lstm"], 0,
+         r"^--model m:make and --mode lstm both choose the model; give one"),
+        (["--resume", "/tmp"], 0, r"^--resume /tmp: is a directory; give the checkpoint file in it "
+                                   r"\(/tmp/last\.pt\), or --save-dir /tmp to continue the run there"),
+        (["--num-workers", "-1"], 0, r"^--num-workers must be 0\.\.\d+ \(loader threads per "
+                                     r"process, at most 8 per CPU core of this machine\), got -1$"),
+        (["--num-workers", "10" + "0" * 20], 0, r"^--num-workers must be 0\.\.\d+ .* got 10{21}$"),
+        (["--warmup-epochs", "3", "--epochs", "2"], 0,
+         r"^--warmup-epochs 3 is longer than the run \(--epochs 2\): the learning rate would "
+         r"still be rising when training ends; give at most --epochs$"),
+        (["--gpu-ids", ",,"], 0, r"^--gpu-ids must name at least one GPU id, e\.g\. 0,1, got ',,'"),
         (["--max-nan-steps", "0"], 0, r"--max-nan-steps must be >= 1 \(1 stops at the first"),
         (["--save-interval", "-1"], 0, r"--save-interval must be >= 0 \(0: a checkpoint per epoch only\), got -1"),
     ],
@@ -188,3 +262,47 @@ def test_debug_shows_the_traceback(tmp_path, how) -> None:
     proc = _launcher(["--config", cfg, *argv], env=env)
     assert proc.returncode != 0
     assert "Traceback" in proc.stderr and "UsageError: --config" in proc.stderr
+
+
+def test_model_factory_that_returns_no_module_is_one_clear_error(tmp_path, monkeypatch) -> None:
+    from fastddp.train.models import build_model
+
+    (tmp_path / "not_a_model.py").write_text("def make():\n    return (1, 2)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(UsageError, match=r"^--model 'not_a_model:make' returned a tuple, not a "
+                                         r"torch\.nn\.Module; the factory must build and return"):
+        build_model("flatten", "not_a_model:make")
+
+
+def test_config_that_is_a_directory_is_named_as_one(tmp_path) -> None:
+    with pytest.raises(UsageError, match=rf"^--config {re.escape(str(tmp_path))}: is a directory; "
+                                         "give the YAML or JSON file$"):
+        parse_args(["--config", str(tmp_path)])
+
+
+def test_save_dir_that_is_a_file_is_named_as_one(tmp_path) -> None:
+    from fastddp.train.setup import check_save_dir
+
+    file = tmp_path / "run"
+    file.write_text("results of something else")
+    with pytest.raises(UsageError, match=rf"^--save-dir {re.escape(str(file))}: is a file, not a "
+                                         r"directory; choose a directory \(it is created if missing\)$"):
+        check_save_dir(file)
+    assert file.read_text() == "results of something else"
+
+
+def test_key_given_twice_in_a_json_config_is_refused(tmp_path) -> None:
+    cfg = tmp_path / "run.json"
+    cfg.write_text('{"training": {"lr": 0.1, "lr": 0.2}}')
+    with pytest.raises(UsageError, match=rf"^--config {re.escape(str(cfg))}: key 'lr' is given "
+                                         r"twice in one mapping \(values 0\.1 and 0\.2\); keep one$"):
+        parse_args(["--config", str(cfg)])
+
+
+def test_key_given_twice_in_a_yaml_config_is_refused(tmp_path) -> None:
+    pytest.importorskip("yaml")
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("training:\n  lr: 0.1\n  epochs: 3\n  lr: 0.2\n")
+    with pytest.raises(UsageError, match=rf"^--config {re.escape(str(cfg))}: key 'lr' is given "
+                                         r"twice in one mapping \(lines 2 and 4\); keep one$"):
+        parse_args(["--config", str(cfg)])

@@ -7,7 +7,9 @@ walking, walking upstairs, walking downstairs, sitting, standing, laying.
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,6 +112,7 @@ def _read_matrix(path: Path, columns: int | None) -> np.ndarray:
     if not path.is_file():
         raise FileNotFoundError(f"UCI HAR file missing: {path}")
     rows = []
+    linenos = []
     with open(path) as f:
         for lineno, line in enumerate(f, 1):
             parts = line.split()
@@ -122,9 +125,19 @@ def _read_matrix(path: Path, columns: int | None) -> np.ndarray:
             if columns is not None and len(values) != columns:
                 raise ValueError(f"{path}:{lineno}: expected {columns} values, found {len(values)}")
             rows.append(values)
+            linenos.append(lineno)
     if not rows:
         raise ValueError(f"{path}: file is empty")
-    return np.asarray(rows, dtype=np.float32)
+    array = np.asarray(rows, dtype=np.float64)
+    # float() takes "nan" and "inf", and float32 turns 1e40 into inf: a window with one of
+    # them would train on NaN losses, so they are refused like any other malformed value.
+    bad = ~(np.abs(array) <= np.finfo(np.float32).max)
+    if bad.any():
+        row = int(np.nonzero(bad.any(axis=1))[0][0])
+        value = array[row][bad[row]][0]
+        what = "not a finite value" if not np.isfinite(value) else "outside the float32 range"
+        raise ValueError(f"{path}:{linenos[row]}: {value:g} is {what}")
+    return array.astype(np.float32)
 
 
 def _load_split(root: Path, split: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -145,7 +158,77 @@ def _load_split(root: Path, split: str) -> tuple[np.ndarray, np.ndarray, np.ndar
     bad = np.nonzero((y < 1) | (y > 6) | (y != np.round(y)))[0]
     if len(bad):
         raise ValueError(f"{base / f'y_{split}.txt'}:{bad[0] + 1}: label {y[bad[0]]:g} is not 1-6")
+    bad = np.nonzero((s < 1) | (s != np.round(s)))[0]
+    if len(bad):
+        raise ValueError(f"{base / f'subject_{split}.txt'}:{bad[0] + 1}: subject {s[bad[0]]:g} is "
+                         "not a positive integer")
     return x, (y - 1).astype(np.int64), s.astype(np.int64)
+
+
+def _source_files(root: Path) -> list[Path]:
+    """The files of the UCI HAR layout under ``root`` that :func:`load_uci_har` reads."""
+    files = []
+    for split in ("train", "test"):
+        files += [root / split / "Inertial Signals" / f"{name}_{split}.txt" for name in SIGNALS]
+        files += [root / split / f"{kind}_{split}.txt" for kind in ("y", "subject")]
+    return files
+
+
+# Bumped when the parsing or the checks change, so caches written by another rule are rebuilt.
+_CACHE_FORMAT = 2
+_CACHE_NAMES = [f"{k}_{split}" for split in ("train", "test") for k in ("x", "y", "s")]
+
+
+def _fingerprint(root: Path) -> dict | None:
+    """Size and modification time of every source file (None when one is missing): a cache
+    is used only while they are unchanged."""
+    stamp: dict = {"format": _CACHE_FORMAT}
+    for file in _source_files(root):
+        try:
+            st = file.stat()
+        except OSError:
+            return None
+        stamp[str(file.relative_to(root))] = [st.st_size, st.st_mtime_ns]
+    return stamp
+
+
+def _read_cache(cache_dir: Path, stamp: dict) -> dict[str, np.ndarray] | None:
+    """The cached arrays, memory-mapped, when the cache was completed for sources with this
+    ``stamp``; None otherwise (no cache, stale sources, a damaged file)."""
+    try:
+        if json.loads((cache_dir / "sources.json").read_text()) != stamp:
+            return None
+        return {n: np.load(cache_dir / f"{n}.npy", mmap_mode="r") for n in _CACHE_NAMES}
+    except (OSError, ValueError, EOFError):
+        return None
+
+
+def _write_atomic(path: Path, write) -> None:
+    """``write(file)`` into a temporary beside ``path`` (one per process: ranks that cache at
+    once do not share it), fsync'd, then renamed over ``path``."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def _write_cache(cache_dir: Path, arrays: dict[str, np.ndarray], stamp: dict) -> None:
+    """Cache ``arrays`` for sources with ``stamp``. The stamp is removed first and written
+    last, so an interrupted write leaves a cache that :func:`_read_cache` does not use."""
+    try:
+        cache_dir.mkdir(exist_ok=True)
+        (cache_dir / "sources.json").unlink(missing_ok=True)
+        for n, arr in arrays.items():
+            _write_atomic(cache_dir / f"{n}.npy", lambda f, arr=arr: np.save(f, arr))
+        _write_atomic(cache_dir / "sources.json", lambda f: f.write(json.dumps(stamp).encode()))
+    except OSError:
+        pass  # a read-only data directory just means no cache
 
 
 def load_uci_har(root: str | Path, cache: bool = True) -> HARData:
@@ -154,28 +237,23 @@ def load_uci_har(root: str | Path, cache: bool = True) -> HARData:
     ``root/{train,test}/Inertial Signals/{body_acc,body_gyro,total_acc}_{x,y,z}_{split}.txt``
     become float32 N×9×128, ``y_{split}.txt`` labels 1–6 become 0–5, ``subject_{split}.txt``
     the subject ids. Parsed arrays are cached as ``.npy`` files in ``root/.fastddp_cache`` and
-    memory-mapped on later loads. Missing or malformed files raise an error naming the file
-    (and line).
+    memory-mapped on later loads while the text files keep their size and modification time;
+    a cache that is stale, damaged or was not finished is parsed again. Missing or malformed
+    files raise an error naming the file (and line).
     """
     root = Path(root)
     if (root / "UCI HAR Dataset").is_dir():
         root = root / "UCI HAR Dataset"
     cache_dir = root / ".fastddp_cache"
-    names = [f"{k}_{split}" for split in ("train", "test") for k in ("x", "y", "s")]
-    if cache and all((cache_dir / f"{n}.npy").is_file() for n in names):
-        arrays = {n: np.load(cache_dir / f"{n}.npy", mmap_mode="r") for n in names}
-    else:
+    stamp = _fingerprint(root) if cache else None
+    arrays = _read_cache(cache_dir, stamp) if stamp is not None else None
+    if arrays is None:
         arrays = {}
         for split in ("train", "test"):
             x, y, s = _load_split(root, split)
             arrays.update({f"x_{split}": x, f"y_{split}": y, f"s_{split}": s})
-        if cache:
-            try:
-                cache_dir.mkdir(exist_ok=True)
-                for n, arr in arrays.items():
-                    np.save(cache_dir / f"{n}.npy", arr)
-            except OSError:
-                pass  # a read-only data directory just means no cache
+        if stamp is not None:
+            _write_cache(cache_dir, arrays, stamp)
     import warnings
 
     with warnings.catch_warnings():

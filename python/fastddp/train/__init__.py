@@ -61,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     debug = _debug(argv)
     try:
         args = parse_args(argv)
+        debug = debug or args.debug  # --debug may come from the config file too
         validate(args, torch.cuda.device_count())
         from .loop import run
 

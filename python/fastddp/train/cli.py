@@ -4,45 +4,70 @@ file (YAML or JSON) that can set every flag, and validation that fails before an
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 from pathlib import Path
 from typing import Any
 
+from .config import load_config
 from .errors import UsageError
 from .models import MODES, load_factory
 
 # torch.manual_seed takes 64 bits; per-rank and per-epoch seeds are derived by adding to it.
 MAX_SEED = 2**63 - 1
+# c10d counts a timeout in 64-bit nanoseconds (at most 9.2e9 s); beyond that the store's
+# connect times out at once or the conversion overflows.
+MAX_TIMEOUT = 10**9
+
+# Flags (and their defaults) that configure DDPWrapper or the process group, which only
+# --multi-gpu ddp has: anything else given with another mode would be ignored.
+DDP_ONLY = {"comm_dtype": ("none", "DDPWrapper's all-reduce"),
+            "find_unused_parameters": (False, "DDPWrapper's gradient reduction"),
+            "sync_batchnorm": (False, "BatchNorm statistics across the DDP ranks"),
+            "backend": ("auto", "the process group of the DDP ranks")}
 
 
-# Keys of the classic configs/multi_gpu.yaml and configs/distributed.yaml -> our flags.
-NESTED_KEYS = {
-    "training.batch_size": "batch_size",
-    "training.lr": "lr",
-    "training.learning_rate": "lr",
-    "training.epochs": "epochs",
-    "training.weight_decay": "weight_decay",
-    "training.warmup_epochs": "warmup_epochs",
-    "training.grad_accum_steps": "grad_accum_steps",
-    "training.num_workers": "num_workers",
-    "training.amp": "amp",
-    "training.clip_grad": "clip_grad",
-    "training.seed": "seed",
-    "training.mode": "mode",
-    "training.save_dir": "save_dir",
-    "model.mode": "mode",
-    "data.data_dir": "data_dir",
-    "data.num_workers": "num_workers",
-    "distributed.backend": "backend",
-    "distributed.find_unused_parameters": "find_unused_parameters",
-    "distributed.sync_batchnorm": "sync_batchnorm",
-    "distributed.multi_gpu": "multi_gpu",
-    "distributed.gpu_ids": "gpu_ids",
-    "distributed.comm_dtype": "comm_dtype",
-    "distributed.timeout": "timeout",
-}
+# The flags that decide what a run computes. A checkpoint records them (with the values the
+# launcher resolved from them: "amp", "amp_dtype", the learning rate after --scale-lr, the
+# number of training samples), and a run that resumes it must have the same: the optimizer
+# state would keep the old learning rate and weight decay, and another batch size,
+# accumulation or seed would move the sampler's position, so the run would neither continue
+# the old one nor be what its own flags say. --epochs may differ ("train further").
+RESUME_FLAGS = ("lr", "scale_lr", "weight_decay", "warmup_epochs", "batch_size",
+                "grad_accum_steps", "seed", "clip_grad", "amp", "amp_dtype", "class_weights",
+                "comm_dtype", "sync_batchnorm")
+DERIVED_LABELS = {"lr_scaled": "learning rate after --scale-lr and the world size",
+                  "train_samples": "training samples (--dataset, --data-dir)"}
+
+# Settings that follow from others: named only when those others agree.
+FOLLOWS = {"lr_scaled": ("lr", "scale_lr"), "amp_dtype": ("amp",)}
+
+
+def resume_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The values of :data:`RESUME_FLAGS` in ``args``, as a checkpoint records them."""
+    return {name: getattr(args, name) for name in RESUME_FLAGS}
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return "unset" if value is None else str(value)
+
+
+def resume_conflict(saved: dict[str, Any], current: dict[str, Any], source: str) -> str | None:
+    """Why a checkpoint that recorded the settings ``saved`` cannot be continued by a run with
+    ``current`` (naming each flag and both values, and the fix), or None."""
+    differ = [k for k in current if k in saved and saved[k] != current[k]
+              and not (k in DERIVED_LABELS and None in (saved[k], current[k]))]
+    differ = [k for k in differ if not set(FOLLOWS.get(k, ())) & set(differ)]
+    if not differ:
+        return None
+    named = [f"{DERIVED_LABELS.get(k) or '--' + k.replace('_', '-')} {_show(saved[k])} "
+             f"(this run: {_show(current[k])})" for k in differ]
+    return (f"{source} was written by a run with other settings: {', '.join(named)}. Resuming "
+            "it would continue neither that run nor this one; give the checkpoint's values to "
+            "continue it, or start a new run with --resume none (which overwrites the files in "
+            "--save-dir) or another --save-dir")
 
 
 def under_torchrun() -> bool:
@@ -117,7 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="max global grad norm (0 disables clipping)")
     g.add_argument("--seed", type=int, default=42, help="random seed (per-rank streams derived)")
     g.add_argument("--max-nan-steps", type=int, default=5,
-                   help="abort after this many consecutive non-finite losses (AMP off)")
+                   help="abort after this many consecutive non-finite losses (checked "
+                        "unless fp16 AMP's GradScaler skips such steps itself)")
 
     g = p.add_argument_group("input pipeline")
     g.add_argument("--num-workers", type=int, default=2, help="loader threads per process")
@@ -142,67 +168,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(_flatten(v, key + "."))
-        else:
-            out[key] = v
-    return out
-
-
-def load_config(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
-    """Read a config file into ``{dest: value}``; unknown keys are an error naming them."""
-    file = Path(path)
-    if not file.is_file():
-        raise UsageError(f"--config {path}: no such file")
-    try:
-        text = file.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UsageError(f"--config {path}: cannot be read as a text file ({exc}); give a YAML "
-                         "or JSON file") from None
-    if file.suffix in (".yaml", ".yml"):
-        try:
-            import yaml
-        except ImportError:
-            raise UsageError(f"--config {path}: reading YAML needs PyYAML (pip install pyyaml), "
-                             "or give a .json file") from None
-        try:
-            data = yaml.safe_load(text) or {}
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-            raise UsageError(f"--config {path}: invalid YAML{where} ({problem}); fix the file "
-                             "or check it with python -c 'import yaml,sys; "
-                             "yaml.safe_load(open(sys.argv[1]))' FILE") from None
-    else:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise UsageError(f"--config {path}: invalid JSON ({exc}); fix the file (a .yaml or "
-                             ".yml name reads it as YAML)") from None
-    if not isinstance(data, dict):
-        raise UsageError(f"--config {path}: expected a mapping of settings at the top level")
-    dests = {a.dest for a in parser._actions}
-    resolved: dict[str, Any] = {}
-    unknown = []
-    for key, value in _flatten(data).items():
-        dest = NESTED_KEYS.get(key) or key.replace("-", "_")
-        if "." in key and key not in NESTED_KEYS:
-            dest = key.split(".")[-1].replace("-", "_")
-        if dest in dests and dest not in ("help", "config"):
-            resolved[dest] = value
-        else:
-            unknown.append(key)
-    if unknown:
-        raise UsageError(f"--config {path}: unknown keys {', '.join(sorted(unknown))} "
-                         "(see python -m fastddp.train --help for the settable flags)")
-    return resolved
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     pre, _ = parser.parse_known_args(argv)
@@ -216,6 +181,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def validate(args: argparse.Namespace, cuda_count: int) -> None:
     """Check every flag that can be checked before a process group or data exist."""
+    check_exclusive(args)
     if args.mode not in MODES and not args.model:
         raise UsageError(f"unknown --mode {args.mode!r}: choose one of {', '.join(MODES)}")
     for name in ("epochs", "batch_size", "grad_accum_steps", "log_interval"):
@@ -228,14 +194,23 @@ def validate(args: argparse.Namespace, cuda_count: int) -> None:
         raise UsageError(f"--lr must be a finite number > 0, got {args.lr}")
     if not (math.isfinite(args.weight_decay) and args.weight_decay >= 0):
         raise UsageError(f"--weight-decay must be a finite number >= 0 (0 disables), got {args.weight_decay}")
-    if args.num_workers < 0:
-        raise UsageError(f"--num-workers must be >= 0, got {args.num_workers}")
+    max_workers = max(32, 8 * (os.cpu_count() or 1))
+    if not 0 <= args.num_workers <= max_workers:
+        # each is a thread of the C++ loader; past the system's thread limit the loader's
+        # start fails ("Resource temporarily unavailable"), long before that they only contend
+        raise UsageError(f"--num-workers must be 0..{max_workers} (loader threads per process, "
+                         f"at most 8 per CPU core of this machine), got {args.num_workers}")
     if not (math.isfinite(args.clip_grad) and args.clip_grad >= 0):
         raise UsageError(f"--clip-grad must be a finite number >= 0 (0 disables), got {args.clip_grad}")
     if not (math.isfinite(args.warmup_epochs) and args.warmup_epochs >= 0):
         raise UsageError(f"--warmup-epochs must be a finite number >= 0, got {args.warmup_epochs}")
-    if not (math.isfinite(args.timeout) and args.timeout > 0):
-        raise UsageError(f"--timeout must be a finite number of seconds > 0, got {args.timeout}")
+    if args.warmup_epochs > args.epochs:
+        raise UsageError(f"--warmup-epochs {args.warmup_epochs:g} is longer than the run "
+                         f"(--epochs {args.epochs}): the learning rate would still be rising "
+                         "when training ends; give at most --epochs")
+    if not (math.isfinite(args.timeout) and 0 < args.timeout <= MAX_TIMEOUT):
+        raise UsageError(f"--timeout must be a number of seconds > 0 and <= {MAX_TIMEOUT:.0e} "
+                         f"(about 31 years), got {args.timeout:g}")
     if not 0 <= args.seed <= MAX_SEED:
         raise UsageError(f"--seed must be an integer in 0..{MAX_SEED} (2**63 - 1), got {args.seed}")
     for flag, spec in (("--model", args.model), ("--dataset", args.dataset)):
@@ -271,13 +246,48 @@ def validate(args: argparse.Namespace, cuda_count: int) -> None:
     if args.sync_batchnorm and args.multi_gpu == "ddp" and (cuda_count == 0 or args.backend == "gloo"):
         raise UsageError("--sync-batchnorm needs CUDA GPUs (torch's SyncBatchNorm runs on GPUs "
                          "only) and none is used here; drop the flag on CPU ranks")
+    check_mode_flags(args, cuda_count)
     if args.data_dir is not None:
         root = Path(args.data_dir)
         if not root.is_dir() or not os.access(root, os.R_OK):
             raise UsageError(f"--data-dir {args.data_dir}: not a readable directory")
+    if args.resume not in ("auto", "none") and Path(args.resume).is_dir():
+        raise UsageError(f"--resume {args.resume}: is a directory; give the checkpoint file in it "
+                         f"({Path(args.resume) / 'last.pt'}), or --save-dir {args.resume} to "
+                         "continue the run there with --resume auto")
     if args.resume not in ("auto", "none") and not Path(args.resume).is_file():
         raise UsageError(f"--resume {args.resume}: no such checkpoint file "
                          "(use auto, none or a path to a .pt written by fastddp.train)")
+
+
+def check_mode_flags(args: argparse.Namespace, cuda_count: int) -> None:
+    """Refuse flags that the chosen mode would ignore: DDP's flags without --multi-gpu ddp,
+    --amp-dtype with AMP off."""
+    if args.multi_gpu != "ddp":
+        for name, (default, what) in DDP_ONLY.items():
+            value = getattr(args, name)
+            if value != default:
+                flag = f"--{name.replace('_', '-')}" + ("" if value is True else f" {value}")
+                raise UsageError(f"{flag} only applies to --multi-gpu ddp (it sets {what}); this "
+                                 f"run is --multi-gpu {args.multi_gpu}: drop it, or start the run "
+                                 "with torchrun --nproc_per_node=N -m fastddp.train --multi-gpu ddp")
+    amp_on_by_default = cuda_count > 0 and args.backend != "gloo"
+    if args.amp_dtype is not None and not (args.amp or (args.amp is None and amp_on_by_default)):
+        why = "--no-amp is given" if args.amp is False else "AMP is off by default without a GPU"
+        raise UsageError(f"--amp-dtype {args.amp_dtype} sets the autocast dtype but {why}; add "
+                         "--amp to train in mixed precision, or drop --amp-dtype")
+
+
+def check_exclusive(args: argparse.Namespace) -> None:
+    """Refuse two flags that choose the same thing: one of them would be ignored."""
+    if args.dataset and args.data_dir is not None:
+        raise UsageError(f"--dataset {args.dataset} and --data-dir {args.data_dir} both choose the "
+                         "training data; give one (--data-dir: the UCI HAR files, --dataset: "
+                         "your own pkg.module:factory)")
+    if args.model and args.mode != "flatten":
+        raise UsageError(f"--model {args.model} and --mode {args.mode} both choose the model; "
+                         "give one (--mode: a built-in HAR model, --model: your own "
+                         "pkg.module:factory)")
 
 
 def parse_gpu_ids(spec: str | None, cuda_count: int) -> list[int]:
@@ -287,6 +297,8 @@ def parse_gpu_ids(spec: str | None, cuda_count: int) -> list[int]:
         ids = [int(s) for s in str(spec).split(",") if s.strip() != ""]
     except ValueError:
         raise UsageError(f"--gpu-ids must be comma-separated integers, got {spec!r}") from None
+    if not ids:
+        raise UsageError(f"--gpu-ids must name at least one GPU id, e.g. 0,1, got {spec!r}")
     absent = [i for i in ids if i < 0 or i >= cuda_count]
     if absent:
         raise UsageError(f"--gpu-ids {spec}: GPU(s) {absent} not present "

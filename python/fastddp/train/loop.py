@@ -8,6 +8,7 @@ import argparse
 import contextlib
 import json
 import math
+import os
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -24,6 +25,7 @@ import fastddp
 
 from .._net import finish_collectives
 from . import checkpoint, signals
+from .cli import resume_flags
 from .epoch import end_epoch, run_epoch
 from .errors import UsageError
 from .graph import GraphedStep, hold_lr
@@ -38,6 +40,7 @@ from .setup import (
     log,
     lr_lambda,
     resolve_cuda_graph,
+    save_dir_lock,
     seed_everything,
     setup_distributed,
 )
@@ -84,10 +87,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # SIGTERM (torchrun stopping the survivors of a failed rank, a preemption) raises
     # signals.Terminated instead of ending the process on the spot, so the checkpoint still
     # being written reaches the disk.
-    with signals.SigtermGuard() as sigterm:
+    # The save directory's lock is released after the writer closed (the last with-item exits
+    # first), so no second run starts writing there before this one's files are on disk.
+    with contextlib.ExitStack() as held, signals.SigtermGuard() as sigterm:
         try:
             try:
-                result = _train(args, ctx, saver)
+                result = _train(args, ctx, saver, held)
             except BaseException:
                 try:
                     with sigterm.shielded():
@@ -105,10 +110,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 dist.destroy_process_group()
 
 
-def _train(args: argparse.Namespace, ctx: Context, saver: checkpoint.CheckpointWriter) -> dict[str, Any]:
+def _train(args: argparse.Namespace, ctx: Context, saver: checkpoint.CheckpointWriter,
+           held: contextlib.ExitStack) -> dict[str, Any]:
     save_dir = Path(args.save_dir)
+    # Rank 0 checks the directory; every rank stops with its verdict, so that the others end
+    # with the same input error (printed once) instead of being stopped by torchrun.
+    problem: list[Optional[str]] = [None]
     if ctx.is_main:
-        check_save_dir(save_dir)
+        try:
+            check_save_dir(save_dir)
+            held.enter_context(save_dir_lock(save_dir))
+        except UsageError as exc:
+            problem[0] = str(exc)
+    if ctx.distributed:
+        dist.broadcast_object_list(problem, src=0)
+    if problem[0] is not None:
+        raise UsageError(problem[0])
     r = build(args, ctx, save_dir, saver)
     partial, resumed = restore(r)
     if resumed and r.state.start_epoch >= args.epochs:
@@ -160,13 +177,20 @@ def build(args: argparse.Namespace, ctx: Context, save_dir: Path,
         steps_per_epoch * args.epochs, int(args.warmup_epochs * steps_per_epoch)))
     scaler = fastddp.GradScaler(device=ctx.device.type, enabled=scaler_on)
     weight = class_weights(train_set, ctx.device) if args.class_weights == "auto" else None
+    settings = {**resume_flags(args), "amp": amp, "lr_scaled": lr,
+                "amp_dtype": {torch.float16: "fp16", torch.bfloat16: "bf16"}[amp_dtype] if amp else None,
+                "train_samples": len(train_set) if hasattr(train_set, "__len__") else None}
     state = TrainState(model, optimizer, scheduler, scaler, loader, mode=args.model or args.mode,
-                       world=ctx.world)
+                       world=ctx.world, settings=settings,
+                       run_id=os.environ.get("TORCHELASTIC_RUN_ID"))
     loss_fn = nn.CrossEntropyLoss(weight=weight)
     step = TrainStep(model, loss_fn, optimizer, scaler, autocast_factory(amp, amp_dtype, ctx.device),
                      args.clip_grad or None,
                      ddp=model if isinstance(model, fastddp.DDPWrapper) else None,
-                     check_finite=not amp, max_nan_steps=args.max_nan_steps, rank=ctx.rank)
+                     # without fp16's GradScaler (AMP off, or bf16) nothing else skips a
+                     # non-finite step: the weights would turn NaN and training go on
+                     check_finite=not scaler_on, max_nan_steps=args.max_nan_steps,
+                     rank=ctx.rank)
     sums = EpochSums(ctx.device)
     return Run(args, ctx, save_dir, saver, model, state, val_loader, loss_fn, amp, amp_dtype, lr,
                steps_per_epoch, step, sums,

@@ -10,6 +10,8 @@ import importlib
 import torch
 from torch import nn
 
+from .errors import UsageError
+
 MODES = ("flatten", "conv1d", "lstm")
 
 
@@ -72,7 +74,11 @@ class LSTMNet(nn.Module):
 def build_model(mode: str, factory: str | None = None) -> nn.Module:
     """The model for ``--mode``, or the user's own from ``--model pkg.mod:factory``."""
     if factory:
-        return load_factory(factory, "--model")()
+        model = load_factory(factory, "--model")()
+        if not isinstance(model, nn.Module):
+            raise UsageError(f"--model {factory!r} returned a {type(model).__name__}, not a "
+                             "torch.nn.Module; the factory must build and return the model")
+        return model
     if mode == "flatten":
         return FlattenMLP()
     if mode == "conv1d":

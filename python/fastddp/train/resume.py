@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,25 +20,25 @@ def newness(state: dict[str, Any]) -> tuple[int, bool]:
     return int(state.get("step", -1)), bool(state.get("epoch_done"))
 
 
-def find_resume_state(args: argparse.Namespace, ctx: Context,
-                      save_dir: Path) -> tuple[dict[str, Any] | None, Path | None, str]:
+def find_resume_state(args: argparse.Namespace, ctx: Context, save_dir: Path,
+                      key: Callable[[dict[str, Any]], Any] = newness,
+                      ) -> tuple[dict[str, Any] | None, Path | None, str]:
     """The checkpoint ``--resume`` asks for: ``(state, file, note for the log)``, or ``None``s.
 
-    With ``auto`` rank 0 picks the newest checkpoint in ``save_dir`` that verifies and every
-    rank loads that file; checkpoint files of which none verifies stop the run (UsageError)
-    instead of starting over."""
+    With ``auto`` rank 0 picks the newest (largest ``key``) checkpoint in ``save_dir`` that
+    verifies and every rank loads that file; checkpoint files of which none verifies stop the
+    run (UsageError) instead of starting over. ``none`` starts over, except in a restarted
+    torchrun job (:func:`own_checkpoint`); a path: :func:`given_checkpoint`."""
     if args.resume == "none":
-        return None, None, ""
+        if not restarted_job():
+            return None, None, ""
+        return own_checkpoint(args, ctx, save_dir)
     if args.resume != "auto":
-        path = Path(args.resume)
-        try:
-            return checkpoint.load(path), path, ""
-        except checkpoint.CheckpointError as exc:
-            raise UsageError(str(exc)) from None
+        return given_checkpoint(args, ctx, save_dir)
     choice: list[Any] = [None, None, ""]  # path, error, note
     if ctx.is_main:
         try:
-            found = checkpoint.latest(save_dir / "last.pt", key=newness)
+            found = checkpoint.latest(save_dir / "last.pt", key=key)
         except checkpoint.CheckpointError as exc:
             choice[1] = str(exc)
         else:
@@ -63,6 +65,66 @@ def find_resume_state(args: argparse.Namespace, ctx: Context,
     return state, Path(path), note
 
 
+
+
+def given_checkpoint(args: argparse.Namespace, ctx: Context,
+                     save_dir: Path) -> tuple[dict[str, Any] | None, Path | None, str]:
+    """``--resume PATH``. When PATH lies outside ``save_dir`` and ``save_dir`` holds a
+    checkpoint that continues PATH's run (PATH's history, then more: what this command wrote
+    before it was stopped), that one is taken, so the same command run again continues
+    instead of starting over from PATH. A ``save_dir`` that holds another run is refused:
+    continuing PATH there would overwrite it."""
+    path = Path(args.resume)
+    try:
+        given = checkpoint.load(path)
+    except checkpoint.CheckpointError as exc:
+        raise UsageError(str(exc)) from None
+    if path.resolve().parent == save_dir.resolve():
+        return given, path, ""
+    auto = argparse.Namespace(**{**vars(args), "resume": "auto"})
+    own, own_path, note = find_resume_state(auto, ctx, save_dir)
+    if own is None:
+        return given, path, ""
+    if continues(own, given):
+        return own, own_path, f"{note} (it continues --resume {path})"
+    raise UsageError(f"--save-dir {save_dir} holds the checkpoint of another run ({own_path}: "
+                     f"{len(own.get('history', []))} epoch(s), step {own.get('step')}); "
+                     f"continuing {path} there would overwrite it. Choose another --save-dir, "
+                     "or continue that run with --resume auto")
+
+
+def continues(later: dict[str, Any], earlier: dict[str, Any]) -> bool:
+    """Whether checkpoint ``later`` is ``earlier``'s run trained further: the same epochs
+    first, at least as many steps."""
+    history = earlier.get("history", [])
+    return (newness(later) >= newness(earlier)
+            and later.get("history", [])[:len(history)] == history)
+
+
+def restarted_job() -> bool:
+    """Whether this process is a restart of a torchrun job (``--max-restarts``): torchrun
+    starts it with the same command line as the attempt that failed."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+
+
+def own_checkpoint(args: argparse.Namespace, ctx: Context,
+                   save_dir: Path) -> tuple[dict[str, Any] | None, Path | None, str]:
+    """``--resume none`` in a restarted torchrun job: the job's first attempt started over, and
+    the attempts after it continue the newest checkpoint that attempt or a later one wrote
+    (the same ``TORCHELASTIC_RUN_ID``); starting over again would throw away the job's own
+    progress at every restart. A checkpoint of another job is not taken."""
+    job = os.environ.get("TORCHELASTIC_RUN_ID")
+    auto = argparse.Namespace(**{**vars(args), "resume": "auto"})
+    try:
+        state, path, note = find_resume_state(
+            auto, ctx, save_dir, key=lambda s: (s.get("run_id") == job, *newness(s)))
+    except UsageError:
+        return None, None, ""  # nothing of this job's that verifies: start over, as asked
+    if state is None or state.get("run_id") != job:
+        return None, None, ""
+    restart = os.environ["TORCHELASTIC_RESTART_COUNT"]
+    return state, path, (f"{note} (restart {restart} of this torchrun job: --resume none "
+                         "applied to its first attempt)")
 
 
 def nothing_to_resume(save_dir: Path) -> tuple[str | None, str]:

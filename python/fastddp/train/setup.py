@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -120,6 +122,8 @@ def load_data(args: argparse.Namespace) -> tuple[Any, Any]:
             train, test = load_factory(args.dataset, "--dataset")()
         except (TypeError, ValueError) as exc:
             raise UsageError(f"--dataset {args.dataset}: must return (train, test) ({exc})") from exc
+        for split, data in (("train", train), ("test", test)):
+            check_dataset(data, split, args)
         return train, test
     from fastddp.data import har
 
@@ -131,6 +135,38 @@ def load_data(args: argparse.Namespace) -> tuple[Any, Any]:
     else:
         data = har.synthetic_har(seed=0)
     return (TensorDataset(data.x_train, data.y_train), TensorDataset(data.x_test, data.y_test))
+
+
+def check_dataset(data: Any, split: str, args: argparse.Namespace) -> None:
+    """A ``--dataset`` split must hold (x, y) samples with labels 0..5 (the metrics count six
+    classes) and, for the built-in ``--mode`` models, 9x128 windows: anything else would fail
+    inside a training step with the model's or the loss's traceback. A TensorDataset's labels
+    are checked in full, any other data set's first sample."""
+    where = f"--dataset {args.dataset}: the {split} set"
+    try:
+        size = len(data)
+    except TypeError:
+        return  # an iterable data set: nothing to look at before training
+    if size == 0:
+        raise UsageError(f"{where} is empty")
+    tensors = getattr(data, "tensors", None)
+    sample = data[0]
+    if not (isinstance(sample, (tuple, list)) and len(sample) == 2):
+        raise UsageError(f"{where} must give (x, y) samples, its first is a "
+                         f"{type(sample).__name__}")
+    x, y = sample
+    labels = tensors[1] if tensors is not None and len(tensors) == 2 else torch.as_tensor(y)
+    if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+        raise UsageError(f"{where} has {labels.dtype} labels; give integer class indices 0..5")
+    if labels.numel() and not (0 <= int(labels.min()) and int(labels.max()) < CLASSES):
+        bad = int(labels.max()) if int(labels.max()) >= CLASSES else int(labels.min())
+        raise UsageError(f"{where} has label {bad}; the labels must be 0..{CLASSES - 1} (the six "
+                         "HAR activities)")
+    shape = tuple(torch.as_tensor(x).shape)
+    if not args.model and shape != (9, 128):
+        raise UsageError(f"{where} has samples of shape {'x'.join(map(str, shape)) or 'scalar'}, "
+                         f"but --mode {args.mode} takes 9x128 windows; reshape the data or give "
+                         "your own --model")
 
 
 def class_weights(train: Any, device: torch.device) -> torch.Tensor:
@@ -150,6 +186,9 @@ def lr_lambda(total_steps: int, warmup_steps: int):
 
 
 def check_save_dir(save_dir: Path) -> None:
+    if save_dir.exists() and not save_dir.is_dir():
+        raise UsageError(f"--save-dir {save_dir}: is a file, not a directory; choose a directory "
+                         "(it is created if missing)")
     try:
         save_dir.mkdir(parents=True, exist_ok=True)
         probe = save_dir / ".write-test"
@@ -160,3 +199,31 @@ def check_save_dir(save_dir: Path) -> None:
                          "choose a writable directory") from None
 
 
+
+
+@contextlib.contextmanager
+def save_dir_lock(save_dir: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``save_dir/.fastddp.lock`` (an empty file) while the run
+    writes there: a second run started into the same directory (two jobs with the default
+    runs/har) would interleave its checkpoints and metrics with this one's. A POSIX record
+    lock (lockf), not flock: it belongs to this process alone, so forked data-loader workers
+    that outlive a SIGKILLed run for a few seconds do not keep it from being restarted; the
+    kernel drops it when the process ends. Where the file system has no locks the run goes on
+    without one."""
+    try:
+        import fcntl
+    except ImportError:  # not a POSIX system
+        yield
+        return
+    fd = os.open(save_dir / ".fastddp.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except (BlockingIOError, PermissionError):
+            raise UsageError(f"--save-dir {save_dir}: another fastddp.train run is writing "
+                             "there; wait for it to end, or choose another --save-dir") from None
+        except OSError:
+            pass  # no locks on this file system
+        yield
+    finally:
+        os.close(fd)

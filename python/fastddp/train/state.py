@@ -8,6 +8,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from .cli import resume_conflict
+
 # One rank's part of the state: its RNG streams and the running sums of an unfinished epoch.
 RankState = dict[str, Any]
 
@@ -38,6 +40,8 @@ class TrainState:
     loader: Any
     mode: str
     world: int
+    settings: dict[str, Any] = field(default_factory=dict)
+    run_id: Optional[str] = None
     epoch: int = 0
     step: int = 0
     epoch_done: bool = False
@@ -57,15 +61,24 @@ class TrainState:
             "loader": self.loader.state_dict(), "epoch": self.epoch, "step": self.step,
             "epoch_done": self.epoch_done, "best_f1": self.best_f1, "history": self.history,
             "rng": self.ranks, "world": self.world, "mode": self.mode,
-            "signature": model_signature(self.model),
+            "signature": model_signature(self.model), "settings": self.settings,
+            "run_id": self.run_id,
         }
 
     def check_compatible(self, state: dict[str, Any], source: str) -> Optional[str]:
         """Why ``state`` (from ``source``) cannot be loaded into this run, or None."""
+        missing = [k for k in ("optimizer", "scheduler", "scaler", "loader", "epoch", "step",
+                               "best_f1", "history") if k not in state]
+        if missing:
+            return (f"{source} is not a checkpoint to resume from (it has no "
+                    f"{', '.join(missing)}): best.pt holds only the weights of the best epoch, "
+                    "for evaluation. Resume from last.pt (--resume auto does) or start over "
+                    "with --resume none")
         if state.get("signature") != model_signature(self.model) or state.get("mode") != self.mode:
             return (f"{source} was written for model {state.get('mode')!r} with other parameter "
                     "shapes; use a different --save-dir or --resume none")
-        return None
+        # checkpoints written before settings were recorded are not compared
+        return resume_conflict(state.get("settings", {}), self.settings, source)
 
     def load_state_dict(self, state: dict[str, Any]) -> bool:
         """Restore a checkpoint. Returns whether the run continues inside an unfinished epoch

@@ -42,7 +42,7 @@ class TrainStep:
     """Forward, loss, scaled backward and — on the last micro-batch of a step — the fused
     ``scaler.step`` (unscale, inf/NaN check, clipping, optimizer) and ``scaler.update``.
 
-    ``check_finite`` (AMP off: no scaler skips non-finite steps) checks each loss on the host
+    ``check_finite`` (AMP off or bf16: no scaler skips non-finite steps) checks each loss on the host
     and skips the step, failing after ``max_nan_steps`` in a row; it synchronises, so a CUDA
     graph captures steps with it off."""
 

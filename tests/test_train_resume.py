@@ -1,0 +1,196 @@
+"""What a run continues and what it refuses to overwrite: a checkpoint resumed with flags that
+change what the run computes is refused, naming the flags, before anything in --save-dir is
+written (more --epochs, logging, checkpoint timing continue the run); --resume PATH run again
+continues its own --save-dir; a torchrun restart of a --resume none job continues the job's
+checkpoints; a --save-dir in use by another run is refused."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests import trainer_runs
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def data_path(tmp_path_factory) -> str:
+    path = trainer_runs.write_data(tmp_path_factory.mktemp("data"))
+    (Path(path) / "tiny_half.py").write_text(
+        "from torch.utils.data import TensorDataset\n\nfrom tiny_har import make\n\n\n"
+        "def first_half():\n    train, test = make()\n"
+        "    return TensorDataset(*(t[:96] for t in train.tensors)), test\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def one_epoch(tmp_path_factory, data_path) -> Path:
+    """A finished run of one epoch (default flags, tiny data)."""
+    save = tmp_path_factory.mktemp("done") / "run"
+    codes, out = trainer_runs.run(save, data_path, ["--epochs", "1"])
+    assert codes == [0], out
+    return save
+
+
+def _files(save: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(save.iterdir())}
+
+
+def _resume(one_epoch: Path, tmp_path: Path, data_path: str, extra: list[str],
+            world: int = 1) -> tuple[Path, list[int], str]:
+    save = tmp_path / "run"
+    shutil.copytree(one_epoch, save)
+    codes, out = trainer_runs.run(save, data_path, ["--epochs", "2", *extra], world=world)
+    return save, codes, out
+
+
+@pytest.mark.parametrize(("extra", "named"), [
+    (["--lr", "0.01"], "--lr 0.001 (this run: 0.01)"),
+    (["--batch-size", "16"], "--batch-size 32 (this run: 16)"),
+    (["--seed", "7"], "--seed 42 (this run: 7)"),
+    (["--weight-decay", "0"], "--weight-decay 0.01 (this run: 0.0)"),
+    (["--amp"], "--amp off (this run: on)"),
+    (["--dataset", "tiny_half:first_half"], "training samples (--dataset, --data-dir) 192 "
+                                              "(this run: 96)"),
+], ids=["lr", "batch-size", "seed", "weight-decay", "amp", "data"])
+def test_resume_with_other_settings_is_refused_and_writes_nothing(
+        one_epoch, tmp_path, data_path, extra, named) -> None:
+    before = _files(one_epoch)
+    save, codes, out = _resume(one_epoch, tmp_path, data_path, extra)
+    assert codes == [2], out
+    lines = [ln for ln in out.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "Traceback" not in out, out
+    assert lines[0].startswith(f"fastddp.train: error: {save / 'last.pt'} was written by a run "
+                               f"with other settings: {named}. Resuming it would continue "
+                               "neither that run nor this one; give the checkpoint's values"), out
+    assert "start a new run with --resume none" in lines[0]
+    after = _files(save)
+    assert after == before  # no config.json, metrics.csv or checkpoint rewritten
+
+
+def test_resume_with_more_epochs_and_other_logging_continues(one_epoch, tmp_path, data_path) -> None:
+    save, codes, out = _resume(one_epoch, tmp_path, data_path,
+                               ["--log-interval", "2", "--sync-checkpoints", "--save-interval", "3"])
+    assert codes == [0], out
+    assert f"resumed from {save / 'last.pt'} at epoch 2, step 6" in out, out
+    assert [row["epoch"] for row in trainer_runs.metrics(save)] == ["1", "2"]
+
+
+def test_resume_on_another_world_size_with_scale_lr_is_refused(tmp_path, data_path) -> None:
+    save = tmp_path / "run"
+    codes, out = trainer_runs.run(save, data_path, ["--epochs", "1", "--scale-lr", "linear"],
+                                  world=2)
+    assert codes == [0, 0], out
+    codes, out = trainer_runs.run(save, data_path, ["--epochs", "2", "--scale-lr", "linear"])
+    assert codes == [2], out
+    assert re.search(r"other settings: learning rate after --scale-lr and the world size 0\.002 "
+                     r"\(this run: 0\.001\)\.", out), out
+
+
+def test_resume_from_best_pt_is_one_clear_error(one_epoch, tmp_path, data_path) -> None:
+    best = one_epoch / "best.pt"
+    codes, out = trainer_runs.run(tmp_path / "run", data_path, ["--resume", str(best)])
+    assert codes == [2], out
+    assert out.strip().splitlines() == [
+        f"fastddp.train: error: {best} is not a checkpoint to resume from (it has no optimizer, "
+        "scheduler, scaler, loader, step, best_f1, history): best.pt holds only the weights of "
+        "the best epoch, for evaluation. Resume from last.pt (--resume auto does) or start over "
+        "with --resume none"], out
+
+
+def test_torchrun_restart_of_a_resume_none_job_continues_its_own_checkpoint(tmp_path,
+                                                                            data_path) -> None:
+    """torchrun --max-restarts reruns the failed attempt's command line, --resume none
+    included: the restart continues what the job's first attempt saved, not a checkpoint of
+    another run in the same directory (here a longer one, left as last.pt.prev)."""
+    save = tmp_path / "run"
+    codes, out = trainer_runs.run(save, data_path, ["--epochs", "3", "--batch-size", "16"])
+    assert codes == [0], out  # another run's checkpoint: 36 steps
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--max-restarts=1",
+           "--nproc_per_node=2", "-m", "fastddp.train", "--multi-gpu", "ddp",
+           *trainer_runs.ARGS, "--save-dir", str(save), "--resume", "none", "--save-interval", "2"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", FASTDDP_FAULT_KILL_AFTER_STEP="2",
+               FASTDDP_FAULT_RANK="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [data_path, os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (f"resumed from {save / 'last.pt'} at epoch 1, step 2 (restart 1 of this torchrun "
+            "job: --resume none applied to its first attempt)") in proc.stdout, proc.stdout
+    assert [row["epoch"] for row in trainer_runs.metrics(save)] == ["1", "2", "3"]
+
+
+def test_resume_path_command_run_again_after_a_kill_continues_its_save_dir(
+        one_epoch, tmp_path, data_path) -> None:
+    save, given = tmp_path / "run", one_epoch / "last.pt"
+    argv = ["--epochs", "3", "--resume", str(given)]
+    codes, out = trainer_runs.run(save, data_path, argv,
+                                  env={"FASTDDP_FAULT_KILL_AFTER_EPOCH": "2"})
+    assert codes == [-9] and f"resumed from {given} at epoch 2, step 6" in out, out
+    codes, out = trainer_runs.run(save, data_path, argv)
+    assert codes == [0], out
+    assert (f"resumed from {save / 'last.pt'} at epoch 3, step 12 (it continues --resume "
+            f"{given})") in out, out
+    assert [row["epoch"] for row in trainer_runs.metrics(save)] == ["1", "2", "3"]
+
+
+def test_resume_path_into_the_save_dir_of_another_run_is_refused(one_epoch, tmp_path,
+                                                                  data_path) -> None:
+    save, given = tmp_path / "run", one_epoch / "last.pt"
+    codes, out = trainer_runs.run(save, data_path, ["--epochs", "1", "--lr", "0.01"])
+    assert codes == [0], out
+    before = _files(save)
+    codes, out = trainer_runs.run(save, data_path, ["--epochs", "2", "--resume", str(given)])
+    assert codes == [2], out
+    assert (f"fastddp.train: error: --save-dir {save} holds the checkpoint of another run "
+            f"({save / 'last.pt'}: 1 epoch(s), step 6); continuing {given} there would "
+            "overwrite it. Choose another --save-dir, or continue that run with --resume auto"
+            ) in out, out
+    assert _files(save) == before
+
+
+def test_second_run_into_a_save_dir_in_use_is_refused(tmp_path, data_path) -> None:
+    save = tmp_path / "run"
+    codes, out = trainer_runs.run(save, data_path, ["--epochs", "1"])
+    assert codes == [0], out
+    before = _files(save)
+    # a run writing there holds the lock: here a process that holds it as the launcher does
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(save / ".fastddp.lock")],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        codes, out = trainer_runs.run(save, data_path, ["--epochs", "2"])
+    finally:
+        holder.kill()
+        holder.wait()
+    assert codes == [2], out
+    assert out.strip().splitlines()[-1] == (
+        f"fastddp.train: error: --save-dir {save}: another fastddp.train run is writing there; "
+        "wait for it to end, or choose another --save-dir"), out
+    assert _files(save) == before
+
+
+HOLD_LOCK = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
+fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+print("locked", flush=True)
+time.sleep(300)
+"""
+
+
+def test_unusable_save_dir_stops_every_rank_with_one_error(tmp_path, data_path) -> None:
+    save = tmp_path / "run"
+    save.write_text("not a directory")
+    codes, out = trainer_runs.run(save, data_path, ["--epochs", "1"], world=2)
+    assert codes == [2, 2], out
+    assert out.strip().splitlines() == [
+        f"fastddp.train: error: --save-dir {save}: is a file, not a directory; choose a "
+        "directory (it is created if missing)"], out
+
