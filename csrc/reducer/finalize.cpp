@@ -138,25 +138,32 @@ bool Reducer::lend_or_copy_locked(int64_t index) {
   const auto& view = bucket_view(index);
   if (grad.defined() && grad.unsafeGetTensorImpl() == lent_[index]._unsafe_get_target() &&
       grad.is_alias_of(view))
-    return true;  // the lent view accumulated in place: it holds the result
-  // torch copies the result into .grad (or into a new tensor when it has none). Where only the
-  // parameter holds .grad, nobody can tell that tensor from an alias of the bucket: that alias
-  // is lent instead, and ensure_private_locked keeps the values of a lent one someone holds.
-  const bool lend = !grad.defined() ||
-                    (grad.use_count() == 1 && grad.storage().use_count() == 1 && !grad.requires_grad() &&
-                     grad.layout() == at::kStrided && grad.scalar_type() == view.scalar_type() &&
-                     grad.device() == view.device() && grad.sizes() == view.sizes() &&
-                     grad.strides() == view.strides());
-  if (!lend) {
-    grad.copy_(view);
-    return false;
+    return true;  // a lent alias (lent by the hook, or accumulated in place): it holds the result
+  if (!grad.defined() || unshared_like(grad, view)) {
+    lend_locked(index);
+    return true;
   }
-  // A new TensorImpl over the same memory (no dispatch, no autograd metadata).
+  grad.copy_(view);
+  return false;
+}
+
+bool Reducer::unshared_like(const at::Tensor& grad, const at::Tensor& view) {
+  // torch copies the result into .grad (or into a new tensor when it has none). Where only the
+  // parameter holds .grad, nobody can tell that tensor from an alias of the bucket.
+  return grad.use_count() == 1 && grad.storage().use_count() == 1 && !grad.requires_grad() &&
+         grad.layout() == at::kStrided && grad.scalar_type() == view.scalar_type() &&
+         grad.device() == view.device() && grad.sizes() == view.sizes() && grad.strides() == view.strides();
+}
+
+void Reducer::lend_locked(int64_t index) {
+  const auto& view = bucket_view(index);
+  // A new TensorImpl over the same memory (no dispatch, no autograd metadata): the views
+  // themselves are never handed out, so a lent alias's liveness says whether anyone holds it.
+  auto& grad = params_[index].mutable_grad();
   grad = at::Tensor(view.unsafeGetTensorImpl()->shallow_copy_and_detach(c10::VariableVersion(0),
                                                                         /*allow_tensor_metadata_change=*/true));
   lent_[index] = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>(grad.getIntrusivePtr());
   lent_from_[index] = view.storage().unsafeGetStorageImpl();
-  return true;
 }
 
 void Reducer::wait_bucket_locked(c10d::Work& work, int64_t index) const {

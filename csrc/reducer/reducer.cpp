@@ -100,6 +100,7 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
   hooks_left_.assign(n, 0);
   lent_.assign(n, c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>(at::Tensor().getIntrusivePtr()));
   lent_from_.assign(n, nullptr);
+  unset_at_forward_.assign(n, 0);
   unused_now_.assign(n, 0);
   missing_now_.assign(n, 0);
   fingerprint_ = options_.fingerprint && process_group_->getSize() > 1 && !comm_hook_ && !passthrough_;
@@ -202,6 +203,9 @@ void Reducer::reset_for_backward_locked(bool sync) {
   expect_sync_ = sync;
   if (sync) diag::status().step_started();
   if (sync) invalidate_visitors_locked();  // what visitors took from an earlier backward is stale
+  if (sync && !gradient_as_bucket_view_) {
+    for (size_t i = 0; i < params_.size(); ++i) unset_at_forward_[i] = !params_[i].grad().defined();
+  }
   callback_queued_ = false;
   next_launch_ = 0;
   std::fill(ready_.begin(), ready_.end(), 0);
@@ -283,7 +287,13 @@ void Reducer::copy_grad_to_bucket_locked(int64_t index) {
       } else {
         view.copy_(grad);
       }
-      if (gradient_as_bucket_view_) grad = view;
+      // Autograd's new gradient is in the bucket now: .grad becomes the bucket slot (a lent
+      // alias without gradient_as_bucket_view, when nobody else holds it), freeing it now.
+      if (gradient_as_bucket_view_) {
+        grad = view;
+      } else if (unset_at_forward_[index] && grad.use_count() == 1) {
+        lend_locked(index);  // autograd made it in this backward and only the parameter holds it
+      }
     }
   } else {
     view.zero_();
@@ -457,8 +467,14 @@ void Reducer::flush_deferred_locked(Bucket& bucket) {
     grads.push_back(params_[i].grad());
   }
   at::_foreach_copy_(views, grads);
-  if (gradient_as_bucket_view_) {
-    for (size_t k = 0; k < bucket.deferred.size(); ++k) params_[bucket.deferred[k]].mutable_grad() = views[k];
+  grads.clear();  // so that .grad is the only holder of each gradient again
+  for (size_t k = 0; k < bucket.deferred.size(); ++k) {
+    const int64_t i = bucket.deferred[k];
+    if (gradient_as_bucket_view_) {
+      params_[i].mutable_grad() = views[k];
+    } else if (unset_at_forward_[i] && params_[i].grad().use_count() == 1) {
+      lend_locked(i);
+    }
   }
   bucket.deferred.clear();
 }

@@ -154,6 +154,9 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // parameter holds, of the view's layout, outside autograd); otherwise the result is copied
   // into .grad. Returns whether .grad is the view.
   bool lend_or_copy_locked(int64_t index);
+  // Whether `grad` is a tensor only its parameter holds, laid out as `view`, outside autograd.
+  static bool unshared_like(const at::Tensor& grad, const at::Tensor& view);
+  void lend_locked(int64_t index);  // .grad = a new alias of the slot, tracked in lent_
   // The flat buffers of a bucket whose parameters are like `first`, `total` elements: shape
   // only (a passthrough world of one), with the fingerprint header (`last` c10d bucket), or
   // plain, plus the compressed wire copy with comm_dtype.
@@ -290,6 +293,10 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // its view; the views themselves are never handed out), to tell whether anyone still holds it.
   std::vector<c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>> lent_;
   std::vector<const c10::StorageImpl*> lent_from_;  // the bucket memory each was lent from (compared only)
+  // .grad was unset at the reducing forward: a gradient the hook finds was made by autograd in
+  // this backward (a new tensor; its memory is shared at most with the engine's own buffer), so
+  // the hook can lend the slot at once and free it, instead of holding it to the end.
+  std::vector<char> unset_at_forward_;
   std::vector<std::shared_ptr<BucketVisitor>> visitors_;
 
   // Fingerprints (see fingerprint.h and options.h).
