@@ -150,8 +150,11 @@ bool Reducer::lend_or_copy_locked(int64_t index) {
 bool Reducer::unshared_like(const at::Tensor& grad, const at::Tensor& view) {
   // torch copies the result into .grad (or into a new tensor when it has none). Where only the
   // parameter holds .grad, nobody can tell that tensor from an alias of the bucket.
-  return grad.use_count() == 1 && grad.storage().use_count() == 1 && !grad.requires_grad() &&
-         grad.layout() == at::kStrided && grad.scalar_type() == view.scalar_type() &&
+  return grad.use_count() == 1 && grad.storage().use_count() == 1 && plain_like(grad, view);
+}
+
+bool Reducer::plain_like(const at::Tensor& grad, const at::Tensor& view) {
+  return !grad.requires_grad() && grad.layout() == at::kStrided && grad.scalar_type() == view.scalar_type() &&
          grad.device() == view.device() && grad.sizes() == view.sizes() && grad.strides() == view.strides();
 }
 

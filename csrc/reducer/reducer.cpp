@@ -291,7 +291,7 @@ void Reducer::copy_grad_to_bucket_locked(int64_t index) {
       // alias without gradient_as_bucket_view, when nobody else holds it), freeing it now.
       if (gradient_as_bucket_view_) {
         grad = view;
-      } else if (unset_at_forward_[index] && grad.use_count() == 1) {
+      } else if (unset_at_forward_[index] && grad.use_count() == 1 && plain_like(grad, view)) {
         lend_locked(index);  // autograd made it in this backward and only the parameter holds it
       }
     }
@@ -472,7 +472,7 @@ void Reducer::flush_deferred_locked(Bucket& bucket) {
     const int64_t i = bucket.deferred[k];
     if (gradient_as_bucket_view_) {
       params_[i].mutable_grad() = views[k];
-    } else if (unset_at_forward_[i] && params_[i].grad().use_count() == 1) {
+    } else if (unset_at_forward_[i] && params_[i].grad().use_count() == 1 && plain_like(params_[i].grad(), views[k])) {
       lend_locked(i);
     }
   }

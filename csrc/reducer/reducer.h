@@ -156,6 +156,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   bool lend_or_copy_locked(int64_t index);
   // Whether `grad` is a tensor only its parameter holds, laid out as `view`, outside autograd.
   static bool unshared_like(const at::Tensor& grad, const at::Tensor& view);
+  // Whether an alias of `view` shows what `grad` shows: dtype, device, sizes, strides, no autograd.
+  static bool plain_like(const at::Tensor& grad, const at::Tensor& view);
   void lend_locked(int64_t index);  // .grad = a new alias of the slot, tracked in lent_
   // The flat buffers of a bucket whose parameters are like `first`, `total` elements: shape
   // only (a passthrough world of one), with the fingerprint header (`last` c10d bucket), or
