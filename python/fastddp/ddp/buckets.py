@@ -139,7 +139,8 @@ class Buckets:
     def bucket_buffers(self) -> list[torch.Tensor]:
         """The tensors that hold the averaged gradients after backward, e.g. for
         :class:`fastddp.GradScaler`'s ``grads=``: the flat bucket buffers (``param.grad`` are
-        views into them with ``gradient_as_bucket_view=True``), or, in a world of one where
+        views into them with ``gradient_as_bucket_view=True``, lent aliases of them where nobody
+        else holds a gradient without it), or, in a world of one where
         nothing is bucketed (see the class documentation), the parameters' ``.grad`` tensors
         themselves (those that exist). Sparse gradients (``nn.Embedding(sparse=True)``) are never
         among them: for a model with such layers, use the parameters' ``.grad``."""
@@ -154,8 +155,8 @@ class Buckets:
 
     def reduced_gradients(self) -> Optional[list[torch.Tensor]]:
         """The flat bucket buffers when they hold the reduced gradients now (``param.grad`` are
-        views into them: ``gradient_as_bucket_view=True``, not a world of one, and no backward
-        since the last reduced one put a gradient elsewhere), so that a consumer such as
+        views or lent aliases of them, not a world of one, and no backward since the last
+        reduced one put a gradient elsewhere), so that a consumer such as
         :class:`fastddp.GradScaler` can work on a few flat tensors; else None (use the
         parameters' ``.grad``): never with sparse gradients, which are not in the buckets."""
         if self._sparse_names or not self._reducer.grads_in_buckets:
