@@ -47,16 +47,13 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, TorchInputMethods, nn.Module,
     hooks: called per bucket through torch's own hook adapter); torch's ``allreduce_hook``,
     ``fp16_compress_hook`` and ``bf16_compress_hook`` run in C++ (mapped onto ``comm_dtype``).
 
-    ``gradient_as_bucket_view`` defaults to False, as in torch DDP, with torch's meaning: each
-    ``.grad`` behaves as a tensor of its own (a gradient kept from an earlier step keeps its
-    values; a tensor assigned to ``.grad`` stays ``.grad`` and receives the result). Where
-    nobody else holds it, ``.grad`` is nevertheless an alias of its bucket (no copy out of the
-    buckets); a bucket moves to new memory before a backward would overwrite a gradient someone
-    kept (``bucket_report()["relocations"]``). With True, ``.grad`` is the bucket view itself,
-    as torch's option gives. After ``zero_grad(set_to_none=True)`` each new gradient is copied
-    into its bucket; on a GPU the copies of a bucket are made with one multi-tensor copy once
-    the bucket is full (``FASTDDP_BATCH_GRAD_COPIES=0|1`` forces one copy per gradient /
-    batched copies).
+    ``gradient_as_bucket_view`` defaults to False, with torch's meaning: each ``.grad`` behaves
+    as a tensor of its own (a kept gradient keeps its values; an assigned one stays ``.grad``).
+    Where nobody else holds it, ``.grad`` is an alias of its bucket all the same; a bucket
+    moves to new memory before a backward would overwrite a kept gradient
+    (``bucket_report()["relocations"]``). With True, ``.grad`` is the bucket view itself. New
+    gradients are copied into their buckets; on a GPU with one multi-tensor copy per full
+    bucket (``FASTDDP_BATCH_GRAD_COPIES=0|1`` forces one copy per gradient / batched copies).
 
     ``process_group`` may be any ``ProcessGroup`` (a ``dist.new_group`` subgroup, or one built on
     a store without a default group): every collective goes to it, with its own ranks.
