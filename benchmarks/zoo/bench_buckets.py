@@ -13,23 +13,22 @@ rows go to ``benchmarks/results/zoo_buckets.json``.
 from __future__ import annotations
 
 import statistics
-import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
-import torch.distributed as dist
 from tests.distributed import run_distributed
 
 import fastddp
 
 from ..common import SMOKE, record
-from .measure import Contender, new_model, step
+from .measure import Contender, Rounds, interleave, new_model, other_load, step
 from .models import NAMES, workload
 
 CAPS_MB = (1.0, 4.0, 25.0, 100.0)
 DEFAULT_MB = 25.0
-ROUNDS, STEPS = (1, 1) if SMOKE else (15, 4)
+ROUNDS, MIN_STEPS, BLOCK_S = (1, 1, 0.0) if SMOKE else (15, 4, 0.3)
 
 
 def _wrapped(wl, cap_mb: float) -> Contender:
@@ -37,24 +36,20 @@ def _wrapped(wl, cap_mb: float) -> Contender:
     return Contender(model, torch.optim.AdamW(model.parameters(), lr=1e-4), None)
 
 
-def _time_caps(rank: int, world_size: int, name: str, scratch: str) -> dict[float, list[float]]:
+def _time_caps(rank: int, world_size: int, name: str, scratch: str) -> Rounds:
     """Seconds per step of each cap, one figure per round."""
-    wl = workload(name, torch.device("cpu"), Path(scratch), SMOKE)
+    cpu = torch.device("cpu")
+    wl = workload(name, cpu, Path(scratch), SMOKE)
     contenders = {cap: _wrapped(wl, cap) for cap in CAPS_MB}
     for c in contenders.values():  # warm-up, including the bucket rebuild after step one
         for i in range(3):
-            step(c, wl, wl.batch(i), "fp32", torch.device("cpu"))
-    times: dict[float, list[float]] = {cap: [] for cap in CAPS_MB}
-    for r in range(ROUNDS):
-        order = CAPS_MB[r % len(CAPS_MB):] + CAPS_MB[:r % len(CAPS_MB)]
-        for cap in order:
-            batches = [wl.batch(r * STEPS + i) for i in range(STEPS)]
-            dist.barrier()
-            t0 = time.perf_counter()
-            for b in batches:
-                step(contenders[cap], wl, b, "fp32", torch.device("cpu"))
-            times[cap].append((time.perf_counter() - t0) / STEPS)
-    return times
+            step(c, wl, wl.batch(i), "fp32", cpu)
+
+    def prepare(cap: float, first: int, n: int) -> Callable[[], None]:
+        batches = [wl.batch(first + i) for i in range(n)]
+        return lambda: [step(contenders[cap], wl, b, "fp32", cpu) for b in batches]
+
+    return interleave(CAPS_MB, prepare, ROUNDS, MIN_STEPS, BLOCK_S, cpu)
 
 
 @pytest.mark.parametrize("name", [*NAMES, "mlp50m"])
@@ -65,9 +60,11 @@ def test_bucket_cap_cpu_gloo_world2(name: str, tmp_path: Path) -> None:
     per_rank = run_distributed(_time_caps, 2, backend="gloo", timeout=3600,
                                args=(name, str(tmp_path)))
     # A step is as slow as its slowest rank: the per-round maximum over ranks.
-    times = {cap: [max(r[cap][i] for r in per_rank) for i in range(ROUNDS)] for cap in CAPS_MB}
+    times = {cap: [max(r.times[cap][i] for r in per_rank) for i in range(ROUNDS)]
+             for cap in CAPS_MB}
     row: dict = {"model": name, "precision": "fp32", "world_size": 2, "rounds": ROUNDS,
-                 "steps_per_round": STEPS, "default_cap_mb": DEFAULT_MB,
+                 "steps_per_round": per_rank[0].steps, "other_load_cores": other_load(per_rank),
+                 "default_cap_mb": DEFAULT_MB,
                  "command": "pytest benchmarks/zoo/bench_buckets.py -s"}
     line = []
     for cap in CAPS_MB:
@@ -76,6 +73,7 @@ def test_bucket_cap_cpu_gloo_world2(name: str, tmp_path: Path) -> None:
         row[f"cap{cap:g}_over_default"] = {"median": statistics.median(ratios),
                                            "min": min(ratios), "max": max(ratios)}
         line.append(f"{cap:g} MB {statistics.median(ratios):.3f}")
-    print(f"\n[buckets] {name}: step time / default cap: " + ", ".join(line), flush=True)
+    print(f"\n[buckets] {name}: step time / default cap: " + ", ".join(line)
+          + f" | other load {row['other_load_cores']:.2f} cores", flush=True)
     record("zoo_buckets", f"cpu-gloo-w2-{name}-fp32", row)
     assert all(t > 0 for ts in times.values() for t in ts)

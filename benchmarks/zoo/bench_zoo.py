@@ -24,10 +24,12 @@ import torch.distributed as dist
 from tests.distributed import run_distributed
 
 from ..common import SMOKE, record
-from .measure import MEMORY, PRECISIONS, peak_memory, time_rounds
+from .measure import MEMORY, PRECISIONS, other_load, peak_memory, time_rounds
 from .models import NAMES, workload
 
-ROUNDS, STEPS = (1, 1) if SMOKE else (9, 4)
+# Rounds, and the least steps and seconds of one contender's block (its steps per block are
+# set so the slowest contender's block lasts BLOCK_S; the fp16 rows' steps take 0.4-0.9 s).
+ROUNDS, MIN_STEPS, BLOCK_S = (1, 1, 0.0) if SMOKE else (11, 4, 0.3)
 MEM_STEPS = 1 if SMOKE else 3
 CASES = [pytest.param(n, p, id=f"{n}-{p}") for n in NAMES for p in PRECISIONS]
 CASES.append(pytest.param("mlp50m", "fp32", id="mlp50m-fp32"))  # the memory reference
@@ -46,9 +48,10 @@ def _case(name: str, precision: str, device_type: str, world_size: int, backend:
         pytest.skip(f"{name}: torch has no float16 kernel for this model on {device_type}")
     args = (name, precision, device_type)
     per_rank = run_distributed(time_rounds, world_size, backend=backend, timeout=3600,
-                               args=(*args, ROUNDS, STEPS, str(scratch), SMOKE))
+                               args=(*args, ROUNDS, MIN_STEPS, BLOCK_S, str(scratch), SMOKE))
     # A step is as slow as its slowest rank: take the per-round maximum over ranks.
-    times = {k: [max(r[k][i] for r in per_rank) for i in range(ROUNDS)] for k in per_rank[0]}
+    times = {k: [max(r.times[k][i] for r in per_rank) for i in range(ROUNDS)]
+             for k in per_rank[0].times}
     mem = {}
     for kind in MEMORY:
         peaks = run_distributed(peak_memory, world_size, backend=backend, timeout=1800,
@@ -56,7 +59,8 @@ def _case(name: str, precision: str, device_type: str, world_size: int, backend:
                                       str(scratch), SMOKE))
         mem[kind] = max(peaks) / 2**20
     row = {"model": name, "precision": precision, "world_size": world_size, "backend": backend,
-           "device": device_type, "rounds": ROUNDS, "steps_per_round": STEPS,
+           "device": device_type, "rounds": ROUNDS, "steps_per_round": per_rank[0].steps,
+           "other_load_cores": other_load(per_rank),
            **{f"{k}_step_ms": statistics.median(v) * 1e3 for k, v in times.items()},
            "fastddp_over_bare": _paired(times, "fastddp", "bare"),
            "fastddp_over_bare_sync": _paired(times, "fastddp", "bare_sync"),
@@ -71,7 +75,8 @@ def _case(name: str, precision: str, device_type: str, world_size: int, backend:
           f"[{fb['min']:.3f}, {fb['max']:.3f}] | fastddp/bare_sync {fs['median']:.3f} "
           f"[{fs['min']:.3f}, {fs['max']:.3f}] | fastddp/torch {ft['median']:.3f} "
           f"[{ft['min']:.3f}, {ft['max']:.3f}] | peak MiB "
-          + " ".join(f"{k} {row[k + '_peak_mib']:.0f}" for k in MEMORY),
+          + " ".join(f"{k} {row[k + '_peak_mib']:.0f}" for k in MEMORY)
+          + f" | {row['steps_per_round']} steps a block, other load {row['other_load_cores']:.2f} cores",
           flush=True)
     record("zoo", f"{device_type}-{backend}-w{world_size}-{name}-{precision}", row)
     return row
@@ -90,8 +95,8 @@ SMOKE_PLAN = {"resnet18": "fp16", "gpt2": "bf16", "speech": "bf16", "video3d": "
 
 
 def _smoke_rank(rank: int, world_size: int, scratch: str) -> dict:
-    out = {name: time_rounds(rank, world_size, name, precision, "cpu", 1, 1, scratch, True)
-           for name, precision in SMOKE_PLAN.items()}
+    out = {name: time_rounds(rank, world_size, name, precision, "cpu", 1, 1, 0.0, scratch,
+                             True).times for name, precision in SMOKE_PLAN.items()}
     out["memory"] = {kind: peak_memory(rank, world_size, "har", "fp16", kind, "cpu", 1, scratch,
                                        True) for kind in MEMORY}
     return out

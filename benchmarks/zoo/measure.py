@@ -15,10 +15,12 @@ import contextlib
 import ctypes
 import ctypes.util
 import gc
+import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -90,32 +92,98 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _busy_seconds() -> float:
+    """CPU seconds the whole machine has spent busy since boot (every process, and time the
+    hypervisor gave to others: /proc/stat's user, nice, system, irq, softirq and steal)."""
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:9]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class Rounds:
+    """What one rank measured over interleaved rounds."""
+
+    times: dict[Any, list[float]]  # seconds per step of each contender, one figure per round
+    steps: int  # steps per block (the same on every rank)
+    wall_s: float  # wall time of all rounds
+    own_cpu_s: float  # CPU seconds this process used over them
+    machine_busy_s: float  # busy CPU seconds of the whole machine over them
+
+
+def _block_steps(keys: Sequence[Any], prepare: Callable[[Any, int, int], Callable[[], None]],
+                 min_steps: int, block_s: float, device: torch.device) -> int:
+    """Steps per block so that a block of the slowest contender lasts ``block_s`` (at least
+    ``min_steps``), agreed over the ranks: short blocks weigh the start of a block (cold
+    caches, the ranks leaving the barrier apart) too much on millisecond steps."""
+    slowest = 0.0
+    for key in keys:
+        run = prepare(key, 0, 1)
+        _sync(device)
+        t0 = time.perf_counter()
+        run()
+        _sync(device)
+        slowest = max(slowest, time.perf_counter() - t0)
+    steps = max(min_steps, math.ceil(block_s / slowest)) if block_s > 0 else min_steps
+    if dist.is_initialized():
+        agreed = torch.tensor([steps], dtype=torch.int64)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        steps = int(agreed)
+    return steps
+
+
+def interleave(keys: Sequence[Any], prepare: Callable[[Any, int, int], Callable[[], None]],
+               rounds: int, min_steps: int, block_s: float, device: torch.device) -> Rounds:
+    """Time the contenders ``keys`` in ``rounds`` rotated rounds of one block each.
+    ``prepare(key, first, n)`` makes the inputs of steps ``first .. first + n - 1`` (before the
+    clock starts) and returns a callable that runs those steps. Every block starts on all ranks together
+    (a barrier), in an order rotated from round to round so no contender always follows the
+    same one."""
+    steps = _block_steps(keys, prepare, min_steps, block_s, device)
+    times: dict[Any, list[float]] = {k: [] for k in keys}
+    busy0, cpu0, wall0 = _busy_seconds(), time.process_time(), time.perf_counter()
+    for r in range(rounds):
+        for key in list(keys[r % len(keys):]) + list(keys[:r % len(keys)]):
+            run = prepare(key, r * steps, steps)
+            if dist.is_initialized():
+                dist.barrier()
+            _sync(device)
+            t0 = time.perf_counter()
+            run()
+            _sync(device)
+            times[key].append((time.perf_counter() - t0) / steps)
+    return Rounds(times, steps, time.perf_counter() - wall0, time.process_time() - cpu0,
+                  _busy_seconds() - busy0)
+
+
+def other_load(per_rank: Sequence[Rounds]) -> float:
+    """Cores' worth of CPU the rest of the machine used while the ranks were timed (other
+    processes, and the hypervisor's steal): a synchronous step waits for its slowest rank, so a
+    neighbour that takes a core slows the synchronised contenders more than the bare model."""
+    own = sum(r.own_cpu_s for r in per_rank)
+    return max(0.0, (per_rank[0].machine_busy_s - own) / per_rank[0].wall_s)
+
+
 def time_rounds(rank: int, world_size: int, name: str, precision: str, device_type: str,
-                rounds: int, steps: int, scratch: str, smoke: bool) -> dict[str, list[float]]:
-    """Seconds per step of each timed contender, one figure per round. Every round runs each
-    contender for ``steps`` steps, in an order rotated from round to round so no contender
-    always follows the same one; all ranks start each block together."""
+                rounds: int, min_steps: int, block_s: float, scratch: str,
+                smoke: bool) -> Rounds:
+    """Step times of every timed contender over interleaved rounds (see :func:`interleave`)."""
     device = torch.device(device_type)  # on a GPU machine every rank shares GPU 0
     wl = workload(name, device, Path(scratch), smoke)
     contenders = {k: build(k, new_model(wl, device), device, precision) for k in TIMED}
     for c in contenders.values():  # warm-up: allocations, bucket rebuilds, oneDNN plans
         for i in range(3):
             step(c, wl, wl.batch(i), precision, device)
-    times: dict[str, list[float]] = {k: [] for k in TIMED}
-    for r in range(rounds):
-        order = TIMED[r % len(TIMED):] + TIMED[:r % len(TIMED)]
-        for kind in order:
-            batches = [wl.batch(r * steps + i) for i in range(steps)] if name != "video3d" else None
-            if dist.is_initialized():
-                dist.barrier()
-            _sync(device)
-            t0 = time.perf_counter()
-            for i in range(steps):  # the video batch is read from disk inside the step
-                step(contenders[kind], wl, wl.batch(i) if batches is None else batches[i],
-                     precision, device)
-            _sync(device)
-            times[kind].append((time.perf_counter() - t0) / steps)
-    return times
+
+    def prepare(kind: str, first: int, n: int) -> Callable[[], None]:
+        c = contenders[kind]
+        if name == "video3d":  # the video batch is read from disk inside the step
+            return lambda: [step(c, wl, wl.batch(i), precision, device) for i in range(n)]
+        batches = [wl.batch(first + i) for i in range(n)]
+        return lambda: [step(c, wl, b, precision, device) for b in batches]
+
+    return interleave(TIMED, prepare, rounds, min_steps, block_s, device)
 
 
 def _rss_bytes(field: str) -> int:
