@@ -159,8 +159,7 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, TorchInputMethods, nn.Module,
         Joinable.__init__(self)
         if not dist.is_available():
             raise RuntimeError("DDPWrapper: this torch build has no torch.distributed support.")
-        # every collective (broadcasts, checks, reduction, join) goes to this group, with its own
-        # ranks: it need not be known to the default group, or there need not be one
+        # every collective goes to this group, with its own ranks (see checks.resolve_group)
         self.process_group = checks.resolve_group(process_group, device_mesh)
         checks.refuse_unsupported(delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision,
                                   skip_all_reduce_unused_params)
@@ -195,6 +194,7 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, TorchInputMethods, nn.Module,
         checks.check_lazy(module)
         self.output_device = output_device  # normalised by _select_parameters
         named = self._select_parameters(module, device_ids, static_graph, comm_dtype)
+        checks.refuse_cpu_sync_batchnorm(module, named[0][1].device.type)
         checks.deprecated_arguments(broadcast_buffers, forward_sync_buffers, check_reduction)
         if init_sync:
             with diag.phase(diag.Phase.SETUP):
