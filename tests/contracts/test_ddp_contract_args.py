@@ -107,3 +107,23 @@ def _flag_attributes(rank: int, world_size: int, kwargs: dict[str, Any]) -> list
 def test_flag_attributes_hold_what_torch_sets(ranks, kwargs) -> None:
     # torch sets static_graph to True/False itself and keeps the other flags as given
     assert len(ranks.run(_flag_attributes, world_size=1, args=(kwargs,))[0]) == 3
+
+
+def _sync_batchnorm_errors(rank: int, world_size: int, training: bool) -> list[tuple[str, bool]]:
+    """A CPU module with SyncBatchNorm layers: what wrapping it (then one forward) raises, and
+    whether the message carries torch's sentence."""
+    found = []
+    for cls in (TorchDDP, fastddp.DDPWrapper):
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(_model()).train(training)
+        try:
+            cls(model)(torch.randn(4, 3))
+            found.append(("ok", False))
+        except ValueError as exc:
+            found.append(("ValueError", "SyncBatchNorm layers only work with GPU modules" in str(exc)))
+    return found
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_sync_batchnorm_on_a_cpu_module_is_torchs_valueerror_at_construction(ranks, training) -> None:
+    # in eval mode SyncBatchNorm itself would run on the CPU: only the wrapper refuses it
+    assert ranks.run(_sync_batchnorm_errors, world_size=2, args=(training,)) == [[("ValueError", True)] * 2] * 2

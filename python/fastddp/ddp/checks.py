@@ -117,6 +117,18 @@ def check_lazy(module: nn.Module) -> None:
                            "nn.LazyLinear); run one forward pass with a sample batch before wrapping the model.")
 
 
+def refuse_cpu_sync_batchnorm(module: nn.Module, device_type: str) -> None:
+    """torch DDP's refusal of ``nn.SyncBatchNorm`` in a CPU module, at construction with its
+    ``ValueError`` (SyncBatchNorm's own check would fail only in a training forward, and an
+    evaluation forward would run)."""
+    names = [n for n, m in module.named_modules() if isinstance(m, nn.SyncBatchNorm)]
+    if names and device_type == "cpu":
+        raise ValueError(f"DDPWrapper: SyncBatchNorm layers only work with GPU modules (as in torch DDP), and "
+                         f"this module's parameters are on the CPU; {names[0] or 'the module'!r} is a "
+                         "SyncBatchNorm. Keep nn.BatchNorm layers on the CPU (leave out "
+                         "nn.SyncBatchNorm.convert_sync_batchnorm), or move the module to a GPU before wrapping.")
+
+
 def input_device(named: list[tuple[str, nn.Parameter]], device_ids: Any,
                  output_device: Any) -> Optional[torch.device]:
     """The device forward moves the inputs to (``device_ids``' one device, which must hold every

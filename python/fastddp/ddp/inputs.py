@@ -1,6 +1,7 @@
 """What DDPWrapper's forward does with the module's inputs and outputs, as torch DDP: moves
-input tensors to ``device_ids``' device, and finds the output tensors where the
-unused-parameter search starts; torch DDP's input methods kept for compatibility."""
+input tensors to ``device_ids``' device, finds the output tensors where the unused-parameter
+search starts and passes them through one autograd node; torch DDP's input methods kept for
+compatibility."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any, Optional
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 
 def find_tensors(obj: Any) -> list[torch.Tensor]:
@@ -23,6 +25,35 @@ def find_tensors(obj: Any) -> list[torch.Tensor]:
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return [t for f in dataclasses.fields(obj) for t in find_tensors(getattr(obj, f.name))]
     return []
+
+
+class _OutputSink(torch.autograd.Function):
+    """torch DDP's ``_DDPSink``: one node in front of the forward's outputs (cloned, as torch
+    clones them). A backward from any of them runs this node, which sends undefined gradients
+    down the graphs of the outputs the loss left out, so their parameters' hooks fire without a
+    gradient (unused in this backward) instead of never firing."""
+
+    @staticmethod
+    def forward(ctx: Any, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.set_materialize_grads(False)  # an output the loss left out gets None, not zeros
+        return tuple(t.clone() for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], ...]:
+        return grads
+
+
+def through_sink(output: Any) -> Any:
+    """``output`` as torch DDP returns it under ``find_unused_parameters=True``: rebuilt by
+    ``torch.utils._pytree`` (as torch rebuilds it), with every tensor that has a ``grad_fn``
+    replaced by its clone from one :class:`_OutputSink` node; the other leaves as they are
+    (tensors inside a type pytree does not know, such as a dataclass, included)."""
+    leaves, spec = tree_flatten(output)
+    index = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    if index:
+        for i, t in zip(index, _OutputSink.apply(*(leaves[i] for i in index))):
+            leaves[i] = t
+    return tree_unflatten(leaves, spec)
 
 
 def to_device(obj: Any, device: torch.device) -> Any:

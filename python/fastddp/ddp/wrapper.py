@@ -19,7 +19,7 @@ from . import checks, sparse
 from .broadcast import broadcast_coalesced
 from .buckets import Buckets
 from .comm_hooks import CommHooks
-from .inputs import TorchInputMethods, find_tensors, to_device
+from .inputs import TorchInputMethods, find_tensors, through_sink, to_device
 from .join import UnevenInputs
 
 
@@ -93,18 +93,18 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, TorchInputMethods, nn.Module,
     CPU module is torch DDP's ``ValueError``. ``output_device``, ``dim`` and ``check_reduction``
     are accepted for compatibility and have no effect (one device per process, as torch DDP
     recommends); ``check_reduction=True`` and an explicit ``broadcast_buffers`` give torch's
-    ``FutureWarning``. torch DDP's newer options work
-    as there: ``init_sync=False`` (no verification or broadcast at construction),
-    ``forward_sync_buffers`` (2.13+'s name for ``broadcast_buffers``; given, buffers are still
-    synced at construction; ``broadcast_buffers=False`` skips that too), ``device_mesh`` (1-D,
-    instead of ``process_group``), ``bucket_cap_mb_list`` (the k-th bucket of each dtype holds at
-    most the k-th size, in the order the buckets are reduced) and ``batched_grad_copy`` (forces
-    the batched copies described below). ``delay_all_reduce_named_params``,
-    ``param_to_hook_all_reduce``, ``mixed_precision`` and ``skip_all_reduce_unused_params`` are
-    refused with a message. ``comm_dtype`` and ``shm_allreduce`` are keyword-only.
-    Parameters and buffers named by torch DDP's ``_set_params_and_buffers_to_ignore_for_model``
-    stay rank-local (neither reduced nor broadcast); ``_set_static_graph()``,
-    ``_register_builtin_comm_hook`` and ``will_sync_module_buffers()`` behave as torch DDP's.
+    ``FutureWarning``. torch DDP's newer options work as there: ``init_sync=False`` (no
+    verification or broadcast at construction), ``forward_sync_buffers`` (2.13+'s name for
+    ``broadcast_buffers``; given, buffers are still synced at construction;
+    ``broadcast_buffers=False`` skips that too), ``device_mesh`` (1-D, instead of
+    ``process_group``), ``bucket_cap_mb_list`` (the k-th bucket of each dtype holds at most the
+    k-th size, in the order the buckets are reduced) and ``batched_grad_copy`` (forces the
+    batched copies described below). ``delay_all_reduce_named_params``, ``param_to_hook_all_reduce``,
+    ``mixed_precision`` and ``skip_all_reduce_unused_params`` are refused with a message.
+    ``comm_dtype`` and ``shm_allreduce`` are keyword-only. Parameters and buffers named by torch
+    DDP's ``_set_params_and_buffers_to_ignore_for_model`` stay rank-local (neither reduced nor
+    broadcast); ``_set_static_graph()``, ``_register_builtin_comm_hook`` and
+    ``will_sync_module_buffers()`` behave as torch DDP's.
     ``torch.distributed.checkpoint.state_dict.get_state_dict`` drops torch DDP's ``module.``
     prefix by the wrapper's type: pass ``model.module`` to get the same keys as torch DDP.
     ``copy.deepcopy(model)`` and ``torch.save(model)`` work as with torch DDP (default process
@@ -124,6 +124,8 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, TorchInputMethods, nn.Module,
     reduce each bucket as soon as its parameters got that many gradients, without searching the
     graph for unused parameters. Every iteration must use the same parameters the same number
     of times. Without it, a parameter reached twice in one backward is reported as an error.
+    ``find_unused_parameters=True`` returns clones of the outputs from one node, as torch DDP's
+    ``_DDPSink``: a loss from some outputs leaves the others' parameters unused (inputs.py).
     """
 
     def __init__(
@@ -157,8 +159,7 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, TorchInputMethods, nn.Module,
         Joinable.__init__(self)
         if not dist.is_available():
             raise RuntimeError("DDPWrapper: this torch build has no torch.distributed support.")
-        # every collective (broadcasts, checks, reduction, join) goes to this group, with its own
-        # ranks: it need not be known to the default group, or there need not be one
+        # every collective goes to this group, with its own ranks (see checks.resolve_group)
         self.process_group = checks.resolve_group(process_group, device_mesh)
         checks.refuse_unsupported(delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision,
                                   skip_all_reduce_unused_params)
@@ -193,6 +194,7 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, TorchInputMethods, nn.Module,
         checks.check_lazy(module)
         self.output_device = output_device  # normalised by _select_parameters
         named = self._select_parameters(module, device_ids, static_graph, comm_dtype)
+        checks.refuse_cpu_sync_batchnorm(module, named[0][1].device.type)
         checks.deprecated_arguments(broadcast_buffers, forward_sync_buffers, check_reduction)
         if init_sync:
             with diag.phase(diag.Phase.SETUP):
@@ -368,7 +370,7 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, TorchInputMethods, nn.Module,
             self._reducer.prepare_for_backward(find_tensors(output) if wants_outputs else [], sync)
             self._sparse.prepare_for_backward(sync)
         diag.enter(diag.Phase.OUTSIDE)
-        return output
+        return through_sink(output) if self.find_unused_parameters and not self.static_graph else output
 
     def _shm_broadcast(self, buffers: list[torch.Tensor]) -> bool:
         with diag.phase(diag.Phase.BROADCAST):
