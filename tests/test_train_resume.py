@@ -194,3 +194,22 @@ def test_unusable_save_dir_stops_every_rank_with_one_error(tmp_path, data_path) 
         f"fastddp.train: error: --save-dir {save}: is a file, not a directory; choose a "
         "directory (it is created if missing)"], out
 
+
+def test_run_started_over_then_killed_continues_itself_not_the_run_before(tmp_path,
+                                                                          data_path) -> None:
+    """--resume none into the directory of a longer run, killed after its first epoch: its
+    first save kept the longer run's checkpoint as last.pt.prev (more steps). The next
+    --resume auto continues the new run's last.pt, not the run before."""
+    save = tmp_path / "run"
+    codes, out = trainer_runs.run(save, data_path, ["--epochs", "3"])
+    assert codes == [0], out
+    codes, out = trainer_runs.run(save, data_path, ["--epochs", "3", "--resume", "none"],
+                                  env={"FASTDDP_FAULT_KILL_AFTER_EPOCH": "1"})
+    assert codes == [-9], out
+    started_over = trainer_runs.metrics(save)
+    assert len(started_over) == 1
+    codes, out = trainer_runs.run(save, data_path, ["--epochs", "3"])
+    assert codes == [0], out
+    assert f"resumed from {save / 'last.pt'} at epoch 2, step 6" in out, out
+    rows = trainer_runs.metrics(save)
+    assert [row["epoch"] for row in rows] == ["1", "2", "3"] and rows[0] == started_over[0]
