@@ -254,13 +254,18 @@ def verify(path: str | os.PathLike) -> dict[str, Any]:
         if sum_file.exists() and hashlib.sha256(data).hexdigest() != sum_file.read_text().strip():
             raise CheckpointError(f"{path}: checksum mismatch (file is truncated or corrupted)")
     try:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
     except Exception as exc:
         why = str(exc).split(". ")[0]
         if embedded is None and not _sibling(path, ".sha256").exists():
             raise CheckpointError(f"{path}: no checksum and unreadable (file is truncated or "
                                   f"corrupted, or not a checkpoint: {why})") from None
         raise CheckpointError(f"{path}: cannot be read as a checkpoint ({why})") from None
+    if not isinstance(state, dict):
+        # torch.save(model) or of a tensor: every caller looks keys up in a checkpoint
+        raise CheckpointError(f"{path}: holds a {type(state).__name__}, not a checkpoint (a "
+                              "dict written by fastddp.train, such as its last.pt)")
+    return state
 
 
 def load(path: str | os.PathLike) -> dict[str, Any]:
@@ -281,7 +286,8 @@ def load(path: str | os.PathLike) -> dict[str, Any]:
                 raise CheckpointError(f"no usable checkpoint: {first}; {second}") from None
             warnings.warn(f"{first}; resuming from the previous checkpoint {prev}", stacklevel=2)
             return state
-        raise CheckpointError(f"{first}; no previous checkpoint to fall back to. Delete it or "
+        raise CheckpointError(f"{first}; no previous checkpoint ({prev.name}) to fall back "
+                              "to. Give a checkpoint fastddp.train wrote (its last.pt), or "
                               "start fresh with --resume none") from None
 
 
