@@ -130,7 +130,7 @@ def test_earlier_layout_loads_and_is_verified(tmp_path) -> None:
 
 
 def _newest(path):
-    return checkpoint.latest(path, key=lambda s: s["epoch"])
+    return checkpoint.latest(path)
 
 
 @pytest.mark.parametrize("layout", ["current", "earlier"])
@@ -194,3 +194,18 @@ def test_latest_takes_a_complete_temporary_and_skips_a_partial_one(tmp_path) -> 
     (tmp_path / "last.pt.tmp").write_bytes(b"partial")
     with pytest.raises(checkpoint.CheckpointError, match=r"last\.pt: no checksum"):
         _newest(path)
+
+
+def test_latest_goes_by_write_order_not_by_step(tmp_path) -> None:
+    """A run started over (--resume none) after a longer one: its first save keeps the longer
+    run's checkpoint as last.pt.prev, which holds more steps, but last.pt is the newer."""
+    path = tmp_path / "last.pt"
+    checkpoint.save(_state(40), path)  # the run before, further on
+    checkpoint.save(_state(1), path)  # the run started over
+    found = _newest(path)
+    assert found.path == path and found.state["epoch"] == 1
+    (tmp_path / "last.pt.tmp").write_bytes(checkpoint._serialize(_state(2)))
+    assert _newest(path).path.name == "last.pt.tmp"  # written after last.pt: its rename cut off
+    found = checkpoint.latest(path, accept=lambda s: s["epoch"] > 10)
+    assert found.path.name == "last.pt.prev" and found.state["epoch"] == 40
+    assert checkpoint.latest(path, accept=lambda s: False) is None

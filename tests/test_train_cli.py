@@ -165,6 +165,22 @@ def test_bad_input_is_one_clear_error(argv, cuda_count, message) -> None:
         validate(args, cuda_count)
 
 
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--save-dir", ""], r"--save-dir is empty \(''\); give a directory for the run's files"),
+    (["--resume", " "], r"--resume is empty \(' '\); give auto, none or a checkpoint file"),
+    (["--data-dir", ""], r"--data-dir is empty \(''\); give the UCI HAR directory"),
+    (["--config", ""], r"--config is empty \(''\); give a YAML or JSON file"),
+    (["--config", "{yaml}"], r"--save-dir is empty \(''\)"),
+], ids=["save-dir", "resume", "data-dir", "config", "save-dir-from-config"])
+def test_empty_path_is_one_clear_error(tmp_path, argv, message) -> None:
+    """An empty path (an unset shell variable) is '.' to pathlib: the run's files went to the
+    working directory, and an empty --config was skipped without a word."""
+    config = tmp_path / "c.yaml"
+    config.write_text('save_dir: ""\n')
+    with pytest.raises(UsageError, match=message):
+        validate(parse_args([a.format(yaml=config) for a in argv]), 0)
+
+
 def test_more_ranks_than_gpus_with_nccl(monkeypatch) -> None:
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")

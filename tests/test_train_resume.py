@@ -194,3 +194,50 @@ def test_unusable_save_dir_stops_every_rank_with_one_error(tmp_path, data_path) 
         f"fastddp.train: error: --save-dir {save}: is a file, not a directory; choose a "
         "directory (it is created if missing)"], out
 
+
+def test_run_started_over_then_killed_continues_itself_not_the_run_before(tmp_path,
+                                                                          data_path) -> None:
+    """--resume none into the directory of a longer run, killed after its first epoch: its
+    first save kept the longer run's checkpoint as last.pt.prev (more steps). The next
+    --resume auto continues the new run's last.pt, not the run before."""
+    save = tmp_path / "run"
+    codes, out = trainer_runs.run(save, data_path, ["--epochs", "3"])
+    assert codes == [0], out
+    codes, out = trainer_runs.run(save, data_path, ["--epochs", "3", "--resume", "none"],
+                                  env={"FASTDDP_FAULT_KILL_AFTER_EPOCH": "1"})
+    assert codes == [-9], out
+    started_over = trainer_runs.metrics(save)
+    assert len(started_over) == 1
+    codes, out = trainer_runs.run(save, data_path, ["--epochs", "3"])
+    assert codes == [0], out
+    assert f"resumed from {save / 'last.pt'} at epoch 2, step 6" in out, out
+    rows = trainer_runs.metrics(save)
+    assert [row["epoch"] for row in rows] == ["1", "2", "3"] and rows[0] == started_over[0]
+
+
+@pytest.mark.parametrize(("saved", "named"), [
+    ("module", "holds a FlattenMLP, not a checkpoint (a dict written by fastddp.train"),
+    ("tensor", "holds a Tensor, not a checkpoint (a dict written by fastddp.train"),
+    ("weights", "is not a checkpoint to resume from (it has no optimizer, scheduler, scaler, "
+                "loader, epoch, step, best_f1, history): it is not a training checkpoint of "
+                "fastddp.train (a model's weights"),
+], ids=["module", "tensor", "weights"])
+def test_resume_from_a_file_torch_save_wrote_elsewhere_is_one_clear_error(
+        tmp_path, data_path, saved, named) -> None:
+    """torch.save(model), of a tensor or of a state_dict, given as --resume: one line naming
+    what the file holds (a model or a tensor ended in a traceback from the key look-ups)."""
+    import torch
+
+    from fastddp.train.models import FlattenMLP
+
+    given = tmp_path / f"{saved}.pt"
+    obj = {"module": FlattenMLP(), "tensor": torch.zeros(3),
+           "weights": FlattenMLP().state_dict()}[saved]
+    torch.save(obj, given)
+    save = tmp_path / "run"
+    codes, out = trainer_runs.run(save, data_path, ["--epochs", "1", "--resume", str(given)])
+    assert codes == [2], out
+    lines = out.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"fastddp.train: error: {given}"), out
+    assert named in lines[0] and "--resume none" in lines[0], out
+    assert not (save / "last.pt").exists()

@@ -13,7 +13,8 @@ the digest travels with the bytes, so no rename can separate a file from its che
 
 ``<name>`` is never moved away: at every instant it is either the previous or the new
 checkpoint, complete. A crash after step 1 also leaves a complete ``<name>.tmp``.
-:func:`latest` picks the newest of these files that verifies and says which it took.
+:func:`latest` picks the most recently written of these files that verifies and says which
+it took.
 
 Files of the earlier layout (a plain ``torch.save`` file with its SHA-256 in
 ``<name>.sha256`` beside it) are verified through that file and load as before.
@@ -253,13 +254,18 @@ def verify(path: str | os.PathLike) -> dict[str, Any]:
         if sum_file.exists() and hashlib.sha256(data).hexdigest() != sum_file.read_text().strip():
             raise CheckpointError(f"{path}: checksum mismatch (file is truncated or corrupted)")
     try:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
     except Exception as exc:
         why = str(exc).split(". ")[0]
         if embedded is None and not _sibling(path, ".sha256").exists():
             raise CheckpointError(f"{path}: no checksum and unreadable (file is truncated or "
                                   f"corrupted, or not a checkpoint: {why})") from None
         raise CheckpointError(f"{path}: cannot be read as a checkpoint ({why})") from None
+    if not isinstance(state, dict):
+        # torch.save(model) or of a tensor: every caller looks keys up in a checkpoint
+        raise CheckpointError(f"{path}: holds a {type(state).__name__}, not a checkpoint (a "
+                              "dict written by fastddp.train, such as its last.pt)")
+    return state
 
 
 def load(path: str | os.PathLike) -> dict[str, Any]:
@@ -280,7 +286,8 @@ def load(path: str | os.PathLike) -> dict[str, Any]:
                 raise CheckpointError(f"no usable checkpoint: {first}; {second}") from None
             warnings.warn(f"{first}; resuming from the previous checkpoint {prev}", stacklevel=2)
             return state
-        raise CheckpointError(f"{first}; no previous checkpoint to fall back to. Delete it or "
+        raise CheckpointError(f"{first}; no previous checkpoint ({prev.name}) to fall back "
+                              "to. Give a checkpoint fastddp.train wrote (its last.pt), or "
                               "start fresh with --resume none") from None
 
 
@@ -294,27 +301,34 @@ class Found:
 
 
 def candidates(path: str | os.PathLike) -> list[Path]:
-    """The files that may hold the newest state of ``path``, in order of preference on a tie:
-    ``path``, a complete ``path.tmp`` (a crash before its rename), ``path.prev.tmp`` and
-    ``path.prev``."""
+    """The files that may hold the newest state of ``path``, the most recently written first:
+    ``path.tmp`` (complete only when a crash cut off its rename: every save truncates it
+    first and renames it away at the end), ``path``, ``path.prev.tmp`` (a link to ``path``
+    cut off before its own rename) and ``path.prev``."""
     path = Path(path)
-    return [path, _sibling(path, ".tmp"), _sibling(path, ".prev.tmp"), _sibling(path, ".prev")]
+    return [_sibling(path, ".tmp"), path, _sibling(path, ".prev.tmp"), _sibling(path, ".prev")]
 
 
-def latest(path: str | os.PathLike, key: Callable[[dict[str, Any]], Any]) -> Optional[Found]:
-    """The newest (largest ``key(state)``) checkpoint among :func:`candidates` that verifies.
+def latest(path: str | os.PathLike,
+           accept: Optional[Callable[[dict[str, Any]], bool]] = None) -> Optional[Found]:
+    """The most recently written checkpoint among :func:`candidates` that verifies (and that
+    ``accept`` takes, when given).
 
-    ``None`` when there is none and nothing but an unfinished temporary was there (a crash
-    during the first write). Raises :class:`CheckpointError` when checkpoint files exist but
-    none of them verifies: starting over would overwrite a run's history.
+    Write order, not the step a file holds: after a run that started over (``--resume
+    none``) or resumed an older checkpoint, ``path.prev`` still holds the previous run's
+    further state for one save, and continuing it would overwrite the new run's history.
+
+    ``None`` when there is none and nothing but an unfinished temporary (a crash during the
+    first write) or checkpoints ``accept`` refused were there. Raises
+    :class:`CheckpointError` when checkpoint files exist but none of them verifies: starting
+    over would overwrite a run's history.
     """
-    found: list[tuple[Any, int, Path, dict[str, Any]]] = []
     skipped: list[str] = []
-    for rank, file in enumerate(candidates(path)):
+    refused = False
+    for file in candidates(path):
         if not file.exists():
             continue
-        temporary = file.name.endswith(".tmp")
-        if temporary and _embedded_digest(_read_tail(file)) is None:
+        if file.name.endswith(".tmp") and _embedded_digest(_read_tail(file)) is None:
             skipped.append(f"{file}: an unfinished write (no checksum yet)")
             continue
         try:
@@ -322,16 +336,16 @@ def latest(path: str | os.PathLike, key: Callable[[dict[str, Any]], Any]) -> Opt
         except (CheckpointError, OSError) as exc:
             skipped.append(str(exc))
             continue
-        found.append((key(state), -rank, file, state))
-    if not found:
-        finished = [f for f in candidates(path) if f.exists() and not f.name.endswith(".tmp")]
-        if finished:
-            raise CheckpointError("; ".join(skipped) + "; no checkpoint in "
-                                  f"{Path(path).parent} verifies. Move the files away or start "
-                                  "fresh with --resume none (which overwrites them)")
-        return None
-    _, _, file, state = max(found, key=lambda f: (f[0], f[1]))
-    return Found(state, file, skipped)
+        if accept is not None and not accept(state):
+            refused = True
+            continue
+        return Found(state, file, skipped)
+    finished = [f for f in candidates(path) if f.exists() and not f.name.endswith(".tmp")]
+    if finished and not refused:
+        raise CheckpointError("; ".join(skipped) + "; no checkpoint in "
+                              f"{Path(path).parent} verifies. Move the files away or start "
+                              "fresh with --resume none (which overwrites them)")
+    return None
 
 
 def _read_tail(path: Path) -> bytes:

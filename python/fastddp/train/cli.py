@@ -168,9 +168,27 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# Flags naming a file or directory. An empty value (an unset shell variable: --save-dir
+# "$OUT") is "." to pathlib: the run's files would land in the working directory, a --config
+# would be skipped.
+PATH_FLAGS = {"save_dir": "a directory for the run's files (default runs/har)",
+              "resume": "auto, none or a checkpoint file",
+              "data_dir": "the UCI HAR directory, or leave the flag out for the built-in data",
+              "config": "a YAML or JSON file, or leave the flag out"}
+
+
+def check_paths_not_empty(args: argparse.Namespace) -> None:
+    """Refuse an empty (or blank) value of a :data:`PATH_FLAGS` flag, naming what to give."""
+    for name, what in PATH_FLAGS.items():
+        value = getattr(args, name, None)
+        if isinstance(value, str) and not value.strip():
+            raise UsageError(f"--{name.replace('_', '-')} is empty ({value!r}); give {what}")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     pre, _ = parser.parse_known_args(argv)
+    check_paths_not_empty(pre)
     if pre.config:
         parser.set_defaults(**load_config(pre.config, parser))
     args = parser.parse_args(argv)
@@ -181,6 +199,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def validate(args: argparse.Namespace, cuda_count: int) -> None:
     """Check every flag that can be checked before a process group or data exist."""
+    check_paths_not_empty(args)  # again: a --config may have set them
     check_exclusive(args)
     if args.mode not in MODES and not args.model:
         raise UsageError(f"unknown --mode {args.mode!r}: choose one of {', '.join(MODES)}")

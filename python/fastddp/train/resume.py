@@ -21,12 +21,12 @@ def newness(state: dict[str, Any]) -> tuple[int, bool]:
 
 
 def find_resume_state(args: argparse.Namespace, ctx: Context, save_dir: Path,
-                      key: Callable[[dict[str, Any]], Any] = newness,
+                      accept: Callable[[dict[str, Any]], bool] | None = None,
                       ) -> tuple[dict[str, Any] | None, Path | None, str]:
     """The checkpoint ``--resume`` asks for: ``(state, file, note for the log)``, or ``None``s.
 
-    With ``auto`` rank 0 picks the newest (largest ``key``) checkpoint in ``save_dir`` that
-    verifies and every rank loads that file; checkpoint files of which none verifies stop the
+    With ``auto`` rank 0 picks the most recently written checkpoint in ``save_dir`` that
+    verifies (and that ``accept`` takes) and every rank loads that file; checkpoint files of which none verifies stop the
     run (UsageError) instead of starting over. ``none`` starts over, except in a restarted
     torchrun job (:func:`own_checkpoint`); a path: :func:`given_checkpoint`."""
     if args.resume == "none":
@@ -38,7 +38,7 @@ def find_resume_state(args: argparse.Namespace, ctx: Context, save_dir: Path,
     choice: list[Any] = [None, None, ""]  # path, error, note
     if ctx.is_main:
         try:
-            found = checkpoint.latest(save_dir / "last.pt", key=key)
+            found = checkpoint.latest(save_dir / "last.pt", accept=accept)
         except checkpoint.CheckpointError as exc:
             choice[1] = str(exc)
         else:
@@ -117,10 +117,10 @@ def own_checkpoint(args: argparse.Namespace, ctx: Context,
     auto = argparse.Namespace(**{**vars(args), "resume": "auto"})
     try:
         state, path, note = find_resume_state(
-            auto, ctx, save_dir, key=lambda s: (s.get("run_id") == job, *newness(s)))
+            auto, ctx, save_dir, accept=lambda s: s.get("run_id") == job)
     except UsageError:
         return None, None, ""  # nothing of this job's that verifies: start over, as asked
-    if state is None or state.get("run_id") != job:
+    if state is None:
         return None, None, ""
     restart = os.environ["TORCHELASTIC_RESTART_COUNT"]
     return state, path, (f"{note} (restart {restart} of this torchrun job: --resume none "

@@ -70,10 +70,13 @@ class TrainState:
         missing = [k for k in ("optimizer", "scheduler", "scaler", "loader", "epoch", "step",
                                "best_f1", "history") if k not in state]
         if missing:
+            what = ("best.pt holds only the weights of the best epoch, for evaluation"
+                    if "metrics" in state and "model" in state else
+                    "it is not a training checkpoint of fastddp.train (a model's weights, or "
+                    "another program's file)")
             return (f"{source} is not a checkpoint to resume from (it has no "
-                    f"{', '.join(missing)}): best.pt holds only the weights of the best epoch, "
-                    "for evaluation. Resume from last.pt (--resume auto does) or start over "
-                    "with --resume none")
+                    f"{', '.join(missing)}): {what}. Resume from last.pt (--resume auto does) "
+                    "or start over with --resume none")
         if state.get("signature") != model_signature(self.model) or state.get("mode") != self.mode:
             return (f"{source} was written for model {state.get('mode')!r} with other parameter "
                     "shapes; use a different --save-dir or --resume none")
