@@ -39,7 +39,12 @@ constexpr int kReady = 0, kReduced = 1, kDone = 2;
 // within this on a latency-bound model, and a sleeping thread lets its (virtual) CPU idle, which
 // costs tens to hundreds of µs to wake: the HAR MLP steps 4-8 % faster with 100 µs than with
 // 6 µs (2-core VM, world 2); larger models do not change. A clock read every 64 checks.
+// The budget adapts (ShmAllreduce::spin_budget_): a wait that outlasts kSpinTime (a peer that
+// is descheduled or far behind) halves it, down to kMinSpin, and a wait kSpinTime would have
+// caught doubles it again. When a neighbour's process takes the cores, waits for a preempted peer
+// last time slices, and a full spin before each of them burnt most of the wrapper's CPU time.
 constexpr auto kSpinTime = std::chrono::microseconds(100);
+constexpr auto kMinSpin = std::chrono::microseconds(3);
 constexpr auto kLivenessPeriod = std::chrono::milliseconds(200);
 
 struct RankSlot {
@@ -383,6 +388,7 @@ ShmAllreduce::ShmAllreduce(std::shared_ptr<ShmSegment> segment, int rank, int wo
       broadcast_offset_(broadcast_offset),
       broadcast_bytes_(broadcast_bytes),
       timeout_(timeout),
+      spin_budget_(kSpinTime),
       owner_pid_(getpid()) {
   thread_ = std::thread([this] { run(); });
 }
@@ -481,15 +487,34 @@ void ShmAllreduce::publish(int which, uint32_t seq) const {
   futex_wake(word);
 }
 
+void ShmAllreduce::adapt_spin(std::chrono::steady_clock::duration waited) const {
+  if (waited > kSpinTime) {
+    spin_budget_ = std::max<std::chrono::steady_clock::duration>(kMinSpin, spin_budget_ / 2);
+  } else {
+    spin_budget_ = std::min<std::chrono::steady_clock::duration>(kSpinTime, spin_budget_ * 2);
+  }
+}
+
 void ShmAllreduce::wait_for(int peer, int which, uint32_t seq) const {
   auto& slot = segment_->slot(peer);
   auto* word = &slot.counter[which];
-  const auto spin_until = std::chrono::steady_clock::now() + kSpinTime;
+  if (reached(word->load(std::memory_order_acquire), seq)) return;
+  const auto begin = std::chrono::steady_clock::now();
+  const auto spin_until = begin + spin_budget_;
   for (uint32_t i = 1;; ++i) {
-    if (reached(word->load(std::memory_order_acquire), seq)) return;
+    if (reached(word->load(std::memory_order_acquire), seq)) return adapt_spin(std::chrono::steady_clock::now() - begin);
     cpu_relax();
     if (i % 64 == 0 && std::chrono::steady_clock::now() >= spin_until) break;
   }
+  sleep_until_reached(peer, which, seq);
+  adapt_spin(std::chrono::steady_clock::now() - begin);
+}
+
+// Sleeps on the futex until the peer's counter reaches seq, checking every kLivenessPeriod that
+// the peer is alive and that the wait is within the process group's timeout.
+void ShmAllreduce::sleep_until_reached(int peer, int which, uint32_t seq) const {
+  auto& slot = segment_->slot(peer);
+  auto* word = &slot.counter[which];
   const auto start = std::chrono::steady_clock::now();
   auto next_check = start + kLivenessPeriod;
   while (true) {

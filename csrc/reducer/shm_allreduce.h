@@ -107,6 +107,8 @@ class ShmAllreduce {
   void wait_peers(int which, uint32_t seq) const;
   void execute_broadcast(const Task& task);
   void wait_for(int peer, int which, uint32_t seq) const;
+  void sleep_until_reached(int peer, int which, uint32_t seq) const;
+  void adapt_spin(std::chrono::steady_clock::duration waited) const;
   void publish(int which, uint32_t seq) const;
   [[noreturn]] void fail(const std::string& what) const;
 
@@ -119,6 +121,8 @@ class ShmAllreduce {
   std::chrono::milliseconds timeout_;
   uint32_t next_seq_ = 1;  // issued on the caller's thread, under mutex_
   uint32_t last_broadcast_seq_ = 0;  // rank 0, comm thread: the region is busy until peers are done
+  // comm thread: how long a wait busy-checks before sleeping (adapt_spin, kSpinTime in the .cpp)
+  mutable std::chrono::steady_clock::duration spin_budget_;
 
   std::mutex mutex_;
   std::condition_variable cv_;
