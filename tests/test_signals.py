@@ -86,15 +86,20 @@ def test_guard_raises_once_and_not_inside_shielded(sigterm_fallback: list[int]) 
     assert sigterm_fallback == []  # every SIGTERM above reached a guard
 
 
-def test_sigterm_mid_training_exits_cleanly_with_the_checkpoint(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "fastddp.train", "--epochs", "2", "--mode", "flatten",
-         "--no-progress", "--num-workers", "1", "--save-interval", "40", "--resume", "none",
-         "--save-dir", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-        env=dict(os.environ, OMP_NUM_THREADS="1", FASTDDP_FAULT_TERM_AFTER_STEP="40"))
-    assert proc.returncode == 143, proc.stderr[-3000:]
-    lines = [ln for ln in proc.stderr.splitlines() if "stopped by SIGTERM" in ln]
+@pytest.mark.parametrize(("signame", "code", "said"), [("TERM", 143, "stopped by SIGTERM"),
+                                                       ("INT", 130, "interrupted (SIGINT")])
+def test_signal_mid_training_exits_cleanly_with_the_checkpoint(tmp_path: Path, signame: str,
+                                                              code: int, said: str) -> None:
+    """SIGTERM (torchrun, a scheduler) or SIGINT (Ctrl-C) while a checkpoint is being written:
+    the write finishes and one line says how to go on."""
+    argv = [sys.executable, "-m", "fastddp.train", "--epochs", "2", "--mode", "flatten",
+            "--no-progress", "--num-workers", "1", "--save-interval", "40", "--save-dir",
+            str(tmp_path)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([*argv, "--resume", "none"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, env={**env, f"FASTDDP_FAULT_{signame}_AFTER_STEP": "40"})
+    assert proc.returncode == code, proc.stderr[-3000:]
+    lines = [ln for ln in proc.stderr.splitlines() if said in ln]
     assert len(lines) == 1 and "Resume with --resume auto" in lines[0], proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     state = checkpoint.load(tmp_path / "last.pt")  # the write in flight at the signal finished

@@ -353,7 +353,9 @@ def test_run_killed_after_its_last_checkpoint_completes_its_files(tmp_path: Path
     (save / "summary.json").unlink()  # as a kill between last.pt and the files after it leaves
     (save / "metrics.csv").write_bytes(want[: want.rindex(b"\n2,") + 1])  # epoch 1 only
     again = _train([*args, "--epochs", "2", "--save-dir", str(save)], env=env)
-    assert "is already complete" in again.stdout and "completing metrics.csv" in again.stdout
+    assert "is already complete" in again.stdout
+    assert "writing metrics.csv, curves.png and summary.json from last.pt's history" in again.stdout
+    assert not list(save.glob("metrics.csv.*.bak"))  # a file behind the history is not kept
     assert (save / "metrics.csv").read_bytes() == want
     summary = json.loads((save / "summary.json").read_text())
     assert summary["final"]["epoch"] == 2 and summary["world_size"] == 1

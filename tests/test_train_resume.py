@@ -241,3 +241,24 @@ def test_resume_from_a_file_torch_save_wrote_elsewhere_is_one_clear_error(
     assert len(lines) == 1 and lines[0].startswith(f"fastddp.train: error: {given}"), out
     assert named in lines[0] and "--resume none" in lines[0], out
     assert not (save / "last.pt").exists()
+
+
+@pytest.mark.parametrize("epochs", [1, 2], ids=["complete", "continued"])
+def test_metrics_edited_by_hand_are_kept_aside(one_epoch, tmp_path, data_path, epochs) -> None:
+    """metrics.csv that is not the checkpoint's history (nor a part of it) is moved to
+    metrics.csv.<time>.bak with a note, then written again from the checkpoint: a hand edit
+    is not overwritten without a word, whether the run is complete or continues."""
+    save = tmp_path / "run"
+    shutil.copytree(one_epoch, save)
+    written = (save / "metrics.csv").read_bytes()
+    edited = written.replace(b"\n1,", b"\n1,0.123,", 1) + b"my note\n"
+    (save / "metrics.csv").write_bytes(edited)
+    codes, out = trainer_runs.run(save, data_path, ["--epochs", str(epochs)])
+    assert codes == [0], out
+    kept = list(save.glob("metrics.csv.*.bak"))
+    assert len(kept) == 1 and kept[0].read_bytes() == edited, out
+    assert (f"note: {save / 'metrics.csv'} did not hold the history of {save / 'last.pt'} "
+            f"(edited by hand, or written after a checkpoint that is gone): kept as "
+            f"{kept[0].name}") in out, out
+    assert (save / "metrics.csv").read_bytes().startswith(written)
+    assert [row["epoch"] for row in trainer_runs.metrics(save)] == [str(e + 1) for e in range(epochs)]

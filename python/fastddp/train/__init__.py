@@ -82,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fastddp.train: rank {rank}: error: {exc}", file=sys.stderr, flush=True)
         return 1
     except KeyboardInterrupt:
-        print(f"fastddp.train: rank {rank}: interrupted", file=sys.stderr, flush=True)
+        print(f"fastddp.train: rank {rank}: interrupted (SIGINT, Ctrl-C) after finishing the "
+              "checkpoints in progress. Resume with --resume auto", file=sys.stderr, flush=True)
         return 130
     except Terminated:
         print(f"fastddp.train: rank {rank}: stopped by SIGTERM (torchrun stops the other ranks "

@@ -155,12 +155,14 @@ def inject_fault(unit: str, count: int, ctx: Context, saver: Any) -> None:
     is on disk (every rank waits for rank 0's write, so a kill on another rank cannot overtake
     it); ``FASTDDP_FAULT_RANK`` (optional) names the only rank that dies.
     ``FASTDDP_FAULT_TERM_AFTER_<unit>=count``: send this process SIGTERM at once, with the
-    checkpoint still being written (what torchrun or a scheduler does at an arbitrary time).
+    checkpoint still being written (what torchrun or a scheduler does at an arbitrary time);
+    ``FASTDDP_FAULT_INT_AFTER_<unit>=count``: the same with SIGINT (Ctrl-C).
     """
     only = os.environ.get("FASTDDP_FAULT_RANK")
     this_rank = only is None or only == str(ctx.rank)
-    if os.environ.get(f"FASTDDP_FAULT_TERM_AFTER_{unit}") == str(count) and this_rank:
-        os.kill(os.getpid(), signal.SIGTERM)
+    for name in ("TERM", "INT"):
+        if os.environ.get(f"FASTDDP_FAULT_{name}_AFTER_{unit}") == str(count) and this_rank:
+            os.kill(os.getpid(), getattr(signal, f"SIG{name}"))
     if os.environ.get(f"FASTDDP_FAULT_KILL_AFTER_{unit}") == str(count):
         saver.flush()
         if ctx.distributed:

@@ -30,7 +30,14 @@ from .epoch import end_epoch, run_epoch
 from .errors import UsageError
 from .graph import GraphedStep, hold_lr
 from .models import build_model
-from .outputs import GpuMonitor, make_tensorboard, metrics_csv, plot_curves, write_config
+from .outputs import (
+    GpuMonitor,
+    keep_foreign_metrics,
+    make_tensorboard,
+    metrics_csv,
+    plot_curves,
+    write_config,
+)
 from .resume import find_resume_state
 from .setup import (
     Context,
@@ -251,6 +258,11 @@ def restore(r: Run) -> tuple[Optional[tuple[float, int, int]], bool]:
                  f"interrupted epoch {state.epoch + 1} restarts from its beginning")
     if state.start_epoch < r.args.epochs:
         log(ctx, f"resumed from {path} at epoch {state.start_epoch + 1}, step {state.step}{note}")
+    kept = keep_foreign_metrics(r.save_dir, state.history) if ctx.is_main else None
+    if kept is not None:
+        log(ctx, f"note: {r.save_dir / 'metrics.csv'} did not hold the history of {path} (edited "
+                 f"by hand, or written after a checkpoint that is gone): kept as {kept.name}; "
+                 "metrics.csv is written again from the checkpoint")
     return partial, True
 
 
@@ -268,8 +280,8 @@ def already_complete(r: Run) -> dict[str, Any]:
     metrics_file, summary_file = r.save_dir / "metrics.csv", r.save_dir / "summary.json"
     stale = not metrics_file.exists() or metrics_file.read_bytes() != metrics_csv(state.history)
     if r.ctx.is_main and state.history and (stale or not summary_file.exists()):
-        log(r.ctx, "note: completing metrics.csv, curves.png and summary.json from last.pt "
-                   "(the run was stopped after its last checkpoint)")
+        log(r.ctx, "note: writing metrics.csv, curves.png and summary.json from last.pt's "
+                   "history (they were missing, or behind it)")
         r.saver.write(metrics_csv(state.history), metrics_file)
         last = state.history[-1]
         samples = sum(row["samples_per_s"] * row["epoch_time_s"] for row in state.history)

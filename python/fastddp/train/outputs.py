@@ -8,8 +8,9 @@ import io
 import json
 import math
 import sys
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -34,6 +35,27 @@ def metrics_csv(history: list[dict[str, Any]]) -> bytes:
     w.writeheader()
     w.writerows(history)
     return out.getvalue().encode()
+
+
+def keep_foreign_metrics(save_dir: Path, history: list[dict[str, Any]]) -> Optional[Path]:
+    """Move ``save_dir/metrics.csv`` aside when it is not what the run's ``history`` wrote:
+    neither that history nor an earlier state of it (a run killed between last.pt and
+    metrics.csv leaves fewer rows, a byte prefix). Such a file was edited by hand, or was
+    written after a checkpoint that is gone; the run rewrites metrics.csv from its checkpoint,
+    so the file goes to ``metrics.csv.<time>.bak`` instead of being overwritten. Returns the
+    new path, or None when nothing was moved."""
+    path = save_dir / "metrics.csv"
+    if not history or not path.is_file():
+        return None
+    if metrics_csv(history).startswith(path.read_bytes()):
+        return None
+    kept = save_dir / f"metrics.csv.{time.strftime('%Y%m%d-%H%M%S')}.bak"
+    n = 1
+    while kept.exists():
+        kept = save_dir / f"metrics.csv.{time.strftime('%Y%m%d-%H%M%S')}.{n}.bak"
+        n += 1
+    path.rename(kept)
+    return kept
 
 
 def plot_curves(save_dir: Path, history: list[dict[str, Any]]) -> bool:
