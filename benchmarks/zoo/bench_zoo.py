@@ -6,8 +6,10 @@ sharing the GPU (gloo on CUDA tensors):
 
 For each model and precision: step time of the bare model, the bare model synchronised once
 per step (one 1-element all-reduce: the floor of any synchronous data-parallel step), torch
-DDP and DDPWrapper interleaved in rounds (ratios paired within a round; median and spread over
-the rounds), and each contender's peak memory in a process of its own. A 50 M-parameter MLP
+DDP and DDPWrapper, each in processes of its own (one model per process, as in a training
+job), interleaved in rounds (one contender's ranks run a block while the others wait; ratios
+paired within a round, median and spread over the rounds), and each contender's peak memory
+in processes of its own. A 50 M-parameter MLP
 (fp32) joins the zoo as the size at which a second copy of the gradients would show. One progress line per case; rows go to
 ``benchmarks/results/zoo.json`` and from there (``python benchmarks/report.py``) into
 docs/benchmarks.md.
@@ -24,12 +26,12 @@ import torch.distributed as dist
 from tests.distributed import run_distributed
 
 from ..common import SMOKE, record
-from .measure import MEMORY, PRECISIONS, other_load, peak_memory, time_rounds
+from .measure import MEMORY, PRECISIONS, TIMED, Case, Schedule, other_load, peak_memory, time_rounds
 from .models import NAMES, workload
 
 # Rounds, and the least steps and seconds of one contender's block (its steps per block are
-# set so the slowest contender's block lasts BLOCK_S; the fp16 rows' steps take 0.4-0.9 s).
-ROUNDS, MIN_STEPS, BLOCK_S = (1, 1, 0.0) if SMOKE else (11, 4, 0.3)
+# set so the slowest contender's block lasts block_s; the fp16 rows' steps take 0.4-0.9 s).
+SCHEDULE = Schedule(1, 1, 0.0) if SMOKE else Schedule(rounds=11, min_steps=4, block_s=0.3)
 MEM_STEPS = 1 if SMOKE else 3
 CASES = [pytest.param(n, p, id=f"{n}-{p}") for n in NAMES for p in PRECISIONS]
 CASES.append(pytest.param("mlp50m", "fp32", id="mlp50m-fp32"))  # the memory reference
@@ -41,17 +43,23 @@ def _paired(times: dict[str, list[float]], num: str, den: str) -> dict[str, floa
     return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
 
 
+def _per_round_max(per_rank: list) -> dict[str, list[float]]:
+    """Each contender's step time per round: a step is as slow as its slowest rank."""
+    return {k: [max(r.times[k][i] for r in per_rank if k in r.times)
+                for i in range(len(next(r for r in per_rank if k in r.times).times[k]))]
+            for k in TIMED}
+
+
 def _case(name: str, precision: str, device_type: str, world_size: int, backend: str,
           scratch: Path) -> dict:
     wl = workload(name, torch.device(device_type), scratch, SMOKE)  # writes the clips once
     if precision == "fp16" and not wl.fp16:
         pytest.skip(f"{name}: torch has no float16 kernel for this model on {device_type}")
-    args = (name, precision, device_type)
-    per_rank = run_distributed(time_rounds, world_size, backend=backend, timeout=3600,
-                               args=(*args, ROUNDS, MIN_STEPS, BLOCK_S, str(scratch), SMOKE))
-    # A step is as slow as its slowest rank: take the per-round maximum over ranks.
-    times = {k: [max(r.times[k][i] for r in per_rank) for i in range(ROUNDS)]
-             for k in per_rank[0].times}
+    case = Case(name, precision, device_type, world_size, backend, str(scratch), SMOKE)
+    # the barriers between blocks go over gloo; each contender's ranks reduce over `backend`
+    per_rank = run_distributed(time_rounds, world_size * len(TIMED), backend="gloo",
+                               timeout=3600, args=(case, SCHEDULE))
+    times = _per_round_max(per_rank)
     mem = {}
     for kind in MEMORY:
         peaks = run_distributed(peak_memory, world_size, backend=backend, timeout=1800,
@@ -59,7 +67,7 @@ def _case(name: str, precision: str, device_type: str, world_size: int, backend:
                                       str(scratch), SMOKE))
         mem[kind] = max(peaks) / 2**20
     row = {"model": name, "precision": precision, "world_size": world_size, "backend": backend,
-           "device": device_type, "rounds": ROUNDS, "steps_per_round": per_rank[0].steps,
+           "device": device_type, "rounds": SCHEDULE.rounds, "steps_per_round": per_rank[0].steps,
            "other_load_cores": other_load(per_rank),
            **{f"{k}_step_ms": statistics.median(v) * 1e3 for k, v in times.items()},
            "fastddp_over_bare": _paired(times, "fastddp", "bare"),
@@ -95,21 +103,26 @@ SMOKE_PLAN = {"resnet18": "fp16", "gpt2": "bf16", "speech": "bf16", "video3d": "
 
 
 def _smoke_rank(rank: int, world_size: int, scratch: str) -> dict:
-    out = {name: time_rounds(rank, world_size, name, precision, "cpu", 1, 1, 0.0, scratch,
-                             True).times for name, precision in SMOKE_PLAN.items()}
-    out["memory"] = {kind: peak_memory(rank, world_size, "har", "fp16", kind, "cpu", 1, scratch,
-                                       True) for kind in MEMORY}
-    return out
+    return {name: time_rounds(rank, world_size, Case(name, precision, "cpu", 2, "gloo", scratch,
+                                                     smoke=True), SCHEDULE)
+            for name, precision in SMOKE_PLAN.items()}
+
+
+def _smoke_memory(rank: int, world_size: int, scratch: str) -> dict:
+    return {kind: peak_memory(rank, world_size, "har", "fp16", kind, "cpu", 1, scratch, True)
+            for kind in MEMORY}
 
 
 @pytest.mark.skipif(not SMOKE, reason="the smoke run's quick pass; the full run measures each case")
 def test_zoo_smoke(tmp_path: Path) -> None:
     """Every model, contender and precision path once, in one pair of ranks (tiny batches)."""
     workload("video3d", torch.device("cpu"), tmp_path, smoke=True)  # the clips, written once
-    out = run_distributed(_smoke_rank, 2, args=(str(tmp_path),), timeout=900)[0]
+    per_rank = run_distributed(_smoke_rank, 2 * len(TIMED), args=(str(tmp_path),), timeout=900)
     for name in NAMES:
-        assert all(t[0] > 0 for t in out[name].values()), name
-    assert set(out["memory"]) == set(MEMORY)
+        times = _per_round_max([r[name] for r in per_rank])
+        assert all(t[0] > 0 for t in times.values()), name
+    memory = run_distributed(_smoke_memory, 2, args=(str(tmp_path),), timeout=900)[0]
+    assert set(memory) == set(MEMORY)
 
 
 @pytest.mark.cuda

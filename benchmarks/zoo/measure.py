@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import dataclasses
 import gc
 import math
 import os
@@ -42,6 +43,7 @@ class Contender:
     opt: torch.optim.Optimizer
     scaler: Optional[torch.amp.GradScaler]
     sync: Optional[torch.Tensor] = None  # all-reduced after backward (``bare_sync``)
+    group: Optional[dist.ProcessGroup] = None  # the contender's ranks (None: the default group)
 
 
 def new_model(wl: Workload, device: torch.device) -> nn.Module:
@@ -50,13 +52,15 @@ def new_model(wl: Workload, device: torch.device) -> nn.Module:
     return wl.build().to(device)
 
 
-def build(kind: str, model: nn.Module, device: torch.device, precision: str) -> Contender:
-    """Contender ``kind`` over ``model``."""
+def build(kind: str, model: nn.Module, device: torch.device, precision: str,
+          group: Optional[dist.ProcessGroup] = None) -> Contender:
+    """Contender ``kind`` over ``model``, reducing over ``group`` (None: the default group)."""
     ids = [device.index or 0] if device.type == "cuda" else None
     if kind in ("torch", "torch_bv"):
-        model = TorchDDP(model, device_ids=ids, gradient_as_bucket_view=kind == "torch_bv")
+        model = TorchDDP(model, device_ids=ids, gradient_as_bucket_view=kind == "torch_bv",
+                         process_group=group)
     elif kind == "fastddp":
-        model = fastddp.DDPWrapper(model, device_ids=ids)
+        model = fastddp.DDPWrapper(model, device_ids=ids, process_group=group)
     elif kind not in ("bare", "bare_sync"):
         raise ValueError(f"unknown contender {kind!r}")
     scaler = None
@@ -64,7 +68,7 @@ def build(kind: str, model: nn.Module, device: torch.device, precision: str) -> 
         scaler = (fastddp.GradScaler(device.type) if kind == "fastddp"
                   else torch.amp.GradScaler(device.type))
     sync = torch.zeros(1, device=device) if kind == "bare_sync" else None
-    return Contender(model, torch.optim.AdamW(model.parameters(), lr=1e-4), scaler, sync)
+    return Contender(model, torch.optim.AdamW(model.parameters(), lr=1e-4), scaler, sync, group)
 
 
 def step(c: Contender, wl: Workload, batch: Any, precision: str, device: torch.device) -> None:
@@ -79,7 +83,7 @@ def step(c: Contender, wl: Workload, batch: Any, precision: str, device: torch.d
     else:
         c.scaler.scale(loss).backward()
     if c.sync is not None:
-        dist.all_reduce(c.sync)
+        dist.all_reduce(c.sync, group=c.group)
     if c.scaler is None:
         c.opt.step()
     else:
@@ -115,11 +119,15 @@ class Rounds:
 def _block_steps(keys: Sequence[Any], prepare: Callable[[Any, int, int], Callable[[], None]],
                  min_steps: int, block_s: float, device: torch.device) -> int:
     """Steps per block so that a block of the slowest contender lasts ``block_s`` (at least
-    ``min_steps``), agreed over the ranks: short blocks weigh the start of a block (cold
-    caches, the ranks leaving the barrier apart) too much on millisecond steps."""
+    ``min_steps``), agreed over the ranks (the fewest any rank asks for, so a rank that runs
+    only a fast contender does not lengthen the slow one's blocks): short blocks weigh the
+    start of a block (cold caches, the ranks leaving the barrier apart) too much on
+    millisecond steps."""
     slowest = 0.0
-    for key in keys:
+    for key in keys:  # one at a time, as the rounds run them
         run = prepare(key, 0, 1)
+        if dist.is_initialized():
+            dist.barrier()
         _sync(device)
         t0 = time.perf_counter()
         run()
@@ -128,7 +136,7 @@ def _block_steps(keys: Sequence[Any], prepare: Callable[[Any, int, int], Callabl
     steps = max(min_steps, math.ceil(block_s / slowest)) if block_s > 0 else min_steps
     if dist.is_initialized():
         agreed = torch.tensor([steps], dtype=torch.int64)
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
         steps = int(agreed)
     return steps
 
@@ -153,6 +161,8 @@ def interleave(keys: Sequence[Any], prepare: Callable[[Any, int, int], Callable[
             run()
             _sync(device)
             times[key].append((time.perf_counter() - t0) / steps)
+    if dist.is_initialized():
+        dist.barrier()  # ranks idle in the last block leave only now (exiting costs CPU)
     return Rounds(times, steps, time.perf_counter() - wall0, time.process_time() - cpu0,
                   _busy_seconds() - busy0)
 
@@ -165,25 +175,59 @@ def other_load(per_rank: Sequence[Rounds]) -> float:
     return max(0.0, (per_rank[0].machine_busy_s - own) / per_rank[0].wall_s)
 
 
-def time_rounds(rank: int, world_size: int, name: str, precision: str, device_type: str,
-                rounds: int, min_steps: int, block_s: float, scratch: str,
-                smoke: bool) -> Rounds:
-    """Step times of every timed contender over interleaved rounds (see :func:`interleave`)."""
-    device = torch.device(device_type)  # on a GPU machine every rank shares GPU 0
-    wl = workload(name, device, Path(scratch), smoke)
-    contenders = {k: build(k, new_model(wl, device), device, precision) for k in TIMED}
-    for c in contenders.values():  # warm-up: allocations, bucket rebuilds, oneDNN plans
-        for i in range(3):
-            step(c, wl, wl.batch(i), precision, device)
+@dataclass(frozen=True)
+class Case:
+    """One zoo measurement: a model at a precision, each contender on ``ranks`` ranks of its
+    own that reduce over ``backend``."""
+
+    name: str
+    precision: str
+    device_type: str
+    ranks: int  # each contender's world size
+    backend: str  # of each contender's process group
+    scratch: str
+    smoke: bool = False
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """How the contenders alternate: ``rounds`` rotated rounds of one block each, a block of
+    at least ``min_steps`` steps lasting about ``block_s`` (see :func:`interleave`)."""
+
+    rounds: int
+    min_steps: int
+    block_s: float
+
+
+def time_rounds(rank: int, world_size: int, case: Case, schedule: Schedule) -> Rounds:
+    """Step times of this rank's contender over interleaved rounds. Every timed contender
+    runs in processes of its own (``case.ranks`` each: ranks ``i * case.ranks ...`` run
+    ``TIMED[i]``), as a training job holds one model per process: two models in one process
+    share its allocator and caches, which sped up the bare model's steps and slowed the
+    wrappers'. The others wait in the barrier while one contender's ranks run a block."""
+    if world_size != case.ranks * len(TIMED):
+        raise ValueError(f"time_rounds needs {case.ranks} ranks for each of {TIMED}: "
+                         f"world size {case.ranks * len(TIMED)}, got {world_size}")
+    groups = [dist.new_group(list(range(i * case.ranks, (i + 1) * case.ranks)),
+                             backend=case.backend) for i in range(len(TIMED))]
+    mine = TIMED[rank // case.ranks]
+    device = torch.device(case.device_type)  # on a GPU machine every rank shares GPU 0
+    wl = workload(case.name, device, Path(case.scratch), case.smoke)
+    c = build(mine, new_model(wl, device), device, case.precision, groups[rank // case.ranks])
+    for i in range(3):  # warm-up: allocations, bucket rebuilds, oneDNN plans
+        step(c, wl, wl.batch(i), case.precision, device)
 
     def prepare(kind: str, first: int, n: int) -> Callable[[], None]:
-        c = contenders[kind]
-        if name == "video3d":  # the video batch is read from disk inside the step
-            return lambda: [step(c, wl, wl.batch(i), precision, device) for i in range(n)]
+        if kind != mine:
+            return lambda: None
+        if case.name == "video3d":  # the video batch is read from disk inside the step
+            return lambda: [step(c, wl, wl.batch(i), case.precision, device) for i in range(n)]
         batches = [wl.batch(first + i) for i in range(n)]
-        return lambda: [step(c, wl, b, precision, device) for b in batches]
+        return lambda: [step(c, wl, b, case.precision, device) for b in batches]
 
-    return interleave(TIMED, prepare, rounds, min_steps, block_s, device)
+    timed = interleave(TIMED, prepare, schedule.rounds, schedule.min_steps, schedule.block_s,
+                       device)
+    return dataclasses.replace(timed, times={mine: timed.times[mine]})
 
 
 def _rss_bytes(field: str) -> int:
