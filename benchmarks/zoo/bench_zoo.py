@@ -17,7 +17,11 @@ docs/benchmarks.md.
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing
 import statistics
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -50,15 +54,38 @@ def _per_round_max(per_rank: list) -> dict[str, list[float]]:
             for k in TIMED}
 
 
+def _spin(deadline: float) -> None:
+    while time.time() < deadline:
+        pass
+
+
+@contextlib.contextmanager
+def busy_neighbour(on: bool) -> Iterator[None]:
+    """With ``on``, one more process spinning on a core while the body runs: another job, or a
+    data-loading process, sharing the machine (it stops by itself after an hour at most)."""
+    if not on:
+        yield
+        return
+    proc = multiprocessing.get_context("spawn").Process(target=_spin, args=(time.time() + 3600,),
+                                                        daemon=True)
+    proc.start()
+    try:
+        yield
+    finally:
+        proc.kill()
+        proc.join()
+
+
 def _case(name: str, precision: str, device_type: str, world_size: int, backend: str,
-          scratch: Path) -> dict:
+          scratch: Path, neighbour: bool = False) -> dict:
     wl = workload(name, torch.device(device_type), scratch, SMOKE)  # writes the clips once
     if precision == "fp16" and not wl.fp16:
         pytest.skip(f"{name}: torch has no float16 kernel for this model on {device_type}")
     case = Case(name, precision, device_type, world_size, backend, str(scratch), SMOKE)
     # the barriers between blocks go over gloo; each contender's ranks reduce over `backend`
-    per_rank = run_distributed(time_rounds, world_size * len(TIMED), backend="gloo",
-                               timeout=3600, args=(case, SCHEDULE))
+    with busy_neighbour(neighbour):
+        per_rank = run_distributed(time_rounds, world_size * len(TIMED), backend="gloo",
+                                   timeout=3600, args=(case, SCHEDULE))
     times = _per_round_max(per_rank)
     mem = {}
     for kind in MEMORY:
@@ -86,7 +113,9 @@ def _case(name: str, precision: str, device_type: str, world_size: int, backend:
           + " ".join(f"{k} {row[k + '_peak_mib']:.0f}" for k in MEMORY)
           + f" | {row['steps_per_round']} steps a block, other load {row['other_load_cores']:.2f} cores",
           flush=True)
-    record("zoo", f"{device_type}-{backend}-w{world_size}-{name}-{precision}", row)
+    row["busy_neighbour"] = neighbour
+    suffix = "-busy-neighbour" if neighbour else ""
+    record("zoo", f"{device_type}-{backend}-w{world_size}-{name}-{precision}{suffix}", row)
     return row
 
 
@@ -95,6 +124,16 @@ def test_zoo_cpu_gloo_world2(name: str, precision: str, tmp_path: Path) -> None:
     if SMOKE:
         pytest.skip("smoke run: test_zoo_smoke runs every model once")
     _case(name, precision, "cpu", 2, "gloo", tmp_path)
+
+
+@pytest.mark.parametrize("name", ["har", "speech", "resnet18"])
+def test_zoo_cpu_gloo_world2_busy_neighbour(name: str, tmp_path: Path) -> None:
+    """The same with one more process spinning on one of the cores (fp32): a synchronous step
+    waits for a rank the neighbour preempted, so this is where the ranks' waits must give the
+    cores up rather than spin."""
+    if SMOKE:
+        pytest.skip("smoke run: the neighbour changes nothing that the smoke run checks")
+    _case(name, "fp32", "cpu", 2, "gloo", tmp_path, neighbour=True)
 
 
 # Each precision path at least once (CPU has no float16 LSTM, so speech runs bf16).
@@ -115,7 +154,7 @@ def _smoke_memory(rank: int, world_size: int, scratch: str) -> dict:
 
 @pytest.mark.skipif(not SMOKE, reason="the smoke run's quick pass; the full run measures each case")
 def test_zoo_smoke(tmp_path: Path) -> None:
-    """Every model, contender and precision path once, in one pair of ranks (tiny batches)."""
+    """Every model, contender and precision path once (two ranks per contender, tiny batches)."""
     workload("video3d", torch.device("cpu"), tmp_path, smoke=True)  # the clips, written once
     per_rank = run_distributed(_smoke_rank, 2 * len(TIMED), args=(str(tmp_path),), timeout=900)
     for name in NAMES:
