@@ -172,7 +172,8 @@ def _zoo(plt, rows: list[dict[str, Any]], path: Path) -> str:
         ax.bar([x + (i - (len(series) - 1) / 2) * width for x in xs], med, width, yerr=err, capsize=2,
                label=label)
     ax.axhline(1.05, color="k", linestyle="--", linewidth=1, label="target 1.05")
-    ax.set_xticks(list(xs), [f"{r['model']} {r['precision']} w{r['world_size']}" for r in rows],
+    ax.set_xticks(list(xs), [f"{r['model']} {r['precision']} w{r['world_size']}"
+                             + (" + busy neighbour" if r.get("busy_neighbour") else "") for r in rows],
                   rotation=35, ha="right", fontsize="small")
     ax.set_ylim(bottom=0.5)
     return _finish(plt, fig, ax, path, "", "step time / bare model's", "Model zoo (benchmarks/zoo)")
