@@ -116,6 +116,17 @@ class Rounds:
     machine_busy_s: float  # busy CPU seconds of the whole machine over them
 
 
+def _timed_block(run: Callable[[], None], device: torch.device) -> float:
+    """Seconds ``run`` takes, started on every rank together (a barrier)."""
+    if dist.is_initialized():
+        dist.barrier()
+    _sync(device)
+    t0 = time.perf_counter()
+    run()
+    _sync(device)
+    return time.perf_counter() - t0
+
+
 def _block_steps(keys: Sequence[Any], prepare: Callable[[Any, int, int], Callable[[], None]],
                  min_steps: int, block_s: float, device: torch.device) -> int:
     """Steps per block so that a block of the slowest contender lasts ``block_s`` (at least
@@ -123,16 +134,7 @@ def _block_steps(keys: Sequence[Any], prepare: Callable[[Any, int, int], Callabl
     only a fast contender does not lengthen the slow one's blocks): short blocks weigh the
     start of a block (cold caches, the ranks leaving the barrier apart) too much on
     millisecond steps."""
-    slowest = 0.0
-    for key in keys:  # one at a time, as the rounds run them
-        run = prepare(key, 0, 1)
-        if dist.is_initialized():
-            dist.barrier()
-        _sync(device)
-        t0 = time.perf_counter()
-        run()
-        _sync(device)
-        slowest = max(slowest, time.perf_counter() - t0)
+    slowest = max(_timed_block(prepare(key, 0, 1), device) for key in keys)  # one at a time
     steps = max(min_steps, math.ceil(block_s / slowest)) if block_s > 0 else min_steps
     if dist.is_initialized():
         agreed = torch.tensor([steps], dtype=torch.int64)
@@ -145,22 +147,15 @@ def interleave(keys: Sequence[Any], prepare: Callable[[Any, int, int], Callable[
                rounds: int, min_steps: int, block_s: float, device: torch.device) -> Rounds:
     """Time the contenders ``keys`` in ``rounds`` rotated rounds of one block each.
     ``prepare(key, first, n)`` makes the inputs of steps ``first .. first + n - 1`` (before the
-    clock starts) and returns a callable that runs those steps. Every block starts on all ranks together
-    (a barrier), in an order rotated from round to round so no contender always follows the
+    clock starts) and returns a callable that runs those steps. Every block starts on all ranks
+    together (a barrier), in an order rotated from round to round so no contender always follows the
     same one."""
     steps = _block_steps(keys, prepare, min_steps, block_s, device)
     times: dict[Any, list[float]] = {k: [] for k in keys}
     busy0, cpu0, wall0 = _busy_seconds(), time.process_time(), time.perf_counter()
     for r in range(rounds):
         for key in list(keys[r % len(keys):]) + list(keys[:r % len(keys)]):
-            run = prepare(key, r * steps, steps)
-            if dist.is_initialized():
-                dist.barrier()
-            _sync(device)
-            t0 = time.perf_counter()
-            run()
-            _sync(device)
-            times[key].append((time.perf_counter() - t0) / steps)
+            times[key].append(_timed_block(prepare(key, r * steps, steps), device) / steps)
     if dist.is_initialized():
         dist.barrier()  # ranks idle in the last block leave only now (exiting costs CPU)
     return Rounds(times, steps, time.perf_counter() - wall0, time.process_time() - cpu0,
