@@ -26,9 +26,10 @@ def find_resume_state(args: argparse.Namespace, ctx: Context, save_dir: Path,
     """The checkpoint ``--resume`` asks for: ``(state, file, note for the log)``, or ``None``s.
 
     With ``auto`` rank 0 picks the most recently written checkpoint in ``save_dir`` that
-    verifies (and that ``accept`` takes) and every rank loads that file; checkpoint files of which none verifies stop the
-    run (UsageError) instead of starting over. ``none`` starts over, except in a restarted
-    torchrun job (:func:`own_checkpoint`); a path: :func:`given_checkpoint`."""
+    verifies (and that ``accept`` takes) and every rank loads that file; checkpoint files of
+    which none verifies stop the run (UsageError) instead of starting over. ``none`` starts
+    over, except in a restarted torchrun job (:func:`own_checkpoint`); a path:
+    :func:`given_checkpoint`."""
     if args.resume == "none":
         if not restarted_job():
             return None, None, ""
