@@ -163,6 +163,19 @@ def test_kept_batches_stay_valid() -> None:
     assert torch.equal(torch.cat([b for _, b in kept]), y)
 
 
+def test_batches_kept_from_a_pass_survive_the_next_passes() -> None:
+    # The ring's host slots go from one pass to the next: a batch kept past its pass must stay
+    # the consumer's, whatever passes follow (shuffled, so every pass writes other values).
+    x, y = _data()
+    loader = fastddp.PrefetchLoader(TensorDataset(x, y), batch_size=16, shuffle=True, num_workers=2)
+    kept = [(bx, by, bx.clone(), by.clone()) for bx, by in loader]
+    for _ in range(3):
+        got = [(bx.clone(), by.clone()) for bx, by in loader]
+        assert torch.equal(torch.sort(torch.cat([by for _, by in got])).values, torch.sort(y).values)
+    for bx, by, cx, cy in kept:
+        assert torch.equal(bx, cx) and torch.equal(by, cy)
+
+
 def test_dataset_exception_reaches_consumer_with_traceback_and_the_pass_goes_on() -> None:
     x, y = _data()
     loader = fastddp.PrefetchLoader(_MapDataset(x, y, fail_at=123), batch_size=10)

@@ -4,6 +4,8 @@ pipeline's bulk submission (submit_split) and up-front slot allocation."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch.utils.data import (
@@ -93,11 +95,55 @@ def test_random_sampler_replay_matches_the_installed_torch() -> None:
     assert random_sampler_replay_matches()
 
 
-def _pipeline(batch_rows: int = 0) -> tuple:
+def _pipeline(batch_rows: int = 0, pool: Any = None) -> tuple:
     x = torch.arange(ROWS * 3, dtype=torch.float32).reshape(ROWS, 3)
     opts = C.PipelineOptions()
-    opts.num_workers, opts.prefetch, opts.batch_rows = 2, 2, batch_rows
+    opts.num_workers, opts.prefetch, opts.batch_rows, opts.pool = 2, 2, batch_rows, pool
     return x, C.PrefetchPipeline([x], opts)
+
+
+def _pass(pipe: Any, idx: torch.Tensor, batch: int) -> tuple[torch.Tensor, set[int]]:
+    """One pass: its batches concatenated, and the storages they were delivered in."""
+    pipe.submit_split(idx, batch)
+    pipe.finish()
+    got, storages = [], set()
+    while out := pipe.next():
+        got.append(out[0].clone())
+        storages.add(out[0].data_ptr())  # row 0 of the slot: its buffer
+    return torch.cat(got), storages
+
+
+def test_a_slot_pool_carries_the_ring_to_the_next_pass() -> None:
+    # A pass returns its ring to the pool, and the next pass gathers into those buffers
+    # instead of fresh memory (which the kernel faults in page by page on first write).
+    pool = C.SlotPool()
+    x, pipe = _pipeline(7, pool)
+    idx = torch.randperm(ROWS)
+    got, ring = _pass(pipe, idx, 7)
+    assert torch.equal(got, x[idx])
+    del pipe
+    assert pool.size == len(ring)
+    _, pipe = _pipeline(7, pool)
+    idx = torch.randperm(ROWS)
+    got, again = _pass(pipe, idx, 7)
+    assert torch.equal(got, x[idx])
+    assert again == ring and pool.size == 0
+
+
+def test_a_slot_pool_never_hands_out_a_kept_batch() -> None:
+    pool = C.SlotPool()
+    x, pipe = _pipeline(7, pool)
+    pipe.submit_split(torch.arange(ROWS), 7)
+    pipe.finish()
+    kept = []
+    while out := pipe.next():
+        kept.append(out[0])
+    del pipe  # the ring's buffers are all held by `kept`
+    _, pipe = _pipeline(7, pool)
+    idx = torch.randperm(ROWS)
+    got, _ = _pass(pipe, idx, 7)
+    assert torch.equal(got, x[idx])
+    assert torch.equal(torch.cat(kept), x)
 
 
 @pytest.mark.parametrize("batch_rows", [0, 7, ROWS])

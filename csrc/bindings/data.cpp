@@ -7,8 +7,14 @@ namespace {
 
 using fastddp::data::PipelineOptions;
 using fastddp::data::PrefetchPipeline;
+using fastddp::data::SlotPool;
 
 void bind_data(py::module_& m) {
+  py::class_<SlotPool, std::shared_ptr<SlotPool>>(m, "SlotPool",
+      "A loader's unpinned host staging slots, handed from one pass's pipeline to the next.")
+      .def(py::init<>())
+      .def_property_readonly("size", &SlotPool::size, "Slots held between passes.");
+
   py::class_<PipelineOptions>(m, "PipelineOptions", "Settings of one PrefetchPipeline.")
       .def(py::init<>())
       .def_readwrite("num_workers", &PipelineOptions::num_workers, "Gather threads (>= 1).")
@@ -19,7 +25,9 @@ void bind_data(py::module_& m) {
       .def_property(
           "device", [](const PipelineOptions& o) { return o.device.str(); },
           [](PipelineOptions& o, const std::string& d) { o.device = c10::Device(d); },
-          "Where batches are delivered (\"cpu\" or a CUDA device).");
+          "Where batches are delivered (\"cpu\" or a CUDA device).")
+      .def_readwrite("pool", &PipelineOptions::pool,
+                     "A SlotPool the pass takes its unpinned host slots from and returns them to (or None).");
 
   py::class_<PrefetchPipeline>(m, "PrefetchPipeline",
       "Worker threads gather submitted batches of rows into a ring of (pinned) staging slots; "

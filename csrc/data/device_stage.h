@@ -10,6 +10,8 @@
 #include <memory>
 #include <vector>
 
+#include "data/slot_pool.h"
+
 namespace fastddp::data {
 
 struct PipelineOptions {
@@ -18,6 +20,7 @@ struct PipelineOptions {
   bool pin_memory = false;  // page-locked staging (needs a CUDA-capable torch at run time)
   c10::Device device = c10::Device(c10::kCPU);
   int64_t batch_rows = 0;   // rows of the largest batch when known: slots are allocated up front
+  std::shared_ptr<SlotPool> pool;  // the loader's unpinned host slots, kept between passes (optional)
 };
 
 // One ring slot's device buffers and whatever the stage needs to order their use.

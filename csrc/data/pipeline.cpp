@@ -60,7 +60,16 @@ PrefetchPipeline::PrefetchPipeline(std::vector<at::Tensor> sources, PipelineOpti
   }
 }
 
-PrefetchPipeline::~PrefetchPipeline() { close(); }
+PrefetchPipeline::~PrefetchPipeline() {
+  close();
+  if (!pooled()) return;
+  std::vector<std::vector<at::Tensor>> ring;
+  for (auto& slot : slots_) ring.push_back(std::move(slot->host));
+  options_.pool->give(std::move(ring));
+}
+
+// Host slots come from and go back to the loader's pool: unpinned ones only (see slot_pool.h).
+bool PrefetchPipeline::pooled() const { return options_.pool && !options_.pin_memory && !stage_; }
 
 // A copy of `indices` the pipeline alone owns, checked: its workers drop their references
 // without the GIL, which the last reference to a tensor Python also holds would need; a bad
@@ -184,6 +193,14 @@ void PrefetchPipeline::prepare(Slot& slot, int64_t rows) {
 
 void PrefetchPipeline::prepare_host(Slot& slot, int64_t rows) {
   if (direct() || (slot.capacity >= rows && !held_elsewhere(slot.host))) return;
+  if (pooled()) {
+    std::vector<at::Tensor> kept = options_.pool->take(sources_, rows);
+    if (!kept.empty()) {
+      slot.host = std::move(kept);
+      slot.capacity = slot.host[0].size(0);
+      return;
+    }
+  }
   const int64_t capacity = std::max(rows, slot.capacity);
   slot.host.clear();
   for (const auto& s : sources_) {

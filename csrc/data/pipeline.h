@@ -3,7 +3,7 @@
 // slot is brought to the device on a side stream, or gathered there directly from page-locked
 // sources. Batches are submitted one at a time, so the caller decides how far ahead of the
 // consumer the batch plan is read; the worker threads start with the first batch submitted.
-// One pipeline serves one pass.
+// One pipeline serves one pass; a SlotPool in the options carries its host slots to the next.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -66,6 +66,7 @@ class PrefetchPipeline {
   bool take(int64_t& batch, Span& span);
   void prepare(Slot& slot, int64_t rows);
   void prepare_host(Slot& slot, int64_t rows);
+  bool pooled() const;
   void fill(Slot& slot, const Span& span);
 
   std::vector<at::Tensor> sources_;

@@ -59,6 +59,7 @@ class NativeSettings:
     first_next_reads: int                  # batches read at the first next()
     whole_pass: bool                       # the first read reads every batch (reads_ahead_unobserved)
     batch_rows: int                        # rows of the largest batch, 0 when unknown
+    pool: Any = None                       # C.SlotPool: host slots kept from pass to pass
 
 
 class NativePass:
@@ -102,6 +103,7 @@ class NativePass:
         opts.num_workers, opts.prefetch = self.s.threads, self.s.ring
         opts.pin_memory, opts.device = self.s.pin, str(self.s.device)
         opts.batch_rows = self.s.batch_rows
+        opts.pool = self.s.pool
         self.pipe = C.PrefetchPipeline([t.contiguous() for t in self.s.tensors], opts)
         self.direct = bool(self.pipe.direct)
 

@@ -9,6 +9,7 @@ from typing import Any, Optional, Union
 import torch
 from torch.utils.data import BatchSampler, DataLoader, default_collate
 
+from .._ext import C
 from .iterator import LoaderHooks, LoaderIterator, Progress
 from .passes import NativePass, NativeSettings, Replay, TorchPass, build_runner
 from .plan import reads_ahead_unobserved
@@ -135,7 +136,13 @@ class PrefetchLoader:
         self._sampler_states: Optional[dict[str, Any]] = None
         self._iterator: Optional[LoaderIterator] = None
         self._direct: Optional[bool] = None
+        self._slot_pool: Any = None  # C.SlotPool, made by the first native pass
         self._initialized = True
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_slot_pool"] = None  # staging memory, not state: a copy allocates its own
+        return state
 
     # DataLoader's own property: an assignment is checked against num_workers and a start
     # method's name becomes its context, with DataLoader's code and exceptions
@@ -181,10 +188,12 @@ class PrefetchLoader:
         else:  # DataLoader reads one batch per next(); reading ahead is safe for known samplers
             start, first = 0, (self.prefetch - 1 if reads_ahead_unobserved(self.batch_sampler) else 0)
         pin = (self.pin_memory and torch.accelerator.is_available()) or self.device.type == "cuda"
+        if self._slot_pool is None:
+            self._slot_pool = C.SlotPool()
         return NativeSettings(tensors=tensors, resident=resident, threads=workers or 2, ring=self.prefetch,
                               pin=pin, device=self.device, start_reads=start, first_next_reads=first,
                               whole_pass=reads_ahead_unobserved(self.batch_sampler),
-                              batch_rows=self._batch_rows(len(tensors[0])))
+                              batch_rows=self._batch_rows(len(tensors[0])), pool=self._slot_pool)
 
     def _batch_rows(self, rows: int) -> int:
         """Rows of the largest batch the index sampler yields (0 when it does not say)."""
