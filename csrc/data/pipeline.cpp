@@ -23,16 +23,6 @@ struct PrefetchPipeline::Slot {
   bool ready = false;
 };
 
-namespace {
-
-bool held_elsewhere(const std::vector<at::Tensor>& buffers) {
-  for (const auto& t : buffers)
-    if (t.defined() && t.storage().use_count() > 1) return true;
-  return false;
-}
-
-}  // namespace
-
 PrefetchPipeline::PrefetchPipeline(std::vector<at::Tensor> sources, PipelineOptions options)
     : sources_(std::move(sources)), options_(options) {
   TORCH_CHECK(!sources_.empty(), "PrefetchLoader: need at least one source tensor");

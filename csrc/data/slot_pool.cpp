@@ -4,13 +4,13 @@
 
 namespace fastddp::data {
 
-namespace {
-
 bool held_elsewhere(const std::vector<at::Tensor>& buffers) {
   for (const auto& t : buffers)
-    if (t.storage().use_count() > 1) return true;
+    if (t.defined() && t.storage().use_count() > 1) return true;
   return false;
 }
+
+namespace {
 
 // Same dtype and row shape as each source, at least `rows` rows.
 bool fits(const std::vector<at::Tensor>& buffers, const std::vector<at::Tensor>& sources, int64_t rows) {

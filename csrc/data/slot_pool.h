@@ -18,6 +18,10 @@
 
 namespace fastddp::data {
 
+// True when a tensor other than these refers to the storage of one of them (a batch the
+// consumer kept is a view of its slot's buffers).
+bool held_elsewhere(const std::vector<at::Tensor>& buffers);
+
 class SlotPool {
  public:
   // One slot's buffers (one per source) for at least `rows` rows shaped as `sources`' rows,
