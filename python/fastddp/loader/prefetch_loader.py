@@ -72,7 +72,9 @@ class PrefetchLoader:
     ``state_dict``/``load_state_dict`` resume mid-epoch: the resumed pass redraws the saved
     pass's order from the random state that pass started from and skips the delivered batches.
     Batches of the native gather live in ring slots refilled ``prefetch`` batches later unless
-    you still hold them (they then stay yours), so keeping a batch is always safe.
+    you still hold them (they then stay yours), so keeping a batch is always safe. The ring's
+    host slots pass from one pass to the next (the loader holds them until it is deleted), so a
+    new pass does not fault fresh memory in.
     """
 
     def __init__(
