@@ -14,6 +14,7 @@ import copy
 import datetime
 import os
 import queue
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any, Optional
@@ -198,8 +199,14 @@ def test_group_without_default_group(tmp_path) -> None:
 def _bare_backend(rank: int, world_size: int, path: str) -> dict[str, str]:
     store = dist.FileStore(path, world_size)
     backend = dist.ProcessGroupGloo(store, rank, world_size)
-    return {"ours": outcome(lambda: fastddp.DDPWrapper(nn.Linear(2, 2), process_group=backend)),
-            "torch": outcome(lambda: TorchDDP(nn.Linear(2, 2), process_group=backend))}
+    found = {"ours": outcome(lambda: fastddp.DDPWrapper(nn.Linear(2, 2), process_group=backend)),
+             "torch": outcome(lambda: TorchDDP(nn.Linear(2, 2), process_group=backend))}
+    # Every rank keeps its backend until all ranks are done with theirs: a backend destroyed
+    # while a peer still connects its mesh closes the connection under the peer.
+    store.add("done", 1)
+    while store.add("done", 0) < world_size:
+        time.sleep(0.01)
+    return found
 
 
 def test_bare_backend_is_refused_as_torch_refuses_it(ranks, tmp_path) -> None:
