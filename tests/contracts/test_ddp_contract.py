@@ -204,7 +204,8 @@ def _bare_backend(rank: int, world_size: int, path: str) -> dict[str, str]:
     # Every rank keeps its backend until all ranks are done with theirs: a backend destroyed
     # while a peer still connects its mesh closes the connection under the peer.
     store.add("done", 1)
-    while store.add("done", 0) < world_size:
+    deadline = time.monotonic() + 60  # a peer that failed before this point never arrives
+    while store.add("done", 0) < world_size and time.monotonic() < deadline:
         time.sleep(0.01)
     return found
 
