@@ -37,6 +37,22 @@ def test_global_generator_draws_match(kind: str, shuffle: bool | None, workers: 
     side_by_side(make, batch_size=5, shuffle=shuffle, num_workers=workers, between=lambda: torch.rand(3))
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_batches_kept_across_passes_hold_dataloaders_values(workers: int) -> None:
+    """A script that keeps batches (no copy) over several passes: the native gather reuses its
+    ring from one pass to the next, and what was kept must still be what DataLoader gave."""
+    kept, states = {}, {}
+    for cls in (DataLoader, fastddp.PrefetchLoader):
+        torch.manual_seed(1234)
+        loader = cls(tensors(), batch_size=8, shuffle=True, num_workers=workers)
+        kept[cls] = [batch for _ in range(3) for batch in loader]
+        states[cls] = torch.random.get_rng_state()
+    assert len(kept[DataLoader]) == len(kept[fastddp.PrefetchLoader])
+    for ref, ours in zip(kept[DataLoader], kept[fastddp.PrefetchLoader]):
+        assert all(torch.equal(a, b) for a, b in zip(ref, ours))
+    assert torch.equal(states[DataLoader], states[fastddp.PrefetchLoader])
+
+
 @pytest.mark.parametrize("shuffle", [False, True])
 @pytest.mark.parametrize("kind", ["tensors", "python"])
 def test_given_generator_draws_match(kind: str, shuffle: bool) -> None:
