@@ -1,30 +1,40 @@
 #!/usr/bin/env bash
 # One command for a GPU machine without network (torch, nvcc, scikit-build-core/cmake/ninja and
-# pytest already installed): build the CUDA extension in place, then run one stage:
-#   bash benchmarks/gpu.sh OUT [STAGE] [pytest -k expression]
-#   STAGE  tests    the cuda-marked tests and the quick CPU suites
-#          bench    the GPU benchmarks (sampler, loader, AMP, DDP, end to end) and the scaling projection
-#          zoo1     the model zoo on one GPU, NCCL world 1
-#          zoo2     the model zoo with two processes sharing the GPU (gloo on CUDA tensors)
-#          all      every stage above, in that order (the default)
-# Each of tests, bench, zoo1 and zoo2 stops its pytest run within 5-7 minutes, so that with a
-# build on a fresh machine it ends within the 10 minutes a lent GPU machine gives one command
-# (build/gpu is incremental: a machine still warm from the last call compiles nothing). A stage
-# its timeout cut short says so in its log; run it again with a -k expression for the rest
-# (e.g. `zoo1 fp32`, then `zoo1 "bf16 or fp16"`). OUT receives the stage's logs and
-# results-STAGE.tar.gz (the JSON results and the logs). Unpack it, then
-# `python benchmarks/merge_results.py DIR/results && python benchmarks/report.py`.
+# pytest already installed): build the CUDA extension in place, then run stages in order:
+#   bash benchmarks/gpu.sh OUT [STAGES] [benchmark -k expression]
+#   STAGES  a comma-separated list of (default all, in this order):
+#           tests   the cuda-marked tests and the build's own tests
+#           zoo1    the model zoo on one GPU, NCCL world 1
+#           bench   the GPU benchmarks (AMP step, H2D, DDP world 1, end to end) and the scaling
+#                   projection (the -k expression, if given, picks among these)
+#           zoo2    the model zoo with two processes sharing the GPU (gloo on CUDA tensors)
+#           all     tests,zoo1,bench,zoo2
+# FASTDDP_GPU_DEADLINE_S (default 570) bounds the whole run, build included: each stage's pytest
+# stops at its own limit or at the deadline, whichever comes first, so that one call ends
+# within the 10 minutes a lent GPU machine gives a command; stages the deadline leaves no time
+# for are skipped with a line saying so. A stage cut short says so in its log; run it again
+# with a -k expression for the rest. build/gpu is incremental: a machine still warm from the
+# last call compiles nothing.
+# OUT receives results.tar.gz (the JSON results, the logs, the GPU and build facts), written
+# again after every stage so that a run stopped from outside still returns what was done.
+# Unpack it, then `python benchmarks/merge_results.py DIR/results && python benchmarks/report.py`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${1:?usage: bash benchmarks/gpu.sh OUT_DIR [tests|bench|zoo1|zoo2|all] [benchmark -k expression]}
-stage=${2:-all}
+out=${1:?usage: bash benchmarks/gpu.sh OUT_DIR [tests,zoo1,bench,zoo2|all] [benchmark -k expression]}
+stages=${2:-all}
+[ "$stages" = all ] && stages=tests,zoo1,bench,zoo2
 kexpr=${3:-}
-case "$stage" in
-  tests|bench|zoo1|zoo2|all) ;;
-  *) echo "gpu.sh: unknown stage '$stage' (tests, bench, zoo1, zoo2 or all)"; exit 2 ;;
-esac
+for stage in ${stages//,/ }; do
+  case "$stage" in
+    tests|bench|zoo1|zoo2) ;;
+    *) echo "gpu.sh: unknown stage '$stage' (tests, zoo1, bench, zoo2 or all)"; exit 2 ;;
+  esac
+done
+deadline=$((SECONDS + ${FASTDDP_GPU_DEADLINE_S:-570}))
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
+work=$(mktemp -d)  # logs and results, packed into $out/results.tar.gz after every stage
+trap 'rm -rf "$work"' EXIT
 export PYTHONUNBUFFERED=1 FASTDDP_WITH_CUDA=1 FASTDDP_BUILD_JOBS=${FASTDDP_BUILD_JOBS:-16}
 # The GPU image sets CXX=/opt/gcc/bin/g++, a GCC that links its own libstdc++ into the
 # extension statically; mixed with the shared libstdc++ torch uses, the first C++ error message
@@ -36,48 +46,58 @@ fi
 # Build only for the GPU at hand unless told otherwise (a full 80;90 build is what CI compiles).
 cap=$(python3 -c "import torch; print('%d%d' % torch.cuda.get_device_capability())" 2>/dev/null)
 export FASTDDP_CUDA_ARCHS=${FASTDDP_CUDA_ARCHS:-${cap:-90}}
-nvidia-smi -L | tee "$out/gpu.txt"
-python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$out/gpu.txt"
+nvidia-smi -L | tee "$work/gpu.txt"
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$work/gpu.txt"
 start=$SECONDS
-if ! scripts/dev_build.sh build/gpu >"$out/build.log" 2>&1; then
-  tail -50 "$out/build.log"; echo "gpu.sh: build failed (log: $out/build.log)"; exit 1
+if ! scripts/dev_build.sh build/gpu >"$work/build.log" 2>&1; then
+  tail -50 "$work/build.log"; echo "gpu.sh: build failed"; tar -czf "$out/results.tar.gz" -C "$work" .
+  exit 1
 fi
-echo "build: $((SECONDS - start)) s" | tee -a "$out/gpu.txt"
+echo "build: $((SECONDS - start)) s" | tee -a "$work/gpu.txt"
 export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
-python3 -c "import fastddp, json; print(json.dumps(fastddp.build_info()))" | tee -a "$out/gpu.txt"
-results="$out/results"
+python3 -c "import fastddp, json; print(json.dumps(fastddp.build_info()))" | tee -a "$work/gpu.txt"
+results="$work/results"
 mkdir -p "$results"
 rc=0
 
-# Runs pytest over the given arguments with the benchmarks' results going to $results, within
-# $1 seconds, its output in $out/$2.log.
-bench() {
-  local limit=$1 log=$2
-  shift 2
-  FASTDDP_BENCH_RESULTS="$results" timeout "$limit" python3 -m pytest -q -s -p no:cacheprovider \
-    --benchmark-disable "$@" 2>&1 | tee "$out/$log.log" || rc=1
+# Seconds a step may take: its own limit $1, or what is left before the deadline.
+limit() {
+  local left=$((deadline - SECONDS))
+  echo $(( left < $1 ? left : $1 ))
 }
 
-if [ "$stage" = tests ] || [ "$stage" = all ]; then
-  # The cuda-marked tests, plus the quick CPU suites whose C++ error messages guard the build
-  # against the libstdc++ mix-up above.
-  timeout "${FASTDDP_GPU_TEST_TIMEOUT:-300}" python3 -m pytest tests -q -p no:cacheprovider \
-    -m "cuda or not slow" -k "cuda or test_loader or test_sampler or test_build" \
-    2>&1 | tee "$out/tests.log" || rc=1
-fi
-if [ "$stage" = bench ] || [ "$stage" = all ]; then
-  # GPU benchmarks only (the CPU ones are CI's and this machine's time is scarce): the
-  # cuda-marked comparisons plus the end-to-end run, which trains on the GPU when there is one.
-  bench 330 bench benchmarks --ignore=benchmarks/zoo -m "cuda or e2e" ${kexpr:+-k "$kexpr"}
-  FASTDDP_BENCH_RESULTS="$results" timeout 60 python3 benchmarks/scaling.py --busbw 370 \
-    2>&1 | tee "$out/scaling.log" || rc=1
-fi
-if [ "$stage" = zoo1 ] || [ "$stage" = all ]; then
-  bench 390 zoo1 benchmarks/zoo/bench_zoo.py -m cuda -k "nccl_world1${kexpr:+ and ($kexpr)}"
-fi
-if [ "$stage" = zoo2 ] || [ "$stage" = all ]; then
-  bench 390 zoo2 benchmarks/zoo/bench_zoo.py -m cuda -k "shared_gloo_world2${kexpr:+ and ($kexpr)}"
-fi
-tar -czf "$out/results-$stage.tar.gz" -C "$out" results $(cd "$out" && ls ./*.log ./*.txt 2>/dev/null)
-rm -rf "$results"
+# Runs pytest over the given arguments with the benchmarks' results going to $results, within
+# $1 seconds (or the deadline), its output in $work/$2.log.
+bench() {
+  local secs log=$2
+  secs=$(limit "$1")
+  shift 2
+  FASTDDP_BENCH_RESULTS="$results" timeout "$secs" python3 -m pytest -q -s -p no:cacheprovider \
+    --benchmark-disable "$@" 2>&1 | tee "$work/$log.log" || rc=1
+}
+
+for stage in ${stages//,/ }; do
+  if [ "$(limit 9999)" -lt 30 ]; then
+    echo "gpu.sh: stage $stage skipped: the deadline leaves under 30 s" | tee -a "$work/gpu.txt"
+    rc=1
+    continue
+  fi
+  start=$SECONDS
+  case "$stage" in
+    tests)
+      # The cuda-marked tests, and the build's tests, whose C++ error messages guard the
+      # build against the libstdc++ mix-up above.
+      timeout "$(limit 150)" python3 -m pytest tests -q -p no:cacheprovider \
+        -m "cuda or not slow" -k "cuda or test_build" 2>&1 | tee "$work/tests.log" || rc=1 ;;
+    zoo1) bench 240 zoo1 benchmarks/zoo/bench_zoo.py -m cuda -k nccl_world1 ;;
+    zoo2) bench 240 zoo2 benchmarks/zoo/bench_zoo.py -m cuda -k shared_gloo_world2 ;;
+    bench)
+      # GPU benchmarks only (the CPU ones are CI's and this machine's time is scarce).
+      bench 240 bench benchmarks --ignore=benchmarks/zoo -m "cuda or e2e" ${kexpr:+-k "$kexpr"}
+      FASTDDP_BENCH_RESULTS="$results" timeout "$(limit 60)" python3 benchmarks/scaling.py \
+        --busbw 370 2>&1 | tee "$work/scaling.log" || rc=1 ;;
+  esac
+  echo "stage $stage: $((SECONDS - start)) s" | tee -a "$work/gpu.txt"
+  tar -czf "$out/results.tar.gz" -C "$work" .
+done
 exit $rc

@@ -294,13 +294,19 @@ def test_cuda_direct_gather_any_row_width(dtype: torch.dtype, row: tuple) -> Non
 
 
 @pytest.mark.cuda
-def test_cuda_direct_bad_index_is_clear_error() -> None:
+def test_cuda_direct_bad_index_is_dataloaders_indexerror_at_its_batch() -> None:
+    """On the direct path too, a batch with an index past the data set is read as DataLoader
+    reads it (its IndexError), and the batches before it arrive."""
     x = torch.randn(10, 4).pin_memory()
-    loader = fastddp.PrefetchLoader((x,), batch_size=4, device="cuda",
-                                    sampler=_IndexSampler(torch.tensor([0, 1, 2, 12])))
+    sampler = _IndexSampler(torch.tensor([0, 1, 2, 3, 0, 12]))
+    loader = fastddp.PrefetchLoader((x,), batch_size=4, device="cuda", sampler=sampler)
     assert loader.transfer == "direct"
-    with pytest.raises(RuntimeError, match="index 12 in batch 0 is out of range for a dataset of 10"):
-        list(loader)
+    it = iter(loader)
+    assert torch.equal(next(it).cpu(), x[:4])  # one tensor given: batches are tensors
+    with pytest.raises(IndexError, match="index 12 is out of bounds for dimension 0 with size 10"):
+        next(it)
+    with pytest.raises(IndexError, match="index 12 is out of bounds for dimension 0 with size 10"):
+        list(torch.utils.data.DataLoader(TensorDataset(x), batch_size=4, sampler=sampler))
 
 
 def test_pin_dataset_needs_cuda_device() -> None:

@@ -2,7 +2,7 @@
 sharing the GPU (gloo on CUDA tensors):
 
     pytest benchmarks/zoo -s                # CPU: every model x fp32 / bf16 / fp16
-    pytest benchmarks/zoo -s -m cuda        # GPU
+    pytest benchmarks/zoo -s -m cuda        # GPU (FASTDDP_ZOO_MODELS=gpt2,har picks models)
 
 For each model and precision: step time of the bare model, the bare model synchronised once
 per step (one 1-element all-reduce: the floor of any synchronous data-parallel step), torch
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import os
 import statistics
 import time
 from collections.abc import Iterator
@@ -30,12 +31,26 @@ import torch.distributed as dist
 from tests.distributed import run_distributed
 
 from ..common import SMOKE, record
-from .measure import MEMORY, PRECISIONS, TIMED, Case, Schedule, other_load, peak_memory, time_rounds
+from .measure import (
+    MEMORY,
+    PRECISIONS,
+    TIMED,
+    Case,
+    Schedule,
+    gpu_peak_memory_sweep,
+    other_load,
+    peak_memory,
+    time_rounds,
+)
 from .models import NAMES, workload
 
 # Rounds, and the least steps and seconds of one contender's block (its steps per block are
 # set so the slowest contender's block lasts block_s; the fp16 rows' steps take 0.4-0.9 s).
 SCHEDULE = Schedule(1, 1, 0.0) if SMOKE else Schedule(rounds=11, min_steps=4, block_s=0.3)
+# Fewer rounds on a GPU (a lent GPU machine's time is short); blocks as long as on the CPU: with
+# 0.1 s blocks a millisecond step's ratio to the bare model moved by ±25 % from round to round
+# (the GPU idles while the other contenders run their blocks).
+GPU_SCHEDULE = Schedule(1, 1, 0.0) if SMOKE else Schedule(rounds=7, min_steps=4, block_s=0.3)
 MEM_STEPS = 1 if SMOKE else 3
 CASES = [pytest.param(n, p, id=f"{n}-{p}") for n in NAMES for p in PRECISIONS]
 CASES.append(pytest.param("mlp50m", "fp32", id="mlp50m-fp32"))  # the memory reference
@@ -86,15 +101,24 @@ def _case(name: str, precision: str, device_type: str, world_size: int, backend:
     with busy_neighbour(neighbour):
         per_rank = run_distributed(time_rounds, world_size * len(TIMED), backend="gloo",
                                    timeout=3600, args=(case, SCHEDULE))
-    times = _per_round_max(per_rank)
     mem = {}
     for kind in MEMORY:
         peaks = run_distributed(peak_memory, world_size, backend=backend, timeout=1800,
                                 args=(name, precision, kind, device_type, MEM_STEPS,
                                       str(scratch), SMOKE))
         mem[kind] = max(peaks) / 2**20
+    return _row(name, precision, device_type, world_size, backend, per_rank, mem, neighbour)
+
+
+def _row(name: str, precision: str, device_type: str, world_size: int, backend: str,
+         per_rank: list, mem: dict[str, float], neighbour: bool = False,
+         progress: str = "") -> dict:
+    """The zoo row of one case from every rank's timed rounds and each contender's peak MiB:
+    printed as one progress line and recorded."""
+    times = _per_round_max(per_rank)
+    schedule = GPU_SCHEDULE if device_type == "cuda" else SCHEDULE
     row = {"model": name, "precision": precision, "world_size": world_size, "backend": backend,
-           "device": device_type, "rounds": SCHEDULE.rounds, "steps_per_round": per_rank[0].steps,
+           "device": device_type, "rounds": schedule.rounds, "steps_per_round": per_rank[0].steps,
            "other_load_cores": other_load(per_rank),
            **{f"{k}_step_ms": statistics.median(v) * 1e3 for k, v in times.items()},
            "fastddp_over_bare": _paired(times, "fastddp", "bare"),
@@ -104,7 +128,7 @@ def _case(name: str, precision: str, device_type: str, world_size: int, backend:
            **{f"{k}_peak_mib": v for k, v in mem.items()},
            "command": "pytest benchmarks/zoo -s" + (" -m cuda" if device_type == "cuda" else "")}
     fb, fs, ft = row["fastddp_over_bare"], row["fastddp_over_bare_sync"], row["fastddp_over_torch"]
-    print(f"\n[zoo] {name} {precision} {backend} w{world_size}: step ms bare "
+    print(f"\n[zoo{progress and ' ' + progress}] {name} {precision} {backend} w{world_size}: step ms bare "
           f"{row['bare_step_ms']:.1f} torch {row['torch_step_ms']:.1f} fastddp "
           f"{row['fastddp_step_ms']:.1f} | fastddp/bare {fb['median']:.3f} "
           f"[{fb['min']:.3f}, {fb['max']:.3f}] | fastddp/bare_sync {fs['median']:.3f} "
@@ -164,14 +188,62 @@ def test_zoo_smoke(tmp_path: Path) -> None:
     assert set(memory) == set(MEMORY)
 
 
-@pytest.mark.cuda
-@pytest.mark.parametrize("name,precision", CASES)
-def test_zoo_gpu_nccl_world1(name: str, precision: str, tmp_path: Path) -> None:
-    _case(name, precision, "cuda", 1, "nccl", tmp_path)
+def _gpu_sweep_rank(rank: int, world_size: int, cases: list[tuple[str, str]], ranks: int,
+                    backend: str, scratch: str, mem: dict[tuple[str, str], dict[str, float]]
+                    ) -> None:
+    """Every case timed in the same processes (``ranks`` per contender), rank 0 recording
+    each row as soon as its rounds are gathered."""
+    for i, (name, precision) in enumerate(cases):
+        mine = time_rounds(rank, world_size, Case(name, precision, "cuda", ranks, backend,
+                                                  scratch, SMOKE), GPU_SCHEDULE)
+        gathered = [None] * world_size if rank == 0 else None
+        dist.gather_object(mine, gathered, dst=0)
+        if rank == 0:
+            _row(name, precision, "cuda", ranks, backend, gathered, mem[(name, precision)],
+                 progress=f"{i + 1}/{len(cases)}")
+        torch.cuda.empty_cache()
+
+
+def _gpu_sweep(ranks: int, backend: str, scratch: Path, names: list[str]) -> None:
+    """The zoo on the GPU, each contender on ``ranks`` processes reducing over ``backend``.
+    Unlike the CPU cases (a process per contender and case, for a clean peak RSS), one set of
+    processes measures every case in turn: starting a CUDA process (context, communicator,
+    kernel libraries) takes seconds, longer than a case's rounds, and neither the allocator's
+    peak nor a GPU step depends on the cases measured before in the same process."""
+    device = torch.device("cuda")
+    cases = [(n, p) for n in names for p in PRECISIONS
+             if p != "fp16" or workload(n, device, scratch, SMOKE).fp16]
+    if "mlp50m" in names:
+        cases = [c for c in cases if c[0] != "mlp50m" or c[1] == "fp32"]
+    per_rank = run_distributed(gpu_peak_memory_sweep, ranks * len(MEMORY), timeout=1800,
+                               args=(cases, ranks, backend, MEM_STEPS, str(scratch), SMOKE))
+    mem: dict[tuple[str, str], dict[str, float]] = {c: {} for c in cases}
+    for peaks in per_rank:
+        for c, (kind, nbytes) in peaks.items():
+            mem[c][kind] = max(mem[c].get(kind, 0.0), nbytes / 2**20)
+    run_distributed(_gpu_sweep_rank, ranks * len(TIMED), timeout=3600,
+                    args=(cases, ranks, backend, str(scratch), mem))
+
+
+def _gpu_models() -> list[str]:
+    """The models of the GPU sweeps: ``FASTDDP_ZOO_MODELS`` (comma-separated), or all."""
+    chosen = os.environ.get("FASTDDP_ZOO_MODELS")
+    if not chosen:
+        return [*NAMES, "mlp50m"]
+    names = [n.strip() for n in chosen.split(",") if n.strip()]
+    unknown = sorted(set(names) - {*NAMES, "mlp50m"})
+    if unknown:
+        raise ValueError(f"FASTDDP_ZOO_MODELS names unknown models {unknown}: choose among "
+                         f"{', '.join(NAMES)}, mlp50m")
+    return names
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("name,precision", CASES)
-def test_zoo_gpu_shared_gloo_world2(name: str, precision: str, tmp_path: Path) -> None:
+def test_zoo_gpu_nccl_world1(tmp_path: Path) -> None:
+    _gpu_sweep(1, "nccl", tmp_path, _gpu_models())
+
+
+@pytest.mark.cuda
+def test_zoo_gpu_shared_gloo_world2(tmp_path: Path) -> None:
     assert dist.is_gloo_available()
-    _case(name, precision, "cuda", 2, "gloo", tmp_path)
+    _gpu_sweep(2, "gloo", tmp_path, _gpu_models())

@@ -244,23 +244,25 @@ def _map_large_allocations() -> None:
         raise RuntimeError("mallopt(M_MMAP_THRESHOLD) failed: CPU peak memory would be noisy")
 
 
-def _warm_contender(kind: str, device: torch.device, precision: str) -> None:
+def _warm_contender(kind: str, device: torch.device, precision: str,
+                    group: Optional[dist.ProcessGroup]) -> None:
     """One step of contender ``kind`` around a single linear layer, then freed."""
     tiny = Workload(lambda: nn.Linear(8, 2),
                     lambda i: (torch.randn(4, 8, device=device), torch.zeros(4, dtype=torch.long, device=device)),
                     lambda m, b: nn.functional.cross_entropy(m(b[0]).float(), b[1]))
-    c = build(kind, tiny.build().to(device), device, precision)
+    c = build(kind, tiny.build().to(device), device, precision, group)
     step(c, tiny, tiny.batch(0), precision, device)
     del c
     gc.collect()
 
 
 def peak_memory(rank: int, world_size: int, name: str, precision: str, kind: str,
-                device_type: str, steps: int, scratch: str, smoke: bool) -> int:
+                device_type: str, steps: int, scratch: str, smoke: bool,
+                group: Optional[dist.ProcessGroup] = None) -> int:
     """Bytes the contender adds at its peak over the built model: wrapper, optimizer state,
-    gradients, buckets and activations of ``steps`` steps. CPU: peak RSS (VmHWM, reset after
-    the model is built; large allocations mapped one by one, see _map_large_allocations);
-    CUDA: the allocator's peak."""
+    gradients, buckets and activations of ``steps`` steps, reducing over ``group`` (None: the
+    default group). CPU: peak RSS (VmHWM, reset after the model is built; large allocations
+    mapped one by one, see _map_large_allocations); CUDA: the allocator's peak."""
     device = torch.device(device_type)
     if device.type == "cpu":
         _map_large_allocations()
@@ -271,7 +273,7 @@ def peak_memory(rank: int, world_size: int, name: str, precision: str, kind: str
     # modules' first import, c10d and reducer set-up), the latter on a one-layer model.
     warm = build("bare", new_model(wl, device), device, precision)
     step(warm, wl, wl.batch(0), precision, device)
-    _warm_contender(kind, device, precision)
+    _warm_contender(kind, device, precision, group)
     del warm
     gc.collect()
     if device.type == "cuda":
@@ -282,10 +284,34 @@ def peak_memory(rank: int, world_size: int, name: str, precision: str, kind: str
         base = _rss_bytes("VmRSS")
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # resets VmHWM to the current RSS
-    c = build(kind, model, device, precision)
+    c = build(kind, model, device, precision, group)
     for i in range(steps):
         step(c, wl, wl.batch(i), precision, device)
     _sync(device)
     peak = (torch.cuda.max_memory_allocated() if device.type == "cuda"
             else _rss_bytes("VmHWM"))
     return peak - base
+
+
+def gpu_peak_memory_sweep(rank: int, world_size: int, cases: Sequence[tuple[str, str]],
+                          ranks: int, backend: str, steps: int, scratch: str,
+                          smoke: bool) -> dict[tuple[str, str], tuple[str, int]]:
+    """:func:`peak_memory` of every case on a GPU, every contender of :data:`MEMORY` at once
+    in processes of its own (``ranks`` each, reducing over ``backend``): the allocator's peak
+    is a count of one process's allocations, which neither the other processes on the GPU nor
+    the cases measured before (each case's memory is freed and the peak reset) change.
+    Returns ``{(name, precision): (contender, bytes)}`` for this rank's contender."""
+    if world_size != ranks * len(MEMORY):
+        raise ValueError(f"gpu_peak_memory_sweep needs {ranks} ranks for each of {MEMORY}: "
+                         f"world size {ranks * len(MEMORY)}, got {world_size}")
+    groups = [dist.new_group(list(range(i * ranks, (i + 1) * ranks)), backend=backend)
+              for i in range(len(MEMORY))]
+    kind = MEMORY[rank // ranks]
+    peaks = {}
+    for name, precision in cases:
+        peaks[(name, precision)] = (kind, peak_memory(rank, world_size, name, precision, kind,
+                                                      "cuda", steps, scratch, smoke,
+                                                      groups[rank // ranks]))
+        gc.collect()
+        torch.cuda.empty_cache()
+    return peaks
