@@ -156,10 +156,36 @@ def _breakdown(plt, scaling: list[dict[str, Any]], ddp: list[dict[str, Any]], pa
 
 
 def _zoo(plt, rows: list[dict[str, Any]], path: Path) -> str:
-    """Step time ratios per zoo case: DDPWrapper over the bare model and over the bare model
-    synchronised once per step, torch DDP over the bare model; the median over rounds with the
-    spread as an error bar, and the 1.05 target as a line."""
-    fig, ax = plt.subplots(figsize=(12, 4.5))
+    """Step time ratios per zoo case, one panel per device and world size: DDPWrapper over the
+    bare model and over the bare model synchronised once per step, torch DDP over the bare
+    model; the median over rounds with the spread as an error bar, on a log axis (two ranks
+    sharing a GPU run up to 20 times the bare step), and the target as a line."""
+    from matplotlib import ticker
+
+    groups = sorted({(r.get("device", "cpu"), r["backend"], r["world_size"]) for r in rows})
+    fig, axes = plt.subplots(len(groups), 1, figsize=(12, 3.8 * len(groups)), squeeze=False)
+    for ax, (device, backend, world) in zip(axes[:, 0], groups):
+        part = [r for r in rows if (r.get("device", "cpu"), r["backend"], r["world_size"])
+                == (device, backend, world)]
+        _zoo_panel(ax, part)
+        target = 1.02 if device == "cuda" and world == 1 else 1.05
+        ax.axhline(target, color="k", linestyle="--", linewidth=1, label=f"target {target}")
+        ax.set_title(f"{device}, {backend}, world {world}")
+        ax.set_ylabel("step time / bare model's")
+        ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(ticker.ScalarFormatter())
+        ax.yaxis.set_minor_formatter(ticker.ScalarFormatter())
+        ax.tick_params(axis="y", which="minor", labelsize="x-small")
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend(fontsize="small", loc="center left", bbox_to_anchor=(1.01, 0.5))
+    fig.suptitle("Model zoo (benchmarks/zoo)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return f"img/{path.name}"
+
+
+def _zoo_panel(ax, rows: list[dict[str, Any]]) -> None:
     series = [(key, label) for key, label in (("fastddp_over_bare", "DDPWrapper / bare"),
                                               ("fastddp_over_bare_sync", "DDPWrapper / bare_sync"),
                                               ("torch_over_bare", "torch DDP / bare"))
@@ -169,14 +195,11 @@ def _zoo(plt, rows: list[dict[str, Any]], path: Path) -> str:
         med = [r[key]["median"] for r in rows]
         err = [[m - r[key]["min"] for m, r in zip(med, rows)],
                [r[key]["max"] - m for m, r in zip(med, rows)]]
-        ax.bar([x + (i - (len(series) - 1) / 2) * width for x in xs], med, width, yerr=err, capsize=2,
-               label=label)
-    ax.axhline(1.05, color="k", linestyle="--", linewidth=1, label="target 1.05")
-    ax.set_xticks(list(xs), [f"{r['model']} {r['precision']} w{r['world_size']}"
+        ax.bar([x + (i - (len(series) - 1) / 2) * width for x in xs], med, width, yerr=err,
+               capsize=2, label=label)
+    ax.set_xticks(list(xs), [f"{r['model']} {r['precision']}"
                              + (" + busy neighbour" if r.get("busy_neighbour") else "") for r in rows],
                   rotation=35, ha="right", fontsize="small")
-    ax.set_ylim(bottom=0.5)
-    return _finish(plt, fig, ax, path, "", "step time / bare model's", "Model zoo (benchmarks/zoo)")
 
 
 def plots(results: dict[str, list[dict[str, Any]]], img: Path) -> list[str]:
