@@ -9,10 +9,11 @@ per step (one 1-element all-reduce: the floor of any synchronous data-parallel s
 DDP and DDPWrapper, each in processes of its own (one model per process, as in a training
 job), interleaved in rounds (one contender's ranks run a block while the others wait; ratios
 paired within a round, median and spread over the rounds), and each contender's peak memory
-in processes of its own. A 50 M-parameter MLP
-(fp32) joins the zoo as the size at which a second copy of the gradients would show. One progress line per case; rows go to
-``benchmarks/results/zoo.json`` and from there (``python benchmarks/report.py``) into
-docs/benchmarks.md.
+in processes of its own. On the CPU every case starts its own processes; on a GPU one set of
+processes measures every case in turn (see :func:`_gpu_sweep`). A 50 M-parameter MLP (fp32)
+joins the zoo as the size at which a second copy of the gradients would show. One progress
+line per case; rows go to ``benchmarks/results/zoo.json`` and from there
+(``python benchmarks/report.py``) into docs/benchmarks.md.
 """
 
 from __future__ import annotations

@@ -109,6 +109,17 @@ def test_unscale_then_clip(optim) -> None:
     _side_by_side(lambda cls: _train(cls, OPTIMS[optim], poison={3: INF}, unscale_clip=0.05))
 
 
+@pytest.mark.parametrize("optim", ["adamw_fused", "sgd_fused"])
+@pytest.mark.parametrize("scale", [1000.0, 12345.0])
+def test_scale_not_a_power_of_two(optim, scale) -> None:
+    """A fused optimizer divides by the scale itself, as torch's scaler hands it: the
+    reciprocal of float32(1 / scale) differs from a scale that is not a power of two in its
+    last bit, and the parameters did too."""
+    optims = {**OPTIMS, "sgd_fused": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, fused=True)}
+    _side_by_side(lambda cls: _train(cls, optims[optim], steps=6, poison={3: INF}, init_scale=scale,
+                                     growth_factor=3.0, backoff_factor=0.3))
+
+
 def test_gradient_accumulation() -> None:
     _side_by_side(lambda cls: _train(cls, OPTIMS["sgd"], accumulate=3, poison={1: INF}))
 

@@ -139,7 +139,10 @@ class GradScaler(torch.amp.GradScaler):
         if state["stage"] is OptState.READY:
             found_inf, norm, coef, inv_coef = C.amp_finalize(grad_stats(g, device, ddp), scale.view(1),
                                                              clip, CLIP_EPS)
-            return found_inf, norm, (coef, inv_coef)
+            # Without clipping a fused optimizer divides by the scale itself, as torch's scaler
+            # hands it: 1 / float32(1 / scale) is off in the last bit unless the scale is a
+            # power of two.
+            return found_inf, norm, (coef, inv_coef if max_grad_norm is not None else scale.view(1))
         # UNSCALED: gradients are already divided by the scale (and maybe edited since)
         found_inf = state["found_inf_per_device"][device].view(1)
         if max_grad_norm is None:
