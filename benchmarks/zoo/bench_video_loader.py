@@ -110,7 +110,7 @@ def test_video_clips_loader(clip_files: tuple[Path, Path]) -> None:
     norm = Normaliser(device)
     touch = lambda x: x.to(device, non_blocking=True).unsqueeze(1)  # noqa: E731  (no normalise)
     sampler = fastddp.DistributedSampler(n, num_replicas=1, rank=0, shuffle=True, seed=0)
-    ours = fastddp.PrefetchLoader([str(clips_path), str(labels_path)], batch_size=batch, sampler=sampler,
+    ours = fastddp.PrefetchLoader((str(clips_path), str(labels_path)), batch_size=batch, sampler=sampler,
                                   num_workers=LOADER_THREADS, device=device if pin else None)
     ds = ClipDataset(clips_path, labels_path)
     theirs = {w: DataLoader(ds, batch_size=batch, sampler=fastddp.DistributedSampler(

@@ -16,6 +16,7 @@ from .plan import reads_ahead_unobserved
 from .settings import (
     check_extras,
     check_own_form,
+    check_prefetch_factor,
     check_workers,
     make_spec,
     prepare_tensors,
@@ -45,8 +46,8 @@ class PrefetchLoader:
     How batches are made:
 
     * a :class:`~torch.utils.data.TensorDataset` (or PrefetchLoader's own forms, read as its
-      columns: a tuple or dict of tensors, ``.npy`` paths, memory-mapped; see
-      docs/compatibility.md) with the default collation:
+      columns: a tuple of tensors or of ``.npy`` paths, memory-mapped, or a dict of tensors
+      under string keys; see docs/compatibility.md) with the default collation:
       C++ threads gather each batch's rows into a ring of (pinned) slots and, for a CUDA
       ``device``, copy them there on a side stream. ``num_workers`` threads (two when it is 0:
       no Python runs in them, so nothing of DataLoader's main-process loading changes).
@@ -219,12 +220,19 @@ class PrefetchLoader:
             self._direct = pass_.direct
 
     def _new_iterator(self) -> LoaderIterator:
-        if self._native():
+        native = self._native()
+        if native:
             start_warnings(self.pin_memory, self.pin_memory_device)
             pass_: Any = NativePass(self.batch_sampler, self._src, self._native_settings())
         else:
             pass_ = TorchPass(*build_runner(self, self._src.dataset, self._src.kind == "iterable"), self.device)
         self._start(pass_, True)
+        if native:
+            try:
+                check_prefetch_factor(check_workers(self.num_workers), self.prefetch_factor)
+            except AssertionError:
+                pass_.close()
+                raise
         hooks = LoaderHooks(restart=self._start, progress=self._progress,
                             len_reported=lambda: self._iterable_len_reported, length=self._iterator_len,
                             num_workers=lambda: self.num_workers, dataset=self.dataset)

@@ -92,3 +92,13 @@ def start_warnings(pin_memory: bool, pin_memory_device: str) -> None:
     if pin_memory and not torch.accelerator.is_available():
         warnings.warn("'pin_memory' argument is set as true but no accelerator is found, then device "
                       "pinned memory won't be used.", stacklevel=4)
+
+
+def check_prefetch_factor(num_workers: int, prefetch_factor: Any) -> None:
+    """DataLoader accepts ``prefetch_factor=0`` with workers at construction (and takes any
+    value assigned later); its worker iterator then fails an assertion, after drawing the
+    pass's seed. The same assertion, at the same point of a native pass."""
+    if num_workers > 0 and prefetch_factor is not None and prefetch_factor <= 0:
+        raise AssertionError("prefetch_factor must be greater than 0 for MultiProcessingDataLoaderIter "
+                             f"(PrefetchLoader: prefetch_factor={prefetch_factor!r} with num_workers="
+                             f"{num_workers}; leave it None for 2 batches a worker, or give a positive int)")

@@ -1,6 +1,7 @@
 """What a dataset is to PrefetchLoader: tensors whose rows C++ threads can gather (a
-``TensorDataset``, or PrefetchLoader's own forms: a tuple/list/dict of tensors, ``.npy``
-paths), or a Python dataset that torch's DataLoader machinery reads."""
+``TensorDataset``, or PrefetchLoader's own forms: a tuple of tensors or of ``.npy`` paths, a
+dict of tensors under string keys), or a Python dataset that torch's DataLoader machinery
+reads (a list is always one)."""
 
 from __future__ import annotations
 
@@ -87,11 +88,17 @@ def _plain_data(t: torch.Tensor) -> Optional[str]:
 def is_plain_tensor_dataset(dataset: Any) -> bool:
     """A TensorDataset whose samples are TensorDataset's own rows (a subclass that overrides
     how samples are read goes through Python, as with DataLoader) of tensors that are plain
-    data (others, e.g. ones that require grad, are collated by torch as DataLoader does)."""
+    data (others, e.g. ones that require grad, are collated by torch as DataLoader does), all
+    of one length (tensors replaced after construction may differ: DataLoader then reads rows
+    until an index is past the shortest, and so does the Python path)."""
     cls = type(dataset)
-    return (isinstance(dataset, TensorDataset) and cls.__getitem__ is TensorDataset.__getitem__
-            and getattr(cls, "__getitems__", None) is None and len(dataset.tensors) > 0
-            and all(_plain_data(t) is None for t in dataset.tensors))
+    if not (isinstance(dataset, TensorDataset) and cls.__getitem__ is TensorDataset.__getitem__
+            and getattr(cls, "__getitems__", None) is None and len(dataset.tensors) > 0):
+        return False
+    tensors = dataset.tensors
+    return (all(isinstance(t, torch.Tensor) and t.dim() > 0 and len(t) == len(tensors[0])
+                for t in tensors)
+            and all(_plain_data(t) is None for t in tensors))
 
 
 def _load_npy(paths: list[Any]) -> list[torch.Tensor]:
@@ -123,6 +130,14 @@ def _check_rows(tensors: list[torch.Tensor]) -> None:
                              "collated as DataLoader does")
 
 
+def _npy_paths(dataset: Any) -> bool:
+    """A tuple of ``.npy`` paths: PrefetchLoader's memory-mapped columns. Any other tuple or
+    list of strings is a sequence of samples, as DataLoader reads it."""
+    return (isinstance(dataset, tuple) and bool(dataset)
+            and all(isinstance(v, (str, os.PathLike)) and str(v).endswith(".npy")
+                    for v in dataset))
+
+
 def classify(dataset: Any) -> Sources:
     """The :class:`Sources` of ``dataset``; a TypeError names what can be loaded."""
     if isinstance(dataset, IterableDataset):
@@ -132,17 +147,18 @@ def classify(dataset: Any) -> Sources:
     if isinstance(dataset, torch.Tensor):
         _check_rows([dataset])
         return Sources("tensors", Columns([dataset]), single=True)
-    if isinstance(dataset, Mapping) and dataset and all(isinstance(v, torch.Tensor) for v in dataset.values()):
+    # A dict of tensors under string keys is columns (DataLoader cannot index it); under other
+    # keys it is what DataLoader reads: a map-style dataset of its values.
+    if (isinstance(dataset, Mapping) and dataset and all(isinstance(k, str) for k in dataset)
+            and all(isinstance(v, torch.Tensor) for v in dataset.values())):
         _check_rows(list(dataset.values()))
         return Sources("tensors", Columns(list(dataset.values())), keys=list(dataset.keys()))
-    # A tuple of tensors is columns (TensorDataset(*t)); a list of tensors stays what DataLoader
-    # reads it as: a sequence of samples.
+    # A tuple of tensors, or of .npy paths, is columns (TensorDataset(*t)); a list stays what
+    # DataLoader reads it as: a sequence of samples (tensors, strings, file names).
     if isinstance(dataset, tuple) and dataset and all(isinstance(v, torch.Tensor) for v in dataset):
         _check_rows(list(dataset))
         return Sources("tensors", Columns(list(dataset)), single=len(dataset) == 1)
-    if isinstance(dataset, (str, os.PathLike)) or (
-            isinstance(dataset, (tuple, list)) and dataset
-            and all(isinstance(v, (str, os.PathLike)) for v in dataset)):
+    if isinstance(dataset, (str, os.PathLike)) or _npy_paths(dataset):
         paths = [dataset] if isinstance(dataset, (str, os.PathLike)) else list(dataset)
         arrays = _load_npy(paths)
         _check_rows(arrays)
