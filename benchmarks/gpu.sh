@@ -60,9 +60,11 @@ results="$work/results"
 mkdir -p "$results"
 rc=0
 
-# Seconds a step may take: its own limit $1, or what is left before the deadline.
+# Seconds a step may take: its own limit $1, or what is left before the deadline (at least 1:
+# `timeout 0` would mean no limit at all).
 limit() {
   local left=$((deadline - SECONDS))
+  (( left < 1 )) && left=1
   echo $(( left < $1 ? left : $1 ))
 }
 

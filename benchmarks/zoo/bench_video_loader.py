@@ -215,8 +215,7 @@ def test_epoch_vs_floor(name: str, tmp_path: Path) -> None:
     rows = steps * batch
     data, to_batch = _columns(name, rows, tmp_path)
     sampler = fastddp.DistributedSampler(rows, num_replicas=1, rank=0, shuffle=True, seed=0)
-    loader = fastddp.PrefetchLoader(tuple(data) if isinstance(data[0], torch.Tensor) else data,
-                                    batch_size=batch, sampler=sampler, drop_last=True)
+    loader = fastddp.PrefetchLoader(tuple(data), batch_size=batch, sampler=sampler, drop_last=True)
     fed = build("bare", new_model(wl, device), device, "fp32")
     res = build("bare", new_model(wl, device), device, "fp32")
     # The floor runs the epoch's own batches (the sampler's order is the same every pass: no
