@@ -5,8 +5,9 @@
 #   STAGES  a comma-separated list of (default all, in this order):
 #           tests   the cuda-marked tests and the build's own tests
 #           zoo1    the model zoo on one GPU, NCCL world 1
-#           bench   the GPU benchmarks (AMP step, H2D, DDP world 1, end to end) and the scaling
-#                   projection (the -k expression, if given, picks among these)
+#           bench   the GPU benchmarks (AMP step, H2D, DDP world 1, end to end), the scaling
+#                   projection and the H2D sweep (the -k expression, if given, picks among the
+#                   pytest benchmarks)
 #           zoo2    the model zoo with two processes sharing the GPU (gloo on CUDA tensors)
 #           all     tests,zoo1,bench,zoo2
 # FASTDDP_GPU_DEADLINE_S (default 570) bounds the whole run, build included: each stage's pytest
@@ -97,7 +98,9 @@ for stage in ${stages//,/ }; do
       # GPU benchmarks only (the CPU ones are CI's and this machine's time is scarce).
       bench 240 bench benchmarks --ignore=benchmarks/zoo -m "cuda or e2e" ${kexpr:+-k "$kexpr"}
       FASTDDP_BENCH_RESULTS="$results" timeout "$(limit 60)" python3 benchmarks/scaling.py \
-        --busbw 370 2>&1 | tee "$work/scaling.log" || rc=1 ;;
+        --busbw 370 2>&1 | tee "$work/scaling.log" || rc=1
+      # where the direct H2D path's time goes (threads x ring slots x batch rows; ~20 s)
+      timeout "$(limit 90)" python3 benchmarks/h2d_sweep.py 2>&1 | tee "$work/h2d_sweep.log" || rc=1 ;;
   esac
   echo "stage $stage: $((SECONDS - start)) s" | tee -a "$work/gpu.txt"
   tar -czf "$out/results.tar.gz" -C "$work" .
