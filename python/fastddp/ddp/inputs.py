@@ -6,7 +6,7 @@ compatibility."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -34,24 +34,30 @@ class _OutputSink(torch.autograd.Function):
     gradient (unused in this backward) instead of never firing."""
 
     @staticmethod
-    def forward(ctx: Any, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(ctx: Any, on_backward: Optional[Callable[[], None]],
+                *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.set_materialize_grads(False)  # an output the loss left out gets None, not zeros
+        ctx.on_backward = on_backward
         return tuple(t.clone() for t in tensors)
 
     @staticmethod
     def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], ...]:
-        return grads
+        if ctx.on_backward is not None:
+            ctx.on_backward()
+        return (None, *grads)
 
 
-def through_sink(output: Any) -> Any:
-    """``output`` as torch DDP returns it under ``find_unused_parameters=True``: rebuilt by
-    ``torch.utils._pytree`` (as torch rebuilds it), with every tensor that has a ``grad_fn``
-    replaced by its clone from one :class:`_OutputSink` node; the other leaves as they are
-    (tensors inside a type pytree does not know, such as a dataclass, included)."""
+def through_sink(output: Any, on_backward: Optional[Callable[[], None]] = None) -> Any:
+    """``output`` as torch DDP returns it through its ``_DDPSink`` (``find_unused_parameters=True``,
+    and a ``static_graph`` wrapper until its first backward): rebuilt by ``torch.utils._pytree``
+    (as torch rebuilds it), with every tensor that has a ``grad_fn`` replaced by its clone from
+    one :class:`_OutputSink` node; the other leaves as they are (tensors inside a type pytree
+    does not know, such as a dataclass, included). ``on_backward`` runs when a backward
+    reaches the node."""
     leaves, spec = tree_flatten(output)
     index = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     if index:
-        for i, t in zip(index, _OutputSink.apply(*(leaves[i] for i in index))):
+        for i, t in zip(index, _OutputSink.apply(on_backward, *(leaves[i] for i in index))):
             leaves[i] = t
     return tree_unflatten(leaves, spec)
 

@@ -6,6 +6,7 @@ communication hooks (comm_hooks.py) and uneven inputs (join.py)."""
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Optional
 
@@ -181,6 +182,9 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, TorchInputMethods, nn.Module,
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = bool(static_graph)  # torch DDP sets True through _set_static_graph()
+        # static_graph: outputs go through the sink until a backward first reaches it, as torch
+        # DDP's do (its _static_graph_delay_allreduce_enqueued)
+        self._static_sink_reached = False
         self.comm_dtype = comm_dtype
         self.device_mesh = device_mesh
         self.batched_grad_copy = batched_grad_copy
@@ -370,7 +374,18 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, TorchInputMethods, nn.Module,
             self._reducer.prepare_for_backward(find_tensors(output) if wants_outputs else [], sync)
             self._sparse.prepare_for_backward(sync)
         diag.enter(diag.Phase.OUTSIDE)
-        return through_sink(output) if self.find_unused_parameters and not self.static_graph else output
+        if self.static_graph:
+            return output if self._static_sink_reached else through_sink(output, self._sink_reached_callback())
+        return through_sink(output) if self.find_unused_parameters else output
+
+    def _sink_reached_callback(self) -> Callable[[], None]:
+        ref = weakref.ref(self)  # the graph must not keep the wrapper alive
+
+        def reached() -> None:
+            wrapper = ref()
+            if wrapper is not None:
+                wrapper._static_sink_reached = True
+        return reached
 
     def _shm_broadcast(self, buffers: list[torch.Tensor]) -> bool:
         with diag.phase(diag.Phase.BROADCAST):
