@@ -62,6 +62,23 @@ def through_sink(output: Any, on_backward: Optional[Callable[[], None]] = None) 
     return tree_unflatten(leaves, spec)
 
 
+class OutputSink:
+    """Which forward outputs go through :class:`_OutputSink`, as torch DDP decides: every one
+    under ``find_unused_parameters=True``; under ``static_graph=True`` those of the forwards
+    before a backward first reaches the node (torch's ``_static_graph_delay_allreduce_enqueued``)."""
+
+    def __init__(self) -> None:
+        self.static_reached = False
+
+    def __call__(self, output: Any, find_unused_parameters: bool, static_graph: bool) -> Any:
+        if static_graph:
+            return output if self.static_reached else through_sink(output, self._reached)
+        return through_sink(output) if find_unused_parameters else output
+
+    def _reached(self) -> None:
+        self.static_reached = True
+
+
 def to_device(obj: Any, device: torch.device) -> Any:
     """``obj`` with its tensors on ``device``, as torch DDP's forward moves the inputs of a
     module wrapped with ``device_ids``: tensors (and packed sequences) inside tuples, named
@@ -82,11 +99,19 @@ def to_device(obj: Any, device: torch.device) -> Any:
 
 
 class TorchInputMethods:
-    """torch DDP's (kept for compatibility) input and output methods; the wrapper provides
-    ``device_type`` and ``dim``."""
+    """torch DDP's (kept for compatibility) input and output methods, and its switch for
+    parameters to ignore; the wrapper provides ``device_type`` and ``dim``."""
 
     device_type: str
     dim: int
+
+    @staticmethod
+    def _set_params_and_buffers_to_ignore_for_model(module: torch.nn.Module,
+                                                    params_and_buffers_to_ignore: Any) -> None:
+        """torch DDP's (private, widely used) switch: the named parameters and buffers of
+        ``module`` (fully qualified names) are neither reduced nor broadcast; call it before
+        wrapping. Works for both wrappers, as both read the same attribute."""
+        module._ddp_params_and_buffers_to_ignore = params_and_buffers_to_ignore
 
     def to_kwargs(self, inputs: tuple, kwargs: Optional[dict], device_id: int) -> tuple[tuple, tuple]:
         """``((inputs,), (kwargs,))`` with their tensors on device ``device_id`` of the

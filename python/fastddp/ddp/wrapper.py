@@ -6,7 +6,6 @@ communication hooks (comm_hooks.py) and uneven inputs (join.py)."""
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Optional
 
@@ -20,7 +19,7 @@ from . import checks, sparse
 from .broadcast import broadcast_coalesced
 from .buckets import Buckets
 from .comm_hooks import CommHooks
-from .inputs import TorchInputMethods, find_tensors, through_sink, to_device
+from .inputs import OutputSink, TorchInputMethods, find_tensors, to_device
 from .join import UnevenInputs
 
 
@@ -182,9 +181,7 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, TorchInputMethods, nn.Module,
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = bool(static_graph)  # torch DDP sets True through _set_static_graph()
-        # static_graph: outputs go through the sink until a backward first reaches it, as torch
-        # DDP's do (its _static_graph_delay_allreduce_enqueued)
-        self._static_sink_reached = False
+        self._output_sink = OutputSink()
         self.comm_dtype = comm_dtype
         self.device_mesh = device_mesh
         self.batched_grad_copy = batched_grad_copy
@@ -268,13 +265,6 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, TorchInputMethods, nn.Module,
         """The module's buffers that are broadcast from rank 0 (all but the ignored)."""
         return [b for n, b in self.module.named_buffers() if n not in self.parameters_to_ignore]
 
-    @staticmethod
-    def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, params_and_buffers_to_ignore: Any) -> None:
-        """torch DDP's (private, widely used) switch: the named parameters and buffers of
-        ``module`` (fully qualified names) are neither reduced nor broadcast; call it before
-        wrapping. Works for both wrappers, as both read the same attribute."""
-        module._ddp_params_and_buffers_to_ignore = params_and_buffers_to_ignore
-
     def will_sync_module_buffers(self) -> bool:
         """Whether the next forward syncs the module's buffers (torch DDP's rule: buffer sync
         on, buffers to sync, and the last forward a reducing one; a world of one then has
@@ -355,14 +345,7 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, TorchInputMethods, nn.Module,
         if rebuild:
             self._rebuild_buckets()
         if sync_buffers:
-            buffers = self._current_buffers()
-            with torch.no_grad():
-                if self._join_config.enable:  # rank 0 may have joined with stale buffers
-                    self._broadcast_coalesced(buffers, src=buffers_from)
-                # co-located CPU ranks copy rank 0's buffers through shared memory (while they
-                # fit the room reserved at construction); else c10d
-                elif not self._shm_broadcast(buffers):
-                    self._broadcast_coalesced(buffers)
+            self._sync_buffers_before_forward(buffers_from)
         diag.enter(diag.Phase.FORWARD)
         output = self.module(*inputs, **kwargs)
         self.require_forward_param_sync = grad_enabled and self.require_backward_grad_sync
@@ -374,22 +357,19 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, TorchInputMethods, nn.Module,
             self._reducer.prepare_for_backward(find_tensors(output) if wants_outputs else [], sync)
             self._sparse.prepare_for_backward(sync)
         diag.enter(diag.Phase.OUTSIDE)
-        if self.static_graph:
-            return output if self._static_sink_reached else through_sink(output, self._sink_reached_callback())
-        return through_sink(output) if self.find_unused_parameters else output
+        return self._output_sink(output, self.find_unused_parameters, self.static_graph)
 
-    def _sink_reached_callback(self) -> Callable[[], None]:
-        ref = weakref.ref(self)  # the graph must not keep the wrapper alive
-
-        def reached() -> None:
-            wrapper = ref()
-            if wrapper is not None:
-                wrapper._static_sink_reached = True
-        return reached
-
-    def _shm_broadcast(self, buffers: list[torch.Tensor]) -> bool:
-        with diag.phase(diag.Phase.BROADCAST):
-            return self._reducer.broadcast_buffers(buffers)
+    @torch.no_grad()
+    def _sync_buffers_before_forward(self, src: int) -> None:
+        """Group rank ``src``'s buffers into every rank's (``src`` is 0 but inside join(), where
+        rank 0 may have joined with stale buffers): co-located CPU ranks copy them through
+        shared memory (while they fit the room reserved at construction), others over c10d."""
+        buffers = self._current_buffers()
+        if not self._join_config.enable:
+            with diag.phase(diag.Phase.BROADCAST):
+                if self._reducer.broadcast_buffers(buffers):
+                    return
+        self._broadcast_coalesced(buffers, src=src)
 
     def _syncs_buffers(self) -> bool:
         return self.broadcast_buffers and self.world_size > 1 and bool(self._module_buffers)
