@@ -112,7 +112,7 @@ class Buckets:
     def _buffer_bytes(self) -> int:
         """Room for the per-forward buffer broadcast in the shared-memory mapping (CPU buffers,
         packed by the reducer's alignment rule)."""
-        if not self.broadcast_buffers or any(b.device.type != "cpu" for b in self._module_buffers):
+        if not self.forward_sync_buffers or any(b.device.type != "cpu" for b in self._module_buffers):
             return 0
         return C.Reducer.packed_bytes(self._module_buffers)
 

@@ -74,7 +74,7 @@ class UnevenInputs:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.process_group)
         with torch.no_grad():
             tensors = self._synced_params()
-            if self.broadcast_buffers:
+            if self.forward_sync_buffers:
                 tensors += self._synced_buffers()
             self._broadcast_coalesced(tensors, src=int(flags.item()))
         # The protocol's extra collectives stop with the block, on every rank alike.

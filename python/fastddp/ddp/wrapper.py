@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
+from torch.nn.parallel import DistributedDataParallel
 
 from .. import diag
 from . import checks, sparse
@@ -21,15 +22,20 @@ from .buckets import Buckets
 from .comm_hooks import CommHooks
 from .inputs import OutputSink, TorchInputMethods, find_tensors, to_device
 from .join import UnevenInputs
+from .torch_class import BufferSyncName, refuse_torch_internals
 
 
-class DDPWrapper(Buckets, CommHooks, UnevenInputs, TorchInputMethods, nn.Module, Joinable):
+@refuse_torch_internals
+class DDPWrapper(Buckets, CommHooks, UnevenInputs, TorchInputMethods, BufferSyncName, DistributedDataParallel):
     """Distributed data parallelism with the constructor and behaviour of
     :class:`torch.nn.parallel.DistributedDataParallel`.
 
     Replace ``DistributedDataParallel(model, device_ids=[rank])`` with
     ``DDPWrapper(model, device_ids=[rank])``. ``.module``, ``.no_sync()``, ``forward`` and the
     ``state_dict`` keys (``module.``-prefixed) are the same, so checkpoints move between the two.
+    It is a subclass of torch's class, so ``isinstance(model, DistributedDataParallel)`` holds
+    and code that branches on it takes torch DDP's branch; torch DDP's constructor does not run,
+    and its internal methods raise ``NotImplementedError`` (see ``torch_class.py``).
 
     Extras: ``shm_allreduce`` (default None = auto): when every rank of the group runs on this
     host with CPU parameters, the gradient buckets live in one shared-memory mapping and each
@@ -105,8 +111,8 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, TorchInputMethods, nn.Module,
     DDP's ``_set_params_and_buffers_to_ignore_for_model`` stay rank-local (neither reduced nor
     broadcast); ``_set_static_graph()``, ``_register_builtin_comm_hook`` and
     ``will_sync_module_buffers()`` behave as torch DDP's.
-    ``torch.distributed.checkpoint.state_dict.get_state_dict`` drops torch DDP's ``module.``
-    prefix by the wrapper's type: pass ``model.module`` to get the same keys as torch DDP.
+    ``torch.distributed.checkpoint.state_dict.get_state_dict`` drops the ``module.`` prefix as
+    for torch DDP.
     ``copy.deepcopy(model)`` and ``torch.save(model)`` work as with torch DDP (default process
     group only); the copy rebuilds its reducer without any collective, on the process group's
     transport, so a copy made on one rank (an EMA model) cannot hang the others.
@@ -155,7 +161,7 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, TorchInputMethods, nn.Module,
         shm_allreduce: Optional[bool] = None,
         stall_threshold_s: Optional[float] = None,
     ) -> None:
-        super().__init__()
+        nn.Module.__init__(self)  # not torch DDP's constructor: it would build torch's reducer
         Joinable.__init__(self)
         if not dist.is_available():
             raise RuntimeError("DDPWrapper: this torch build has no torch.distributed support.")
@@ -173,11 +179,11 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, TorchInputMethods, nn.Module,
         # only the per-forward sync and the buffers are synced at construction anyway; else
         # broadcast_buffers (default True) decides both.
         if forward_sync_buffers is not None:
-            self.broadcast_buffers = bool(forward_sync_buffers)
+            self.forward_sync_buffers = bool(forward_sync_buffers)
             init_sync_buffers = True
         else:
-            self.broadcast_buffers = True if broadcast_buffers is None else bool(broadcast_buffers)
-            init_sync_buffers = self.broadcast_buffers
+            self.forward_sync_buffers = True if broadcast_buffers is None else bool(broadcast_buffers)
+            init_sync_buffers = self.forward_sync_buffers
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = bool(static_graph)  # torch DDP sets True through _set_static_graph()
@@ -269,7 +275,7 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, TorchInputMethods, nn.Module,
         """Whether the next forward syncs the module's buffers (torch DDP's rule: buffer sync
         on, buffers to sync, and the last forward a reducing one; a world of one then has
         nothing to send)."""
-        return self.require_forward_param_sync and self.broadcast_buffers and bool(self._module_buffers)
+        return self.require_forward_param_sync and self.forward_sync_buffers and bool(self._module_buffers)
 
     @torch.no_grad()
     def _sync_module_states(self, buffers: bool = True) -> None:
@@ -307,7 +313,9 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, TorchInputMethods, nn.Module,
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("DDPWrapper: unpickling a wrapper needs the default process group; call "
                                "torch.distributed.init_process_group(...) before torch.load / deepcopy.")
-        super().__setstate__(state)
+        if "forward_sync_buffers" not in state:  # pickled by a fastddp that stored the old name
+            state["forward_sync_buffers"] = state.pop("broadcast_buffers", True)
+        nn.Module.__setstate__(self, state)
         self.process_group = dist.group.WORLD
         self.device_mesh = None
         self.world_size = dist.get_world_size()
@@ -372,7 +380,7 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, TorchInputMethods, nn.Module,
         self._broadcast_coalesced(buffers, src=src)
 
     def _syncs_buffers(self) -> bool:
-        return self.broadcast_buffers and self.world_size > 1 and bool(self._module_buffers)
+        return self.forward_sync_buffers and self.world_size > 1 and bool(self._module_buffers)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -383,13 +391,3 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, TorchInputMethods, nn.Module,
             yield
         finally:
             self.require_backward_grad_sync = previous
-
-    @property
-    def forward_sync_buffers(self) -> bool:
-        """Whether buffers are broadcast from rank 0 before a forward (torch DDP 2.13+'s
-        name for ``broadcast_buffers``)."""
-        return self.broadcast_buffers
-
-    @forward_sync_buffers.setter
-    def forward_sync_buffers(self, value: bool) -> None:
-        self.broadcast_buffers = bool(value)

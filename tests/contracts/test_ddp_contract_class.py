@@ -1,0 +1,132 @@
+"""Contract: DDPWrapper is a torch.nn.parallel.DistributedDataParallel to code that asks
+(``isinstance``), side by side with torch DDP in one gloo group: a script's unwrap idiom and
+its ``no_sync()`` gradient accumulation take torch's branch, torch.distributed.checkpoint's
+state_dict helpers strip the ``module.`` prefix, the ``broadcast_buffers`` /
+``forward_sync_buffers`` pair mirror each other, and torch DDP's internal methods raise
+``NotImplementedError`` naming themselves instead of running torch's code on a DDPWrapper."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.algorithms.join import Joinable
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+import fastddp
+
+from ..ddp_common import compare_models
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+
+
+def _pair() -> tuple[nn.Module, nn.Module]:
+    return TorchDDP(_model()), fastddp.DDPWrapper(_model())
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The unwrap idiom of training scripts (and of accelerate, Lightning, transformers)."""
+    return model.module if isinstance(model, TorchDDP) else model
+
+
+def _class_and_unwrap(rank: int, world_size: int) -> list[Any]:
+    ref, ours = _pair()
+    found = [(isinstance(m, TorchDDP), isinstance(m, Joinable), list(_unwrap(m).state_dict()))
+             for m in (ref, ours)]
+    assert found[0] == found[1], found
+    assert ref.train(False) is ref and ours.train(False) is ours  # torch DDP's train returns self
+    assert not ours.training and not ours.module.training
+    return list(found[1][:2])
+
+
+def test_isinstance_and_the_unwrap_idiom_take_torchs_branch(ranks) -> None:
+    assert ranks.run(_class_and_unwrap, world_size=1) == [[True, True]]
+
+
+def _checkpoint_helpers(rank: int, world_size: int) -> list[str]:
+    ref, ours = _pair()
+    ref_sd, ours_sd = get_model_state_dict(ref), get_model_state_dict(ours)
+    assert list(ref_sd) == list(ours_sd) and not any(k.startswith("module.") for k in ours_sd)
+    assert all(torch.equal(ref_sd[k], ours_sd[k]) for k in ref_sd)
+    with torch.no_grad():  # load a changed state through the helper into both
+        changed = {k: v + 1 if v.is_floating_point() else v for k, v in ref_sd.items()}
+    for m in (ref, ours):
+        set_model_state_dict(m, dict(changed))  # the helper consumes the dict it is given
+    compare_models(ours, ref, rtol=0, atol=0)
+    return list(ours_sd)
+
+
+def test_distributed_checkpoint_state_dict_helpers_strip_the_prefix(ranks) -> None:
+    keys = ranks.run(_checkpoint_helpers, world_size=1)[0]
+    assert keys[0] == "0.weight" and "1.running_mean" in keys
+
+
+def _accumulate(rank: int, world_size: int) -> int:
+    """Gradient accumulation written for torch DDP: no_sync() on every micro-batch but the
+    last, chosen by isinstance. Both wrappers must take it (parameters bit for bit)."""
+    ref, ours = _pair()
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, ours)]
+    g = torch.Generator().manual_seed(rank)
+    syncs = 0
+    for _ in range(2):
+        batches = [torch.randn(4, 3, generator=g) for _ in range(3)]
+        for model, opt in zip((ref, ours), opts):
+            opt.zero_grad()
+            for i, x in enumerate(batches):
+                last = i == len(batches) - 1
+                skip = isinstance(model, TorchDDP) and not last
+                with model.no_sync() if skip else contextlib.nullcontext():
+                    model(x).square().mean().backward()
+                syncs += model is ours and not skip
+            opt.step()
+        compare_models(ours, ref, rtol=0, atol=0)
+    return syncs
+
+
+def test_no_sync_accumulation_chosen_by_isinstance_matches_torch(ranks) -> None:
+    assert ranks.run(_accumulate, world_size=2) == [2, 2]
+
+
+def _buffer_flag_pair(rank: int, world_size: int) -> list[bool]:
+    ref, ours = _pair()
+    seen = []
+    for m in (ref, ours):
+        m.broadcast_buffers = False
+        seen.append((m.forward_sync_buffers, m.broadcast_buffers))
+        m.forward_sync_buffers = True
+        seen.append((m.forward_sync_buffers, m.broadcast_buffers))
+    assert seen[:2] == seen[2:], seen
+    return [s[0] for s in seen[2:]]
+
+
+def test_broadcast_buffers_and_forward_sync_buffers_mirror_each_other(ranks) -> None:
+    if not hasattr(TorchDDP, "broadcast_buffers"):
+        pytest.skip("this torch's DDP has no forward_sync_buffers (before 2.13)")
+    assert ranks.run(_buffer_flag_pair, world_size=1) == [[False, True]]
+
+
+INTERNALS = [n for n in ("_get_ddp_logging_data", "_set_ddp_runtime_logging_sample_rate",
+                          "_register_fused_optim", "_check_reducer_finalized", "_sync_buffers")
+             if n in vars(TorchDDP)]  # the ones this torch's DDP defines
+
+
+def _internal_methods(rank: int, world_size: int) -> list[str]:
+    ours = fastddp.DDPWrapper(_model())
+    messages = []
+    for name in INTERNALS:
+        with pytest.raises(NotImplementedError) as info:
+            getattr(ours, name)(1)
+        assert f"{name}()" in str(info.value) and "DistributedDataParallel" in str(info.value)
+        messages.append(name)
+    return messages
+
+
+def test_torch_ddp_internal_methods_raise_naming_themselves(ranks) -> None:
+    assert ranks.run(_internal_methods, world_size=1) == [INTERNALS]
