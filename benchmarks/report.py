@@ -198,7 +198,8 @@ def _zoo_panel(ax, rows: list[dict[str, Any]]) -> None:
         ax.bar([x + (i - (len(series) - 1) / 2) * width for x in xs], med, width, yerr=err,
                capsize=2, label=label)
     ax.set_xticks(list(xs), [f"{r['model']} {r['precision']}"
-                             + (" + busy neighbour" if r.get("busy_neighbour") else "") for r in rows],
+                             + (" + busy neighbour" if r.get("busy_neighbour") else "")
+                             + (" + keep allocator" if r.get("allocator") == "keep" else "") for r in rows],
                   rotation=35, ha="right", fontsize="small")
 
 

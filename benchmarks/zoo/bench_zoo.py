@@ -33,6 +33,7 @@ from tests.distributed import run_distributed
 
 from ..common import SMOKE, record
 from .measure import (
+    ALLOCATOR,
     MEMORY,
     PRECISIONS,
     TIMED,
@@ -136,10 +137,16 @@ def _row(name: str, precision: str, device_type: str, world_size: int, backend: 
           f"[{fs['min']:.3f}, {fs['max']:.3f}] | fastddp/torch {ft['median']:.3f} "
           f"[{ft['min']:.3f}, {ft['max']:.3f}] | peak MiB "
           + " ".join(f"{k} {row[k + '_peak_mib']:.0f}" for k in MEMORY)
-          + f" | {row['steps_per_round']} steps a block, other load {row['other_load_cores']:.2f} cores",
+          + f" | {row['steps_per_round']} steps a block, other load {row['other_load_cores']:.2f} cores"
+          + (f", allocator {ALLOCATOR}" if device_type == "cpu" else ""),
           flush=True)
     row["busy_neighbour"] = neighbour
     suffix = "-busy-neighbour" if neighbour else ""
+    if device_type == "cpu":
+        row["allocator"] = ALLOCATOR
+        if ALLOCATOR == "keep":
+            suffix += "-keep-allocator"
+            row["command"] = "FASTDDP_ZOO_ALLOCATOR=keep " + row["command"]
     record("zoo", f"{device_type}-{backend}-w{world_size}-{name}-{precision}{suffix}", row)
     return row
 
