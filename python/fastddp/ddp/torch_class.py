@@ -8,8 +8,8 @@ DDP: a training script's ``model.module if isinstance(model, DDP) else model`` u
 not called, and every method torch's class defines that neither ``DDPWrapper`` nor
 ``nn.Module`` provides (torch DDP's internals, which work on torch's C++ reducer and logger)
 raises ``NotImplementedError`` naming it, instead of failing somewhere inside torch on an
-attribute that a ``DDPWrapper`` does not have. Only torch's ``train()`` override stays: it
-calls ``nn.Module.train`` and returns the module.
+attribute that a ``DDPWrapper`` does not have. What stays torch's: its ``train()`` override
+(``nn.Module.train``, returning the module), its properties and its class and static methods.
 """
 
 from __future__ import annotations
