@@ -263,7 +263,7 @@ def _keep_freed_memory() -> None:
     own) and the heap is never trimmed. With glibc's defaults a step page-faults wherever the
     allocator gave back what the step before freed: the bare model's gradients, freed by
     ``zero_grad(set_to_none=True)`` and made again by the next backward, and the optimizer's
-    temporaries (docs/benchmarks.md, "Model zoo (CPU)")."""
+    temporaries (docs/benchmarks.md, "The allocator")."""
     _mallopt(_M_MMAP_MAX, 0)
     _mallopt(_M_TRIM_THRESHOLD, 1 << 30)
 

@@ -37,6 +37,12 @@ def _unwrap(model: nn.Module) -> nn.Module:
 
 
 def _class_and_unwrap(rank: int, world_size: int) -> list[Any]:
+    torch.manual_seed(1)
+    TorchDDP(nn.Linear(3, 2))
+    after_torch = torch.random.get_rng_state()
+    torch.manual_seed(1)
+    fastddp.DDPWrapper(nn.Linear(3, 2))
+    assert torch.equal(torch.random.get_rng_state(), after_torch)  # the same global RNG draws
     ref, ours = _pair()
     found = [(isinstance(m, TorchDDP), isinstance(m, Joinable), list(_unwrap(m).state_dict()))
              for m in (ref, ours)]
