@@ -36,7 +36,8 @@ def _machine(m: dict[str, Any]) -> str:
     torch = f"torch {m['torch']}" if m.get("torch") else "torch ?"
     if m.get("gpu"):
         return f"{m['gpu']} ({m.get('cores', '?')}-core host), {torch}"
-    return f"{m.get('cores', '?')}-core {m.get('cpu', '?')} CPU, {torch}"
+    host = ", ".join(v for v in (m.get("cpu_model"), m.get("cpu_features")) if v)
+    return f"{m.get('cores', '?')}-core {m.get('cpu', '?')} CPU{f' ({host})' if host else ''}, {torch}"
 
 
 def _dates(rows: list[dict[str, Any]]) -> str:
@@ -158,8 +159,9 @@ def _breakdown(plt, scaling: list[dict[str, Any]], ddp: list[dict[str, Any]], pa
 def _zoo(plt, rows: list[dict[str, Any]], path: Path) -> str:
     """Step time ratios per zoo case, one panel per device and world size: DDPWrapper over the
     bare model and over the bare model synchronised once per step, torch DDP over the bare
-    model; the median over rounds with the spread as an error bar, on a log axis (two ranks
-    sharing a GPU run up to 20 times the bare step), and the target as a line."""
+    model; the median over rounds with its 95 % interval (older rows: the spread) as an error
+    bar, on a log axis (two ranks sharing a GPU run up to 20 times the bare step), and the
+    target as a line."""
     from matplotlib import ticker
 
     groups = sorted({(r.get("device", "cpu"), r["backend"], r["world_size"]) for r in rows})
@@ -193,8 +195,9 @@ def _zoo_panel(ax, rows: list[dict[str, Any]]) -> None:
     width, xs = 0.8 / len(series), range(len(rows))
     for i, (key, label) in enumerate(series):
         med = [r[key]["median"] for r in rows]
-        err = [[m - r[key]["min"] for m, r in zip(med, rows)],
-               [r[key]["max"] - m for m, r in zip(med, rows)]]
+        # the median's 95 % interval where the row has one, else the spread over the rounds
+        err = [[m - r[key].get("lo", r[key]["min"]) for m, r in zip(med, rows)],
+               [r[key].get("hi", r[key]["max"]) - m for m, r in zip(med, rows)]]
         ax.bar([x + (i - (len(series) - 1) / 2) * width for x in xs], med, width, yerr=err,
                capsize=2, label=label)
     ax.set_xticks(list(xs), [f"{r['model']} {r['precision']}"

@@ -23,12 +23,13 @@ from tests.distributed import run_distributed
 import fastddp
 
 from ..common import SMOKE, record
-from .measure import Contender, Rounds, interleave, new_model, other_load, step
+from .measure import Contender, Rounds, Schedule, interleave, new_model, other_load, step
 from .models import NAMES, workload
 
 CAPS_MB = (1.0, 4.0, 25.0, 100.0)
 DEFAULT_MB = 25.0
-ROUNDS, MIN_STEPS, BLOCK_S = (1, 1, 0.0) if SMOKE else (15, 4, 0.3)
+SCHEDULE = Schedule(1, 1, 0.0) if SMOKE else Schedule(rounds=15, min_steps=4, block_s=0.3)
+ROUNDS = SCHEDULE.rounds
 
 
 def _wrapped(wl, cap_mb: float) -> Contender:
@@ -49,7 +50,7 @@ def _time_caps(rank: int, world_size: int, name: str, scratch: str) -> Rounds:
         batches = [wl.batch(first + i) for i in range(n)]
         return lambda: [step(contenders[cap], wl, b, "fp32", cpu) for b in batches]
 
-    return interleave(CAPS_MB, prepare, ROUNDS, MIN_STEPS, BLOCK_S, cpu)
+    return interleave(CAPS_MB, prepare, SCHEDULE, cpu)
 
 
 @pytest.mark.parametrize("name", [*NAMES, "mlp50m"])

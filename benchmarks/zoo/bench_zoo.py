@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from tests.distributed import run_distributed
 
-from ..common import SMOKE, record
+from ..common import SMOKE, median_interval, record
 from .measure import (
     ALLOCATOR,
     MEMORY,
@@ -48,7 +48,11 @@ from .models import NAMES, workload
 
 # Rounds, and the least steps and seconds of one contender's block (its steps per block are
 # set so the slowest contender's block lasts block_s; the fp16 rows' steps take 0.4-0.9 s).
-SCHEDULE = Schedule(1, 1, 0.0) if SMOKE else Schedule(rounds=11, min_steps=4, block_s=0.3)
+# A round of four 0.3 s blocks lasts about 1.4 s: the millisecond models run 41 rounds in the
+# minute, which narrows their medians' intervals about twofold over 11 (the rounds of one
+# case spread by ±30 % on the 2-core VM); the slow ones keep 11.
+SCHEDULE = (Schedule(1, 1, 0.0) if SMOKE else
+            Schedule(rounds=11, min_steps=4, block_s=0.3, max_rounds=41, budget_s=60.0))
 # Fewer rounds on a GPU (a lent GPU machine's time is short); blocks as long as on the CPU: with
 # 0.1 s blocks a millisecond step's ratio to the bare model moved by ±25 % from round to round
 # (the GPU idles while the other contenders run their blocks).
@@ -59,9 +63,12 @@ CASES.append(pytest.param("mlp50m", "fp32", id="mlp50m-fp32"))  # the memory ref
 
 
 def _paired(times: dict[str, list[float]], num: str, den: str) -> dict[str, float]:
-    """Median and spread of the per-round ratio ``num / den``."""
+    """Median and spread of the per-round ratio ``num / den``, and the median's 95 %
+    distribution-free interval (``lo``, ``hi``: :func:`median_interval`)."""
     ratios = [a / b for a, b in zip(times[num], times[den])]
-    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+    lo, hi = median_interval(ratios)
+    return {"median": statistics.median(ratios), "lo": lo, "hi": hi, "min": min(ratios),
+            "max": max(ratios)}
 
 
 def _per_round_max(per_rank: list) -> dict[str, list[float]]:
@@ -118,9 +125,8 @@ def _row(name: str, precision: str, device_type: str, world_size: int, backend: 
     """The zoo row of one case from every rank's timed rounds and each contender's peak MiB:
     printed as one progress line and recorded."""
     times = _per_round_max(per_rank)
-    schedule = GPU_SCHEDULE if device_type == "cuda" else SCHEDULE
     row = {"model": name, "precision": precision, "world_size": world_size, "backend": backend,
-           "device": device_type, "rounds": schedule.rounds, "steps_per_round": per_rank[0].steps,
+           "device": device_type, "rounds": len(times["bare"]), "steps_per_round": per_rank[0].steps,
            "other_load_cores": other_load(per_rank),
            **{f"{k}_step_ms": statistics.median(v) * 1e3 for k, v in times.items()},
            "fastddp_over_bare": _paired(times, "fastddp", "bare"),
@@ -133,11 +139,12 @@ def _row(name: str, precision: str, device_type: str, world_size: int, backend: 
     print(f"\n[zoo{progress and ' ' + progress}] {name} {precision} {backend} w{world_size}: step ms bare "
           f"{row['bare_step_ms']:.1f} torch {row['torch_step_ms']:.1f} fastddp "
           f"{row['fastddp_step_ms']:.1f} | fastddp/bare {fb['median']:.3f} "
-          f"[{fb['min']:.3f}, {fb['max']:.3f}] | fastddp/bare_sync {fs['median']:.3f} "
-          f"[{fs['min']:.3f}, {fs['max']:.3f}] | fastddp/torch {ft['median']:.3f} "
-          f"[{ft['min']:.3f}, {ft['max']:.3f}] | peak MiB "
+          f"[{fb['lo']:.3f}, {fb['hi']:.3f}] | fastddp/bare_sync {fs['median']:.3f} "
+          f"[{fs['lo']:.3f}, {fs['hi']:.3f}] | fastddp/torch {ft['median']:.3f} "
+          f"[{ft['lo']:.3f}, {ft['hi']:.3f}] | peak MiB "
           + " ".join(f"{k} {row[k + '_peak_mib']:.0f}" for k in MEMORY)
-          + f" | {row['steps_per_round']} steps a block, other load {row['other_load_cores']:.2f} cores"
+          + f" | {row['rounds']} rounds, {row['steps_per_round']} steps a block, [95 % interval of the"
+          f" median], other load {row['other_load_cores']:.2f} cores"
           + (f", allocator {ALLOCATOR}" if device_type == "cpu" else ""),
           flush=True)
     row["busy_neighbour"] = neighbour

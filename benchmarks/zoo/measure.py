@@ -144,22 +144,40 @@ def _block_steps(keys: Sequence[Any], prepare: Callable[[Any, int, int], Callabl
 
 
 def interleave(keys: Sequence[Any], prepare: Callable[[Any, int, int], Callable[[], None]],
-               rounds: int, min_steps: int, block_s: float, device: torch.device) -> Rounds:
-    """Time the contenders ``keys`` in ``rounds`` rotated rounds of one block each.
-    ``prepare(key, first, n)`` makes the inputs of steps ``first .. first + n - 1`` (before the
-    clock starts) and returns a callable that runs those steps. Every block starts on all ranks
-    together (a barrier), in an order rotated from round to round so no contender always follows the
-    same one."""
-    steps = _block_steps(keys, prepare, min_steps, block_s, device)
+               schedule: Schedule, device: torch.device) -> Rounds:
+    """Time the contenders ``keys`` in rotated rounds of one block each (how many:
+    :func:`_rounds_for`). ``prepare(key, first, n)`` makes the inputs of steps
+    ``first .. first + n - 1`` (before the clock starts) and returns a callable that runs those
+    steps. Every block starts on all ranks together (a barrier), in an order rotated from round
+    to round so no contender always follows the same one."""
+    steps = _block_steps(keys, prepare, schedule.min_steps, schedule.block_s, device)
     times: dict[Any, list[float]] = {k: [] for k in keys}
     busy0, cpu0, wall0 = _busy_seconds(), time.process_time(), time.perf_counter()
-    for r in range(rounds):
+    rounds, r = schedule.rounds, 0
+    while r < rounds:
         for key in list(keys[r % len(keys):]) + list(keys[:r % len(keys)]):
             times[key].append(_timed_block(prepare(key, r * steps, steps), device) / steps)
+        if r == 0:
+            rounds = _rounds_for(schedule, time.perf_counter() - wall0)
+        r += 1
     if dist.is_initialized():
         dist.barrier()  # ranks idle in the last block leave only now (exiting costs CPU)
     return Rounds(times, steps, time.perf_counter() - wall0, time.process_time() - cpu0,
                   _busy_seconds() - busy0)
+
+
+def _rounds_for(schedule: Schedule, first_round_s: float) -> int:
+    """How many rounds fit ``schedule.budget_s`` at the first round's duration (the longest
+    any rank saw, so every rank runs the same rounds), between ``rounds`` and ``max_rounds``:
+    cheap cases get more rounds, and a tighter interval for their medians, for the time one
+    round of an expensive case takes."""
+    if schedule.max_rounds <= schedule.rounds or schedule.budget_s <= 0:
+        return schedule.rounds
+    seconds = torch.tensor([first_round_s], dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+    fit = int(schedule.budget_s // max(float(seconds), 1e-9))
+    return max(schedule.rounds, min(schedule.max_rounds, fit))
 
 
 def other_load(per_rank: Sequence[Rounds]) -> float:
@@ -186,12 +204,15 @@ class Case:
 
 @dataclass(frozen=True)
 class Schedule:
-    """How the contenders alternate: ``rounds`` rotated rounds of one block each, a block of
-    at least ``min_steps`` steps lasting about ``block_s`` (see :func:`interleave`)."""
+    """How the contenders alternate: at least ``rounds`` rotated rounds of one block each, a
+    block of at least ``min_steps`` steps lasting about ``block_s`` (see :func:`interleave`);
+    up to ``max_rounds`` as long as the rounds fit ``budget_s`` seconds (:func:`_rounds_for`)."""
 
     rounds: int
     min_steps: int
     block_s: float
+    max_rounds: int = 0  # 0: exactly `rounds`
+    budget_s: float = 0.0
 
 
 def time_rounds(rank: int, world_size: int, case: Case, schedule: Schedule) -> Rounds:
@@ -222,8 +243,7 @@ def time_rounds(rank: int, world_size: int, case: Case, schedule: Schedule) -> R
         batches = [wl.batch(first + i) for i in range(n)]
         return lambda: [step(c, wl, b, case.precision, device) for b in batches]
 
-    timed = interleave(TIMED, prepare, schedule.rounds, schedule.min_steps, schedule.block_s,
-                       device)
+    timed = interleave(TIMED, prepare, schedule, device)
     return dataclasses.replace(timed, times={mine: timed.times[mine]})
 
 
