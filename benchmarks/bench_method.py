@@ -9,7 +9,7 @@ import random
 import pytest
 
 from .common import median_interval
-from .zoo.measure import Schedule, _rounds_for
+from .zoo.measure import Schedule, rounds_for
 
 
 def _coverage(n: int, k: int) -> float:
@@ -37,8 +37,8 @@ def test_median_interval_of_few_values_is_their_range() -> None:
 
 def test_rounds_fill_the_budget_between_the_bounds() -> None:
     fixed = Schedule(rounds=11, min_steps=4, block_s=0.3)
-    assert _rounds_for(fixed, 0.01) == 11  # no budget: exactly `rounds`
+    assert rounds_for(fixed, 0.01) == 11  # no budget: exactly `rounds`
     budget = Schedule(rounds=11, min_steps=4, block_s=0.3, max_rounds=41, budget_s=60.0)
-    assert _rounds_for(budget, 1.4) == 41  # 42 would fit: capped
-    assert _rounds_for(budget, 2.0) == 30
-    assert _rounds_for(budget, 9.0) == 11  # 6 fit: at least `rounds`
+    assert rounds_for(budget, 1.4) == 41  # 42 would fit: capped
+    assert rounds_for(budget, 2.0) == 30
+    assert rounds_for(budget, 9.0) == 11  # 6 fit: at least `rounds`

@@ -146,7 +146,7 @@ def _block_steps(keys: Sequence[Any], prepare: Callable[[Any, int, int], Callabl
 def interleave(keys: Sequence[Any], prepare: Callable[[Any, int, int], Callable[[], None]],
                schedule: Schedule, device: torch.device) -> Rounds:
     """Time the contenders ``keys`` in rotated rounds of one block each (how many:
-    :func:`_rounds_for`). ``prepare(key, first, n)`` makes the inputs of steps
+    :func:`rounds_for`). ``prepare(key, first, n)`` makes the inputs of steps
     ``first .. first + n - 1`` (before the clock starts) and returns a callable that runs those
     steps. Every block starts on all ranks together (a barrier), in an order rotated from round
     to round so no contender always follows the same one."""
@@ -158,7 +158,7 @@ def interleave(keys: Sequence[Any], prepare: Callable[[Any, int, int], Callable[
         for key in list(keys[r % len(keys):]) + list(keys[:r % len(keys)]):
             times[key].append(_timed_block(prepare(key, r * steps, steps), device) / steps)
         if r == 0:
-            rounds = _rounds_for(schedule, time.perf_counter() - wall0)
+            rounds = rounds_for(schedule, time.perf_counter() - wall0)
         r += 1
     if dist.is_initialized():
         dist.barrier()  # ranks idle in the last block leave only now (exiting costs CPU)
@@ -166,7 +166,7 @@ def interleave(keys: Sequence[Any], prepare: Callable[[Any, int, int], Callable[
                   _busy_seconds() - busy0)
 
 
-def _rounds_for(schedule: Schedule, first_round_s: float) -> int:
+def rounds_for(schedule: Schedule, first_round_s: float) -> int:
     """How many rounds fit ``schedule.budget_s`` at the first round's duration (the longest
     any rank saw, so every rank runs the same rounds), between ``rounds`` and ``max_rounds``:
     cheap cases get more rounds, and a tighter interval for their medians, for the time one
@@ -206,7 +206,7 @@ class Case:
 class Schedule:
     """How the contenders alternate: at least ``rounds`` rotated rounds of one block each, a
     block of at least ``min_steps`` steps lasting about ``block_s`` (see :func:`interleave`);
-    up to ``max_rounds`` as long as the rounds fit ``budget_s`` seconds (:func:`_rounds_for`)."""
+    up to ``max_rounds`` as long as the rounds fit ``budget_s`` seconds (:func:`rounds_for`)."""
 
     rounds: int
     min_steps: int

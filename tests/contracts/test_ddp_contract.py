@@ -53,7 +53,14 @@ def build_pair(factory: Callable[[], nn.Module], group: Optional[dist.ProcessGro
 
 
 def _same(a: torch.Tensor, b: torch.Tensor, exact: bool) -> bool:
-    return torch.equal(a, b) if exact else torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+    """Bit for bit (NaN where the other has NaN: an fp16 step that overflowed), or close."""
+    if not exact:
+        return torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+    if torch.equal(a, b):
+        return True
+    if not a.is_floating_point() or not torch.equal(a.isnan(), b.isnan()):
+        return False
+    return torch.equal(a.masked_fill(a.isnan(), 0), b.masked_fill(b.isnan(), 0))
 
 
 def differences(ours: nn.Module, ref: nn.Module, grads: bool, exact: bool = True) -> list[str]:
