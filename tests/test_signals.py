@@ -96,8 +96,17 @@ def test_signal_mid_training_exits_cleanly_with_the_checkpoint(tmp_path: Path, s
             "--no-progress", "--num-workers", "1", "--save-interval", "40", "--save-dir",
             str(tmp_path)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([*argv, "--resume", "none"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600, env={**env, f"FASTDDP_FAULT_{signame}_AFTER_STEP": "40"})
+    # A process started in the background by a shell without job control (`(cmd &)`, `nohup`
+    # in a script, some CI runners) inherits SIGINT ignored, and Python then leaves it ignored,
+    # as it should for a background job: the trainer would never see the SIGINT. The child
+    # starts with SIGINT's default when this process handles it.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.run([*argv, "--resume", "none"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=600,
+                              env={**env, f"FASTDDP_FAULT_{signame}_AFTER_STEP": "40"})
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert proc.returncode == code, proc.stderr[-3000:]
     lines = [ln for ln in proc.stderr.splitlines() if said in ln]
     assert len(lines) == 1 and "Resume with --resume auto" in lines[0], proc.stderr[-3000:]
