@@ -49,8 +49,9 @@ from .models import NAMES, workload
 # Rounds, and the least steps and seconds of one contender's block (its steps per block are
 # set so the slowest contender's block lasts block_s). A round of four 0.3 s blocks lasts about
 # 1.4 s: the millisecond models run 41 rounds in the minute, which narrows their medians'
-# intervals about twofold over 11 (the rounds of one case spread by ±30 % on the 2-core VM);
-# the slow ones keep 11. CPU float16 steps take 0.1-1.3 s, or several seconds on a host whose
+# intervals about 2.4-fold over 11 (0.9 against 2.1 standard deviations of normally spread
+# rounds; the rounds of one case spread by ±30 % on the 2-core VM);
+# the slow ones keep 11. CPU float16 steps take 15 ms to 1.3 s, or seconds on a host whose
 # float16 convolutions are slow (ResNet 4.4 s, 3D-CNN 3.9 s on 2026-11-26): two steps a block,
 # not four, halve such a case's time (the ResNet case took 15 minutes with four).
 SCHEDULE = (Schedule(1, 1, 0.0) if SMOKE else
