@@ -6,7 +6,7 @@ the HAR MLP with dropout) train under DDPWrapper exactly as under torch DDP.
 Each case trains both wrappers side by side in the same two gloo ranks (DDPWrapper's default
 shared-memory transport), from the same weights, on the same rank-dependent batches and
 dropout draws, with AdamW, in fp32, under bf16 autocast, and under fp16 autocast with each
-library's GradScaler. Compared after every step, bit for bit: the loss, every gradient before
+library's GradScaler (GPT-2 and HAR; see SLOW_FP16). Compared after every step, bit for bit: the loss, every gradient before
 the update, every parameter and buffer after it, and the loss scale.
 """
 
@@ -99,7 +99,12 @@ def _train_zoo_model(rank: int, world_size: int, name: str, precision: str, scra
     return found
 
 
-CASES = [pytest.param(n, p, id=f"{n}-{p}") for n in NAMES for p in AUTOCAST]
+# float16 on the convolutional models is left out: on some hosts a CPU float16 convolution
+# step takes seconds (docs/benchmarks.md), and the float16 path (autocast, both GradScalers)
+# is the same for every model, compared here on the GPT-2 and HAR models.
+SLOW_FP16 = ("resnet18", "video3d")
+CASES = [pytest.param(n, p, id=f"{n}-{p}") for n in NAMES for p in AUTOCAST
+         if not (p == "fp16" and n in SLOW_FP16)]
 
 
 @pytest.mark.parametrize("name,precision", CASES)
