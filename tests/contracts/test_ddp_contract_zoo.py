@@ -6,8 +6,9 @@ the HAR MLP with dropout) train under DDPWrapper exactly as under torch DDP.
 Each case trains both wrappers side by side in the same two gloo ranks (DDPWrapper's default
 shared-memory transport), from the same weights, on the same rank-dependent batches and
 dropout draws, with AdamW, in fp32, under bf16 autocast, and under fp16 autocast with each
-library's GradScaler (GPT-2 and HAR; see SLOW_FP16). Compared after every step, bit for bit: the loss, every gradient before
-the update, every parameter and buffer after it, and the loss scale.
+library's GradScaler (GPT-2 and HAR; see SLOW_FP16). Compared after every step, bit for bit:
+the loss, every gradient before the update, every parameter and buffer after it, and the loss
+scale.
 """
 
 from __future__ import annotations
