@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import warnings
 
 import pytest
 import torch
@@ -81,8 +82,14 @@ def _opt_device_mesh(rank: int, world_size: int) -> None:
     ours, ref = make_pair(mlp, {"device_mesh": mesh})
     assert ours.process_group is mesh.get_group(0) and ours.device_mesh is mesh
     train_both(ours, ref, rand_vec)
-    with pytest.raises(ValueError, match="cannot specify both process_group and device_mesh"):
-        fastddp.DDPWrapper(mlp(), process_group=dist.group.WORLD, device_mesh=mesh)
+    # torch's exception type, with torch's sentence in the message; the attribute exists only
+    # when a mesh was given, as in torch DDP
+    both = "Cannot specify both process_group and device_mesh arguments."
+    for cls in (TorchDDP, fastddp.DDPWrapper):
+        with pytest.raises(RuntimeError, match=both):
+            cls(mlp(), process_group=dist.group.WORLD, device_mesh=mesh)
+    plain, torch_plain = make_pair(mlp, {})
+    assert not hasattr(plain, "device_mesh") and not hasattr(torch_plain, "device_mesh")
 
 
 def _opt_bucket_cap_mb_list(rank: int, world_size: int) -> None:
@@ -143,8 +150,10 @@ def test_unimplemented_options_are_refused_by_name(ranks, name: str) -> None:
 def _refused_2d_mesh(rank: int, world_size: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
-    with pytest.raises(ValueError, match="only a 1-D device_mesh"):
-        fastddp.DDPWrapper(nn.Linear(4, 4), device_mesh=init_device_mesh("cpu", (1, 1), mesh_dim_names=("a", "b")))
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("a", "b"))
+    for cls in (TorchDDP, fastddp.DDPWrapper):  # torch's exception type and sentence
+        with pytest.raises(RuntimeError, match="Only 1D device mesh is supported"):
+            cls(nn.Linear(4, 4), device_mesh=mesh)
 
 
 def _refused_bad_caps(rank: int, world_size: int) -> None:
@@ -235,20 +244,23 @@ def test_deepcopy_and_pickle_like_torch_ddp(ranks, case) -> None:
 
 
 class _LocalHead(nn.Module):
-    """A shared body and a rank-local head (its parameters and BatchNorm statistics ignored)."""
+    """A shared body and a rank-local head (its parameters and BatchNorm statistics ignored),
+    and a parameter of the root module (CLIP's ``logit_scale``)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.body = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU())
         self.head = nn.Sequential(nn.Linear(16, 4), nn.BatchNorm1d(4))
+        self.logit_scale = nn.Parameter(torch.ones(4))
 
     def forward(self, x):
-        return self.head(self.body(x))
+        return self.head(self.body(x)) * self.logit_scale
 
 
 def _ignored(rank: int, world_size: int) -> list[str]:
     os.environ["FASTDDP_SHM_ALLREDUCE"] = "1"
-    ignore = ["head.0.weight", "head.0.bias", "head.1.running_mean", "head.1.running_var", "body.1.running_var"]
+    ignore = ["head.0.weight", "head.0.bias", "head.1.running_mean", "head.1.running_var", "body.1.running_var",
+              "logit_scale"]
     torch.manual_seed(3)
     a, b = _LocalHead(), _LocalHead()
     b.load_state_dict(a.state_dict())
@@ -261,7 +273,9 @@ def _ignored(rank: int, world_size: int) -> list[str]:
     ours, ref = fastddp.DDPWrapper(a), TorchDDP(b)
     assert ours.will_sync_module_buffers() == ref.will_sync_module_buffers() is True
     reduced = {n for b in ours.bucket_report()["buckets"] for n in b["params"]}
-    assert reduced == {n for n, _ in a.named_parameters()} - set(ignore)
+    # torch's reducer matches f"{module_name}.{name}": a root parameter is never ignored there
+    # (its key is ".logit_scale"), though the broadcast at construction skips it
+    assert reduced == {n for n, _ in a.named_parameters()} - set(ignore) | {"logit_scale"}
     train_both(ours, ref, rand_vec, steps=3)  # every parameter, gradient and buffer equals torch's
     ours.eval()
     with torch.no_grad():  # broadcasts the synced buffers; eval mode leaves them as they are
@@ -288,12 +302,22 @@ def _private_set_static_graph(rank: int, world_size: int) -> None:
         m._set_static_graph()
     assert ours.static_graph and ours.transport == "shm"
     train_both(ours, ref, rand_vec, steps=3)
-    with pytest.warns(UserWarning, match="static_graph is True already"):
-        ours._set_static_graph()
+    for m in (ours, ref):  # torch's warning, word for word
+        with pytest.warns(UserWarning, match="^You've set static_graph to be True, no need to set it again.$"):
+            m._set_static_graph()
     late = fastddp.DDPWrapper(mlp())
     late(torch.randn(2, 8)).sum().backward()
     with pytest.raises(RuntimeError, match="before the first backward"):
         late._set_static_graph()
+    # static_graph with find_unused_parameters, in the constructor or later: torch's warnings
+    said = []
+    for cls in (TorchDDP, fastddp.DDPWrapper):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            cls(mlp(), static_graph=True, find_unused_parameters=True)
+            cls(mlp(), find_unused_parameters=True)._set_static_graph()
+        said.append([str(w.message) for w in caught if "_set_static_graph" in str(w.message)])
+    assert len(said[0]) == 2 and said[0] == said[1]
 
 
 def _private_builtin_comm_hook(rank: int, world_size: int) -> None:

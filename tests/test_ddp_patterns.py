@@ -293,14 +293,18 @@ def test_gradient_layout_follows_the_parameter_like_torch_ddp(ranks, transport: 
     ranks.run(_layouts, world_size=2, args=(transport, as_view, set_to_none))
 
 
-_FUZZ_OPS = ("train", "train", "no_grad", "inference", "no_sync", "eval_toggle", "zero_none", "zero_keep", "step")
+_FUZZ_OPS = ("train", "train", "no_grad", "inference", "no_sync", "eval_toggle", "zero_none", "zero_keep", "step",
+             "forward_only", "two_forwards", "sync_then_no_sync")
 
 
 def _fuzz(rank: int, world_size: int, transport: str, seed: int) -> None:
     """A random sequence of what training scripts do — forward/backward, evaluation forwards
     under no_grad or inference_mode, no_sync micro-steps, train/eval switches, both zero_grad
-    styles, optimizer steps — on a conv+BatchNorm model with each rank's own data: after every
-    operation the outputs, gradients, parameters and buffers equal torch DDP's."""
+    styles, optimizer steps, a forward whose loss is skipped, two forwards into one backward
+    (a GAN's discriminator; in eval mode BatchNorm saves its buffers for backward, which the
+    buffer broadcast before the second forward must leave usable), a reducing forward and a
+    no_sync() one into one backward — on a conv+BatchNorm model with each rank's own data:
+    after every operation the outputs, gradients, parameters and buffers equal torch DDP's."""
     import random
 
     os.environ["FASTDDP_SHM_ALLREDUCE"] = "1" if transport == "shm" else "0"
@@ -323,6 +327,16 @@ def _fuzz_op(m, o, op: str, x):
     if op == "train":
         out = m(x)
         out.pow(2).mean().backward()
+    elif op == "forward_only":  # a skipped loss: the next backward, even under no_sync, reduces
+        out = m(x)
+    elif op == "two_forwards":
+        out = m(x)
+        (out.pow(2).mean() + m(x.flip(0)).pow(2).mean()).backward()
+    elif op == "sync_then_no_sync":  # the reducing forward's reduction stays pending
+        out = m(x)
+        with m.no_sync():
+            other = m(x.flip(0))
+        (out.pow(2).mean() + other.pow(2).mean()).backward()
     elif op == "no_sync":
         with m.no_sync():
             out = m(x)
@@ -343,3 +357,31 @@ def _fuzz_op(m, o, op: str, x):
 @pytest.mark.parametrize("transport", ["shm", "c10d"])
 def test_random_training_sequences_match_torch_ddp(ranks, transport: str, seed: int) -> None:
     ranks.run(_fuzz, world_size=2, args=(transport, seed))
+
+
+def _create_graph(rank: int, world_size: int, transport: str) -> list[str]:
+    """backward(create_graph=True): torch DDP raises RuntimeError in that backward; so does
+    DDPWrapper, naming the parameter and the way a gradient penalty is written, and it trains
+    on afterwards (torch DDP's reducer does not)."""
+    os.environ["FASTDDP_SHM_ALLREDUCE"] = "1" if transport == "shm" else "0"
+    ours, ref = make_pair(mlp, {})
+    x = torch.randn(4, 8)
+    messages = []
+    for m in (ref, ours):
+        with pytest.raises(RuntimeError) as info:
+            m(x).pow(2).mean().backward(create_graph=True)
+        messages.append(str(info.value))
+    assert "in-place operation" in messages[0]
+    assert "requires grad (backward(create_graph=True))" in messages[1] and "torch.autograd.grad" in messages[1]
+    ours.zero_grad(set_to_none=True)
+    ours(x).pow(2).mean().backward()
+    grads = torch.cat([p.grad.flatten() for p in ours.parameters()])
+    gathered = [torch.empty_like(grads) for _ in range(world_size)]
+    dist.all_gather(gathered, grads)
+    assert torch.equal(gathered[0], gathered[1])
+    return [messages[1].splitlines()[0]]
+
+
+@pytest.mark.parametrize("transport", ["shm", "c10d"])
+def test_backward_with_create_graph_is_refused_like_torch_ddp(ranks, transport: str) -> None:
+    ranks.run(_create_graph, world_size=2, args=(transport,))

@@ -163,12 +163,15 @@ void Reducer::register_hooks() {
 
 void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs, bool sync) {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (static_graph_ && expect_sync_ && hooks_seen_ && !callback_queued_) refuse_incomplete_static_locked();
-  reset_for_backward_locked(sync);
   if (!sync) {
+    // A forward under no_sync() leaves the reducer as it is, as torch DDP's does: a reduction
+    // a reducing forward asked for still happens in the next backward (one backward through
+    // both forwards' graphs, or a reducing forward whose own backward never ran).
     ++nosync_forwards_;
     return;
   }
+  if (static_graph_ && expect_sync_ && hooks_seen_ && !callback_queued_) refuse_incomplete_static_locked();
+  reset_for_backward_locked();
   note_reducing_forward_locked();
   if (static_graph_) {
     prepare_static_locked(outputs);
@@ -198,12 +201,12 @@ void Reducer::refuse_incomplete_static_locked() const {
               "times, in every iteration; use find_unused_parameters=True instead of static_graph=True.");
 }
 
-void Reducer::reset_for_backward_locked(bool sync) {
+void Reducer::reset_for_backward_locked() {
   hooks_seen_ = false;
-  expect_sync_ = sync;
-  if (sync) diag::status().step_started();
-  if (sync) invalidate_visitors_locked();  // what visitors took from an earlier backward is stale
-  if (sync && !gradient_as_bucket_view_) {
+  expect_sync_ = true;
+  diag::status().step_started();
+  invalidate_visitors_locked();  // what visitors took from an earlier backward is stale
+  if (!gradient_as_bucket_view_) {
     for (size_t i = 0; i < params_.size(); ++i) unset_at_forward_[i] = !params_[i].grad().defined();
   }
   callback_queued_ = false;
@@ -319,6 +322,12 @@ void Reducer::mark_ready(int64_t index) {
     if (grad.defined() && !grad.is_alias_of(bucket_view(index))) buckets_hold_grads_ = false;
     return;
   }
+  // backward(create_graph=True) leaves a gradient that requires grad; torch DDP fails on it
+  // ("a leaf Variable that requires grad is being used in an in-place operation").
+  TORCH_CHECK(!grad.defined() || !grad.requires_grad(), "DDPWrapper: parameter '", names_[index],
+              "' got a gradient that requires grad (backward(create_graph=True)); DDP reduces plain gradients "
+              "only, and torch DDP fails here too. For a gradient penalty, take the inner gradient with "
+              "torch.autograd.grad(..., create_graph=True) and call backward() without create_graph.");
   diag::status().backward_started();  // a reducing backward (no_sync's stay "outside")
   hooks_seen_ = true;
   if (static_graph_) {

@@ -97,8 +97,10 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // shared_from_this() is usable (the hooks hold only a weak reference to the reducer).
   void register_hooks();
 
-  // Called by forward. sync=false inside no_sync(): gradients only accumulate locally. With
-  // find_unused_parameters, `outputs` are searched for the parameters this iteration reaches.
+  // Called by every forward that builds a graph. sync=true (outside no_sync()): the next
+  // backward reduces; with find_unused_parameters, `outputs` are searched for the parameters
+  // this iteration reaches. sync=false (inside no_sync()) is only counted for the fingerprints:
+  // like torch DDP, it leaves a reduction an earlier forward asked for in place.
   void prepare_for_backward(const std::vector<at::Tensor>& outputs, bool sync);
 
   std::vector<at::Tensor> bucket_buffers() const;
@@ -167,7 +169,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // Start of a backward (prepare_for_backward): with static_graph, an earlier reduction that
   // never completed is refused, naming the parameters that fell short.
   void refuse_incomplete_static_locked() const;
-  void reset_for_backward_locked(bool sync);  // buckets pending, no collective in flight
+  void reset_for_backward_locked();  // a reducing forward: buckets pending, no collective in flight
   // static_graph: the first iteration hooks the outputs' grad_fn to finalize; later ones mark
   // the parameters the first found unused and count down each one's hooks.
   void prepare_static_locked(const std::vector<at::Tensor>& outputs);

@@ -58,12 +58,13 @@ def resolve_group(process_group: Optional[dist.ProcessGroup], device_mesh: Any) 
     the default group; not both. The group may be any ``ProcessGroup``: a ``dist.new_group``
     subgroup or one built on a store without a default group."""
     if device_mesh is not None:
-        if process_group is not None:
-            raise ValueError("DDPWrapper: cannot specify both process_group and device_mesh; pass one of them.")
+        if process_group:  # torch's test: a group, not None
+            raise RuntimeError("DDPWrapper: Cannot specify both process_group and device_mesh arguments. "
+                               "Pass one of them.")
         if device_mesh.ndim != 1:
-            raise ValueError(f"DDPWrapper: only a 1-D device_mesh is supported, got {device_mesh} "
-                             f"({device_mesh.ndim} dimensions); slice the data-parallel dimension, e.g. "
-                             "mesh['dp'].")
+            raise RuntimeError(f"DDPWrapper: Only 1D device mesh is supported, but got {device_mesh} "
+                               f"({device_mesh.ndim} dimensions); slice the data-parallel dimension, e.g. "
+                               "mesh['dp'].")
         return device_mesh.get_group(mesh_dim=0)
     if process_group is None:
         if not (dist.is_available() and dist.is_initialized()):
@@ -86,6 +87,24 @@ def resolve_group(process_group: Optional[dist.ProcessGroup], device_mesh: Any) 
         raise TypeError(f"DDPWrapper: process_group must be a torch.distributed.ProcessGroup, got "
                         f"{type(process_group).__name__}")
     return process_group
+
+
+def reducer_parameters(module: nn.Module, ignore: Any) -> list[tuple[str, nn.Parameter]]:
+    """The parameters torch DDP's reducer takes, in its order, with their qualified names: each
+    module's own parameters that require grad, each tensor once, unless
+    ``f"{module_name}.{name}"`` is in ``ignore``. That key is torch's: for the root module's own
+    parameters it reads ``".name"``, so naming one of them in
+    ``_set_params_and_buffers_to_ignore_for_model`` keeps it out of the broadcast at construction
+    (which matches qualified names) but not out of the reduction, under torch DDP and here."""
+    seen: set[int] = set()
+    named: list[tuple[str, nn.Parameter]] = []
+    for module_name, owner in module.named_modules():
+        for name, p in owner.named_parameters(recurse=False):
+            if not p.requires_grad or f"{module_name}.{name}" in ignore or id(p) in seen:
+                continue
+            seen.add(id(p))
+            named.append((f"{module_name}.{name}" if module_name else name, p))
+    return named
 
 
 def backend_name(group: dist.ProcessGroup) -> str:

@@ -116,8 +116,7 @@ class CommHooks:
         """torch DDP's late switch to ``static_graph=True`` (prefer the constructor argument):
         after construction, before the first backward, on every rank."""
         if self.static_graph:
-            warnings.warn("DDPWrapper._set_static_graph: static_graph is True already; nothing to do.",
-                          stacklevel=2)
+            warnings.warn("You've set static_graph to be True, no need to set it again.", stacklevel=2)
             return
         if self._reducer.arrival_order():
             raise RuntimeError("DDPWrapper._set_static_graph() must be called before the first backward pass "
@@ -125,6 +124,16 @@ class CommHooks:
         sparse.refuse(self._sparse_names, "_set_static_graph()")
         self.static_graph = True
         self._replace_reducer()
+        self._warn_static_graph_finds_unused()
+
+    def _warn_static_graph_finds_unused(self) -> None:
+        """torch DDP's warning (word for word) when static_graph joins find_unused_parameters."""
+        if self.find_unused_parameters:
+            warnings.warn(
+                "You passed find_unused_parameters=true to DistributedDataParallel, `_set_static_graph` will "
+                "detect unused parameters automatically, so you do not need to set find_unused_parameters=true, "
+                "just be sure these unused parameters will not change during training loop while calling "
+                "`_set_static_graph`.", stacklevel=3)
 
     def _register_python_hook(self, state: object, hook: Callable, name: str) -> None:
         """A hook the reducer calls per bucket through torch's Python hook adapter."""

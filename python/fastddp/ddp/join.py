@@ -94,8 +94,7 @@ class _DDPJoinHook(JoinHook):
         if rebuild:
             ddp._rebuild_buckets()
         if sync_buffers:
-            with torch.no_grad():
-                ddp._broadcast_coalesced(ddp._current_buffers(), src=buffers_from)
+            ddp._sync_buffers_before_forward(buffers_from)
         if sync:
             with diag.phase(diag.Phase.JOIN):
                 ddp._reducer.shadow_reduction()

@@ -70,9 +70,11 @@ class SparseGradients:
             handle.remove()
         self._handles = []
 
-    def prepare_for_backward(self, sync: bool) -> None:
-        """Called by every forward that builds a graph: whether its backward reduces."""
-        self._sync = sync and bool(self.params)
+    def prepare_for_backward(self) -> None:
+        """Called by every reducing forward (gradients on, outside no_sync()): the next backward
+        reduces. A forward under no_sync() does not call it, so it leaves a pending reduction
+        in place, as torch DDP's reducer does."""
+        self._sync = bool(self.params)
         self._queued = False
         self._arrived = [False] * len(self.params)
 

@@ -109,7 +109,8 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, TorchInputMethods, BufferSync
     ``mixed_precision`` and ``skip_all_reduce_unused_params`` are refused with a message.
     ``comm_dtype`` and ``shm_allreduce`` are keyword-only. Parameters and buffers named by torch
     DDP's ``_set_params_and_buffers_to_ignore_for_model`` stay rank-local (neither reduced nor
-    broadcast); ``_set_static_graph()``, ``_register_builtin_comm_hook`` and
+    broadcast; the root module's own parameters are still reduced, by torch's rule, see
+    ``checks.reducer_parameters``); ``_set_static_graph()``, ``_register_builtin_comm_hook`` and
     ``will_sync_module_buffers()`` behave as torch DDP's.
     ``torch.distributed.checkpoint.state_dict.get_state_dict`` drops the ``module.`` prefix as
     for torch DDP.
@@ -189,7 +190,8 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, TorchInputMethods, BufferSync
         self.static_graph = bool(static_graph)  # torch DDP sets True through _set_static_graph()
         self._output_sink = OutputSink()
         self.comm_dtype = comm_dtype
-        self.device_mesh = device_mesh
+        if device_mesh is not None:  # torch DDP sets the attribute only for a mesh
+            self.device_mesh = device_mesh
         self.batched_grad_copy = batched_grad_copy
         self.require_backward_grad_sync = True
         # torch DDP's rule for the per-forward buffer sync: a forward syncs the buffers only when
@@ -225,6 +227,8 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, TorchInputMethods, BufferSync
         self._bucket_visitors: list[Any] = []  # see register_bucket_visitor
         with diag.phase(diag.Phase.SETUP):  # the shared-memory handshake is a collective
             self._build_reducer()
+        if self.static_graph:
+            self._warn_static_graph_finds_unused()
 
     def _select_parameters(self, module: nn.Module, device_ids: Any, static_graph: bool,
                            comm_dtype: Optional[torch.dtype]) -> list[tuple[str, nn.Parameter]]:
@@ -233,8 +237,7 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, TorchInputMethods, BufferSync
         # torch DDP's hook for parameters and buffers that stay rank-local (set with
         # DistributedDataParallel._set_params_and_buffers_to_ignore_for_model or by hand)
         self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
-        named = [(n, p) for n, p in module.named_parameters()
-                 if p.requires_grad and n not in self.parameters_to_ignore]
+        named = checks.reducer_parameters(module, self.parameters_to_ignore)
         if not named:
             raise RuntimeError("DDPWrapper: the module has no parameter that requires a gradient")
         # forward moves the inputs there; the attributes hold device indices, as torch DDP's
@@ -317,7 +320,6 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, TorchInputMethods, BufferSync
             state["forward_sync_buffers"] = state.pop("broadcast_buffers", True)
         nn.Module.__setstate__(self, state)
         self.process_group = dist.group.WORLD
-        self.device_mesh = None
         self.world_size = dist.get_world_size()
         self.rank = dist.get_rank()
         # A copy is often made on one rank only (an EMA or evaluation model): its reducer must
@@ -363,7 +365,8 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, TorchInputMethods, BufferSync
             # in its first iteration to reduce at the end of the outermost backward.
             wants_outputs = sync and (self.find_unused_parameters or self.static_graph)
             self._reducer.prepare_for_backward(find_tensors(output) if wants_outputs else [], sync)
-            self._sparse.prepare_for_backward(sync)
+            if sync:
+                self._sparse.prepare_for_backward()
         diag.enter(diag.Phase.OUTSIDE)
         return self._output_sink(output, self.find_unused_parameters, self.static_graph)
 
@@ -371,13 +374,16 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, TorchInputMethods, BufferSync
     def _sync_buffers_before_forward(self, src: int) -> None:
         """Group rank ``src``'s buffers into every rank's (``src`` is 0 but inside join(), where
         rank 0 may have joined with stale buffers): co-located CPU ranks copy them through
-        shared memory (while they fit the room reserved at construction), others over c10d."""
+        shared memory (while they fit the room reserved at construction), others over c10d.
+        As in torch DDP, the copy keeps each buffer's autograd version counter, so a graph that
+        saved a buffer (a mask, BatchNorm's statistics) in an earlier forward still backwards."""
         buffers = self._current_buffers()
-        if not self._join_config.enable:
-            with diag.phase(diag.Phase.BROADCAST):
-                if self._reducer.broadcast_buffers(buffers):
-                    return
-        self._broadcast_coalesced(buffers, src=src)
+        with torch.autograd._unsafe_preserve_version_counter(tuple(buffers)):
+            if not self._join_config.enable:
+                with diag.phase(diag.Phase.BROADCAST):
+                    if self._reducer.broadcast_buffers(buffers):
+                        return
+            self._broadcast_coalesced(buffers, src=src)
 
     def _syncs_buffers(self) -> bool:
         return self.forward_sync_buffers and self.world_size > 1 and bool(self._module_buffers)
