@@ -64,6 +64,19 @@ def test_config_unknown_keys_are_named(tmp_path) -> None:
         parse_args(["--config", str(cfg)])
 
 
+def test_config_section_that_is_not_a_classic_one_is_refused(tmp_path) -> None:
+    """evaluation.batch_size and logging.save-dir name no flag: neither sets --batch-size /
+    --save-dir through its last part."""
+    cfg = tmp_path / "run.json"
+    cfg.write_text(json.dumps({"evaluation": {"batch_size": 512}, "training": {"lr": 0.01},
+                               "logging": {"save-dir": "runs/x"}}))
+    with pytest.raises(UsageError, match=r"unknown keys evaluation\.batch_size, "
+                                         r"logging\.save-dir; accepted: a flag's name at the "
+                                         r"top level .* training\.\(batch_size\|lr\|") as info:
+        parse_args(["--config", str(cfg)])
+    assert "distributed.(backend|" in str(info.value) and "model.mode" in str(info.value)
+
+
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
@@ -126,9 +139,12 @@ def test_debug_in_the_config_file_shows_the_traceback(tmp_path) -> None:
         (["--weight-decay", "-0.1"], 0, r"--weight-decay must be a finite number >= 0 \(0 disables\), got -0.1"),
         (["--clip-grad", "nan"], 0, "--clip-grad must be a finite number >= 0"),
         (["--warmup-epochs", "inf"], 0, "--warmup-epochs must be a finite number >= 0"),
-        (["--timeout", "0"], 0, r"--timeout must be a number of seconds > 0 and <= 1e\+09 \(about "
+        (["--timeout", "0"], 0, r"--timeout must be a number of seconds >= 1 and <= 1e\+09 \(about "
                                 r"31 years\), got 0$"),
-        (["--timeout", "1e10", "--multi-gpu", "ddp"], 0, r"--timeout must be a number of seconds > 0 "
+        (["--timeout", "1e-12"], 0, r"--timeout must be a number of seconds >= 1 and <= 1e\+09 .*"
+                                    r"got 1e-12$"),
+        (["--timeout", "0.5"], 0, r"--timeout must be a number of seconds >= 1 .*got 0\.5$"),
+        (["--timeout", "1e10", "--multi-gpu", "ddp"], 0, r"--timeout must be a number of seconds >= 1 "
                                                          r"and <= 1e\+09 \(about 31 years\), got 1e\+10"),
         (["--comm-dtype", "bf16"], 0, r"^--comm-dtype bf16 only applies to --multi-gpu ddp \(it sets "
                                       r"DDPWrapper's all-reduce\); this run is --multi-gpu none: drop "
@@ -189,6 +205,36 @@ def test_more_ranks_than_gpus_with_nccl(monkeypatch) -> None:
     args = parse_args(["--backend", "nccl"])
     with pytest.raises(UsageError, match=r"4 ranks on this node but only 2 GPU\(s\)"):
         validate(args, cuda_count=2)
+
+
+@pytest.mark.parametrize("mode", ["none", "dp"])
+def test_single_process_mode_in_a_world_of_several_is_refused(monkeypatch, mode) -> None:
+    """torchrun --nproc_per_node=2 ... --multi-gpu none: each process would train alone into
+    the same --save-dir."""
+    for name, value in dict(WORLD_SIZE="2", RANK="1", LOCAL_RANK="1").items():
+        monkeypatch.setenv(name, value)
+    args = parse_args(["--multi-gpu", mode])
+    with pytest.raises(UsageError, match=rf"^--multi-gpu {mode} trains in one process, but this "
+                                         r"is one of WORLD_SIZE=2 processes .* Use --multi-gpu "
+                                         "ddp"):
+        validate(args, cuda_count=1)
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["own", "shared"])
+def test_error_of_a_run_on_rank_1_is_printed_by_rank_1(monkeypatch, capsys, shared) -> None:
+    """An input error that only rank 1 meets is printed by rank 1 (rank 0 cannot know it);
+    one that every rank raises from rank 0's verdict is printed by rank 0 alone."""
+    from fastddp.train import loop, main
+
+    def run(args):
+        raise UsageError("the problem and its fix", shared=shared)
+
+    for name, value in dict(WORLD_SIZE="2", RANK="1", LOCAL_RANK="1").items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(loop, "run", run)
+    assert main(["--multi-gpu", "ddp"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("" if shared else "fastddp.train: rank 1: error: the problem and its fix\n")
 
 
 def test_bad_input_exits_2_with_one_line() -> None:
@@ -322,3 +368,16 @@ def test_key_given_twice_in_a_yaml_config_is_refused(tmp_path) -> None:
     with pytest.raises(UsageError, match=rf"^--config {re.escape(str(cfg))}: key 'lr' is given "
                                          r"twice in one mapping \(lines 2 and 4\); keep one$"):
         parse_args(["--config", str(cfg)])
+
+
+def test_directory_in_place_of_a_run_file_is_refused_at_start(tmp_path) -> None:
+    """A directory named best.pt (or last.pt, metrics.csv, ...) in --save-dir would fail the
+    writer after epoch 1's training: it is named before the run starts."""
+    from fastddp.train.setup import check_save_dir
+
+    (tmp_path / "best.pt").mkdir()
+    with pytest.raises(UsageError, match=rf"^--save-dir {re.escape(str(tmp_path))}: "
+                                         rf"{re.escape(str(tmp_path / 'best.pt'))} is a directory "
+                                         r"where the run writes a file of that name; move it "
+                                         r"away, or choose another --save-dir$"):
+        check_save_dir(tmp_path)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from tests import trainer_runs
@@ -18,4 +20,20 @@ def test_nan_loss_with_bf16_autocast_aborts(tmp_path, data_path) -> None:
         "--epochs", "1", "--amp", "--amp-dtype", "bf16", "--lr", "1e6", "--clip-grad", "0",
         "--warmup-epochs", "0", "--max-nan-steps", "2"])
     assert codes == [1], out
-    assert "loss was non-finite for 2 steps in a row" in out, out
+    assert "loss was non-finite for 2 steps in a row (on rank(s) 0)" in out, out
+
+
+def test_nan_loss_on_one_rank_is_skipped_by_every_rank(tmp_path, data_path) -> None:
+    """A NaN sample reaches one rank's batch: the ranks agree in one all-reduce, every rank
+    skips that step (none waits in a collective the other skipped) and the run finishes with
+    finite metrics (the skipped forward's BatchNorm statistics are undone)."""
+    codes, out = trainer_runs.run(tmp_path / "run", data_path, [
+        "--dataset", "tiny_har:one_nan", "--epochs", "1", "--max-nan-steps", "2"], world=2)
+    assert codes == [0, 0], out
+    rank0, rank1 = out.split("--- rank 1\n")
+    skipped = [line.split("non-finite loss on rank(s) ")[1].split(";")[0]
+               for text in (rank0, rank1) for line in text.splitlines()
+               if "every rank skips this step" in line]
+    assert len(skipped) == 2 and skipped[0] == skipped[1], out  # the same rank and step
+    row = trainer_runs.metrics(tmp_path / "run")[0]
+    assert math.isfinite(float(row["val_loss"])) and math.isfinite(float(row["train_loss"])), row

@@ -6,6 +6,7 @@ checkpoints; a --save-dir in use by another run is refused."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -14,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests import trainer_runs
 
@@ -262,3 +264,77 @@ def test_metrics_edited_by_hand_are_kept_aside(one_epoch, tmp_path, data_path, e
             f"{kept[0].name}") in out, out
     assert (save / "metrics.csv").read_bytes().startswith(written)
     assert [row["epoch"] for row in trainer_runs.metrics(save)] == [str(e + 1) for e in range(epochs)]
+
+
+def test_summary_of_another_run_is_kept_aside_and_written_again(one_epoch, tmp_path,
+                                                                data_path) -> None:
+    """A complete run whose summary.json is not its own (a run started over, killed before its
+    summary, leaves the earlier run's) is not called complete with it: summary.json and
+    curves.png are moved to .bak and written from last.pt's history."""
+    save = tmp_path / "run"
+    shutil.copytree(one_epoch, save)
+    summary = json.loads((save / "summary.json").read_text())
+    summary["final"]["val_f1"] = summary["best_val_f1"] = 0.01  # another run's numbers
+    (save / "summary.json").write_text(json.dumps(summary))
+    codes, out = trainer_runs.run(save, data_path, ["--epochs", "1"])
+    assert codes == [0], out
+    assert "already complete" in out and "kept summary.json." in out, out
+    kept = list(save.glob("summary.json.*.bak"))
+    assert len(kept) == 1 and json.loads(kept[0].read_text()) == summary, out
+    assert len(list(save.glob("curves.png.*.bak"))) == 1
+    rows = trainer_runs.metrics(save)
+    assert json.loads((save / "summary.json").read_text())["final"]["val_f1"] == float(
+        rows[-1]["val_f1"])
+
+
+def test_run_started_over_keeps_the_earlier_summary_aside(one_epoch, tmp_path,
+                                                          data_path) -> None:
+    """--resume none trains afresh: until it writes its own summary.json and curves.png, the
+    earlier run's would pass for its results, so they are moved to .bak when it starts."""
+    save = tmp_path / "run"
+    shutil.copytree(one_epoch, save)
+    earlier = (save / "summary.json").read_bytes()
+    codes, out = trainer_runs.run(save, data_path, ["--epochs", "1", "--resume", "none",
+                                                    "--lr", "0.002"])
+    assert codes == [0], out
+    assert f"note: the summary.json/curves.png in {save} (of an earlier run" in out, out
+    kept = list(save.glob("summary.json.*.bak"))
+    assert len(kept) == 1 and kept[0].read_bytes() == earlier
+    assert (save / "summary.json").read_bytes() != earlier
+
+
+def test_resume_path_of_a_finished_run_into_a_new_save_dir(one_epoch, tmp_path,
+                                                           data_path) -> None:
+    """--resume PATH of a complete run into another --save-dir with no epoch left is refused,
+    naming both directories and the fix, with nothing written there; the fix (more --epochs)
+    then trains."""
+    save, given = tmp_path / "new", one_epoch / "last.pt"
+    codes, out = trainer_runs.run(save, data_path, ["--epochs", "1", "--resume", str(given)])
+    assert codes == [2], out
+    assert (f"fastddp.train: error: --resume {given}: that run is already complete (1 epochs, "
+            f"--epochs 1); its results are in {one_epoch.resolve()}, and nothing is left to "
+            f"train into --save-dir {save.resolve()}. To train it further there, raise --epochs "
+            "above 1") in out, out
+    assert not {"metrics.csv", "summary.json", "curves.png"} & {p.name for p in save.iterdir()}
+    codes, out = trainer_runs.run(save, data_path, ["--epochs", "2", "--resume", str(given)])
+    assert codes == [0], out
+    assert [row["epoch"] for row in trainer_runs.metrics(save)] == ["1", "2"]
+
+
+def test_epoch_resumed_in_its_middle_counts_its_time_before_the_checkpoint(tmp_path,
+                                                                         data_path) -> None:
+    """metrics.csv's epoch_time_s / samples_per_s of an epoch continued from a mid-epoch
+    checkpoint cover the whole epoch: the seconds trained before the checkpoint travel in it."""
+    save = tmp_path / "run"
+    extra = ["--epochs", "1", "--save-interval", "1", "--sync-checkpoints"]
+    codes, out = trainer_runs.run(save, data_path, extra,
+                                  env={"FASTDDP_FAULT_KILL_AFTER_STEP": "4"})
+    assert codes == [-9], out
+    partial = torch.load(save / "last.pt", weights_only=False)["rng"][0]["partial"]
+    assert partial[2] == 4 * 32 and partial[3] > 0, partial
+    codes, out = trainer_runs.run(save, data_path, extra)
+    assert codes == [0], out
+    row = trainer_runs.metrics(save)[0]
+    epoch_time, rate = float(row["epoch_time_s"]), float(row["samples_per_s"])
+    assert epoch_time >= partial[3] and float(row["elapsed_s"]) >= epoch_time, row
+    assert round(rate * epoch_time) == 192, row

@@ -48,6 +48,12 @@ def imbalanced():
     y = torch.where(torch.arange(192) % 2 == 0, 0, torch.arange(192) % 6)
     return _split(g, 192, y), _split(g, 96, torch.arange(96) % 6)
 
+def one_nan():
+    """make() with one NaN training sample: in each epoch exactly one rank's batch holds it."""
+    train, test = make()
+    train.tensors[0][17, 0, 0] = float("nan")
+    return train, test
+
 class WithUnused(FlattenMLP):
     """A FlattenMLP with a head that never contributes to the loss."""
     def __init__(self):

@@ -47,6 +47,18 @@ def _debug(argv: list[str] | None) -> bool:
     return "--debug" in args or os.environ.get("FASTDDP_DEBUG", "") not in ("", "0")
 
 
+def _prints_usage_error(exc: UsageError, started: bool, rank: int) -> bool:
+    """Whether this rank prints ``exc``: each error once, and none left unprinted. The flags
+    are checked (before ``started``) alike by the ranks of one machine, so its first rank
+    prints their error (one line per machine); in the run, rank 0 prints an error every rank
+    shares (:attr:`UsageError.shared`), and each rank its own."""
+    import os
+
+    if not started:
+        return os.environ.get("LOCAL_RANK", "0") == "0"
+    return rank == 0 or not exc.shared
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse flags, validate them, train. Input the user can fix (a flag, a config file, a
     checkpoint, a full disk) ends with one line on stderr and exit status 2; ``--debug`` or
@@ -58,19 +70,21 @@ def main(argv: list[str] | None = None) -> int:
     from .checkpoint import CheckpointWriteError
 
     rank = int(os.environ.get("RANK", "0"))
-    debug = _debug(argv)
+    debug, started = _debug(argv), False
     try:
         args = parse_args(argv)
         debug = debug or args.debug  # --debug may come from the config file too
         validate(args, torch.cuda.device_count())
         from .loop import run
 
+        started = True
         run(args)
     except UsageError as exc:
         if debug:
             raise
-        if rank == 0:
-            print(f"fastddp.train: error: {exc}", file=sys.stderr, flush=True)
+        if _prints_usage_error(exc, started, rank):
+            who = "" if rank == 0 else f"rank {rank}: "
+            print(f"fastddp.train: {who}error: {exc}", file=sys.stderr, flush=True)
         return 2
     except CheckpointWriteError as exc:
         if debug:

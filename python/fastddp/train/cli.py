@@ -18,6 +18,9 @@ MAX_SEED = 2**63 - 1
 # c10d counts a timeout in 64-bit nanoseconds (at most 9.2e9 s); beyond that the store's
 # connect times out at once or the conversion overflows.
 MAX_TIMEOUT = 10**9
+# Below a second a collective cannot reliably cross even a local gloo link, and c10d rounds a
+# timeout below a millisecond to 0 (every collective then fails at once).
+MIN_TIMEOUT = 1.0
 
 # Flags (and their defaults) that configure DDPWrapper or the process group, which only
 # --multi-gpu ddp has: anything else given with another mode would be ignored.
@@ -163,8 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--debug", action="store_true",
                    help="show the traceback of an input error too (also: FASTDDP_DEBUG=1)")
     g.add_argument("--config", default=None,
-                   help="YAML or JSON file setting any flag (flat names or the classic "
-                        "training./distributed. sections); flags on the command line win")
+                   help="YAML or JSON file setting any flag (flag names at the top level, or "
+                        "the classic keys training.lr, distributed.backend, ...: other "
+                        "sections are refused); flags on the command line win")
     return p
 
 
@@ -227,9 +231,9 @@ def validate(args: argparse.Namespace, cuda_count: int) -> None:
         raise UsageError(f"--warmup-epochs {args.warmup_epochs:g} is longer than the run "
                          f"(--epochs {args.epochs}): the learning rate would still be rising "
                          "when training ends; give at most --epochs")
-    if not (math.isfinite(args.timeout) and 0 < args.timeout <= MAX_TIMEOUT):
-        raise UsageError(f"--timeout must be a number of seconds > 0 and <= {MAX_TIMEOUT:.0e} "
-                         f"(about 31 years), got {args.timeout:g}")
+    if not (math.isfinite(args.timeout) and MIN_TIMEOUT <= args.timeout <= MAX_TIMEOUT):
+        raise UsageError(f"--timeout must be a number of seconds >= {MIN_TIMEOUT:g} and <= "
+                         f"{MAX_TIMEOUT:.0e} (about 31 years), got {args.timeout:g}")
     if not 0 <= args.seed <= MAX_SEED:
         raise UsageError(f"--seed must be an integer in 0..{MAX_SEED} (2**63 - 1), got {args.seed}")
     for flag, spec in (("--model", args.model), ("--dataset", args.dataset)):
@@ -250,6 +254,7 @@ def validate(args: argparse.Namespace, cuda_count: int) -> None:
     if args.multi_gpu == "dp" and cuda_count == 0:
         raise UsageError("--multi-gpu dp needs at least one CUDA GPU and none is visible; "
                          "use --multi-gpu ddp (works on CPU with gloo) or none")
+    check_world(args)
     if args.multi_gpu == "ddp" and not under_torchrun() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise UsageError("--multi-gpu ddp with WORLD_SIZE>1 must be started by torchrun "
                          "(torchrun --nproc_per_node=N -m fastddp.train ...)")
@@ -277,6 +282,18 @@ def validate(args: argparse.Namespace, cuda_count: int) -> None:
     if args.resume not in ("auto", "none") and not Path(args.resume).is_file():
         raise UsageError(f"--resume {args.resume}: no such checkpoint file "
                          "(use auto, none or a path to a .pt written by fastddp.train)")
+
+
+def check_world(args: argparse.Namespace) -> None:
+    """Refuse a single-process mode (``--multi-gpu none``/``dp``) in a world of several
+    processes (torchrun --nproc_per_node=N): each would train alone, all into one --save-dir."""
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if args.multi_gpu != "ddp" and world > 1:
+        raise UsageError(f"--multi-gpu {args.multi_gpu} trains in one process, but this is one "
+                         f"of WORLD_SIZE={world} processes (torchrun --nproc_per_node={world}?): "
+                         "each would train alone into the same --save-dir. Use --multi-gpu ddp "
+                         "(the default under torchrun), or start a single process with python "
+                         "-m fastddp.train")
 
 
 def check_mode_flags(args: argparse.Namespace, cuda_count: int) -> None:

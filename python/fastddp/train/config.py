@@ -1,6 +1,8 @@
 """``--config FILE`` of ``fastddp.train``: a YAML or JSON file that sets flags by their names
-(``batch_size`` or ``batch-size``) or by the keys of the classic ``configs/multi_gpu.yaml`` and
-``configs/distributed.yaml`` (``training.lr``, ``distributed.backend``, ...).
+at the top level (``batch_size`` or ``batch-size``) or by the keys of the classic
+``configs/multi_gpu.yaml`` and ``configs/distributed.yaml`` (:data:`NESTED_KEYS`:
+``training.lr``, ``distributed.backend``, ...). Any other key, a section's included (an
+``evaluation.batch_size`` would otherwise set the training batch size), is refused.
 
 A value from the file is checked as the command line would check it: its type (an integer
 flag takes an integer, a switch takes true or false), its choices; two keys that set the same
@@ -45,6 +47,29 @@ NESTED_KEYS = {
 
 # String flags that a file may also give as a list (``gpu_ids: [0, 1]`` for ``--gpu-ids 0,1``).
 COMMA_LISTS = {"gpu_ids"}
+
+
+def _dest(key: str) -> str:
+    """The flag ``key`` of a config file sets: a flag's name at the top level (``batch_size``
+    or ``batch-size``) or a key of :data:`NESTED_KEYS`. Any other ``section.name`` (an
+    ``evaluation.batch_size``) sets nothing, however its last part is spelled: "" then."""
+    section, _, name = key.rpartition(".")
+    name = name.replace("-", "_")
+    if not section:
+        return name
+    return NESTED_KEYS.get(f"{section}.{name}", "")
+
+
+def accepted_keys() -> str:
+    """The keys a config file may hold, for the error that names an unknown one."""
+    sections: dict[str, list[str]] = {}
+    for key in NESTED_KEYS:
+        section, _, name = key.partition(".")
+        sections.setdefault(section, []).append(name)
+    nested = ", ".join(f"{section}.{names[0]}" if len(names) == 1 else
+                       f"{section}.({'|'.join(names)})" for section, names in sections.items())
+    return (f"a flag's name at the top level (batch_size or batch-size; python -m "
+            f"fastddp.train --help lists them), or one of the classic keys {nested}")
 
 
 def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -194,7 +219,7 @@ def load_config(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
     unknown: list[str] = []
     problems: list[str] = []
     for key, value in _flatten(data).items():
-        dest = NESTED_KEYS.get(key) or key.split(".")[-1].replace("-", "_")
+        dest = _dest(key)
         action = actions.get(dest)
         if action is None:
             unknown.append(key)
@@ -211,8 +236,8 @@ def load_config(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
             continue
         resolved[dest], source[dest] = value, key
     if unknown:
-        raise UsageError(f"--config {path}: unknown keys {', '.join(sorted(unknown))} "
-                         "(see python -m fastddp.train --help for the settable flags)")
+        raise UsageError(f"--config {path}: unknown keys {', '.join(sorted(unknown))}; "
+                         f"accepted: {accepted_keys()}")
     if problems:
         raise UsageError(f"--config {path}: " + "; ".join(problems))
     return resolved

@@ -15,14 +15,16 @@ from .metrics import accuracy, confusion, macro_f1
 from .outputs import metrics_csv, progress
 from .setup import CLASSES, Context, log
 from .state import model_signature, rank_state, unwrap
+from .step import Partial
 
 if TYPE_CHECKING:
     from .loop import Run
 
 
-def run_epoch(r: Run, epoch: int, partial: Optional[tuple[float, int, int]]) -> float:
+def run_epoch(r: Run, epoch: int, partial: Optional[Partial]) -> float:
     """Train epoch ``epoch`` (continuing it from ``partial`` sums when resumed in its middle);
-    returns its wall time. The eager loop and the CUDA graph replay the same
+    returns its training time (:meth:`EpochSums.elapsed`: a resumed epoch's part before the
+    checkpoint included). The eager loop and the CUDA graph replay the same
     :class:`~fastddp.train.step.TrainStep`."""
     args, ctx, state = r.args, r.ctx, r.state
     state.loader.set_epoch(epoch)
@@ -30,8 +32,7 @@ def run_epoch(r: Run, epoch: int, partial: Optional[tuple[float, int, int]]) -> 
         torch.manual_seed(args.seed + 1000 * ctx.rank + epoch)  # per-rank dropout stream
     r.model.train()
     state.epoch, state.epoch_done = epoch, False
-    r.sums.reset(partial or (0.0, 0, 0))
-    t_epoch = time.perf_counter()
+    r.sums.reset(partial or (0.0, 0, 0, 0.0))
     bar = progress(state.loader, ctx, args, epoch)
     accum, micro = args.grad_accum_steps, 0
     if r.graphed is None:
@@ -52,15 +53,15 @@ def run_epoch(r: Run, epoch: int, partial: Optional[tuple[float, int, int]]) -> 
             state.optimizer.zero_grad(set_to_none=True)
         state.scheduler.step()
         state.step += 1
-        after_step(r, loss, bar, t_epoch)
-    return time.perf_counter() - t_epoch
+        after_step(r, loss, bar)
+    return r.sums.elapsed()
 
 
-def after_step(r: Run, loss: torch.Tensor, bar: Any, t_epoch: float) -> None:
+def after_step(r: Run, loss: torch.Tensor, bar: Any) -> None:
     """Logging and the mid-epoch checkpoint after an optimizer step."""
     args, ctx, step = r.args, r.ctx, r.state.step
     if step % args.log_interval == 0:
-        elapsed = time.perf_counter() - t_epoch
+        elapsed = r.sums.elapsed()
         loss_value = float(loss.detach())  # one sync per log interval, not per step
         if hasattr(bar, "set_postfix"):
             bar.set_postfix(loss=f"{loss_value:.4f}",
@@ -75,9 +76,10 @@ def after_step(r: Run, loss: torch.Tensor, bar: Any, t_epoch: float) -> None:
         inject_fault("STEP", step, ctx, r.saver)  # reliability tests: die mid-epoch
 
 
-def end_epoch(r: Run, epoch: int, epoch_time: float, t_start: float) -> int:
-    """Reduce the epoch's sums, evaluate, log, and write best.pt, last.pt and metrics.csv;
-    returns the samples trained on by all ranks."""
+def end_epoch(r: Run, epoch: int, epoch_time: float, t_start: float) -> None:
+    """Reduce the epoch's sums, evaluate, log, and write best.pt, last.pt and metrics.csv.
+    ``t_start`` is the run's start on the ``perf_counter`` clock (earlier processes' training
+    time of a resumed run included: ``elapsed_s``)."""
     args, ctx, state = r.args, r.ctx, r.state
     stats = torch.stack([r.sums.loss_sum, r.sums.correct.double(),
                          torch.tensor(float(r.sums.seen), dtype=torch.float64, device=ctx.device)])
@@ -106,11 +108,10 @@ def end_epoch(r: Run, epoch: int, epoch_time: float, t_start: float) -> int:
                       "signature": model_signature(r.model), "epoch": epoch,
                       "metrics": row}, r.save_dir / "best.pt")
     state.epoch_done = True
-    save_checkpoint(r, (0.0, 0, 0))
+    save_checkpoint(r, (0.0, 0, 0, 0.0))
     if ctx.is_main:
         r.saver.write(metrics_csv(state.history), r.save_dir / "metrics.csv")
     inject_fault("EPOCH", epoch + 1, ctx, r.saver)  # reliability tests: die after an epoch
-    return int(stats[2])
 
 
 def evaluate(r: Run) -> dict[str, float]:
@@ -134,7 +135,7 @@ def evaluate(r: Run) -> dict[str, float]:
             "val_f1": macro_f1(cm.cpu()), "val_n": n}
 
 
-def save_checkpoint(r: Run, partial: tuple[float, int, int]) -> None:
+def save_checkpoint(r: Run, partial: Partial) -> None:
     """Write ``r.state`` to last.pt (rank 0, in the background). Each rank's part — its RNG
     streams and ``partial``, an unfinished epoch's sums — comes to rank 0 first."""
     ctx = r.ctx

@@ -32,10 +32,12 @@ from .graph import GraphedStep, hold_lr
 from .models import build_model
 from .outputs import (
     GpuMonitor,
+    keep_final_files,
     keep_foreign_metrics,
     make_tensorboard,
     metrics_csv,
     plot_curves,
+    summary_is_current,
     write_config,
 )
 from .resume import find_resume_state
@@ -52,7 +54,7 @@ from .setup import (
     setup_distributed,
 )
 from .state import TrainState, restore_rank_state, unwrap
-from .step import EpochSums, TrainStep
+from .step import EpochSums, Partial, TrainStep
 
 
 @dataclass
@@ -132,23 +134,41 @@ def _train(args: argparse.Namespace, ctx: Context, saver: checkpoint.CheckpointW
     if ctx.distributed:
         dist.broadcast_object_list(problem, src=0)
     if problem[0] is not None:
-        raise UsageError(problem[0])
+        raise UsageError(problem[0], shared=True)
     r = build(args, ctx, save_dir, saver)
     partial, resumed = restore(r)
     if resumed and r.state.start_epoch >= args.epochs:
         return already_complete(r)
     if ctx.is_main:
+        kept = keep_final_files(save_dir)
+        if kept:
+            log(ctx, f"note: the summary.json/curves.png in {save_dir} (of an earlier run, or "
+                     f"of this one with fewer --epochs) kept as "
+                     f"{', '.join(p.name for p in kept)}; this run writes its own at its end")
         write_config(save_dir, args, ctx, r.amp, r.amp_dtype)
     log_header(r)
     r.writer = make_tensorboard(save_dir, args, ctx)
     r.monitor = GpuMonitor(ctx.device) if ctx.device.type == "cuda" else None
-    t_start = time.perf_counter()
-    samples = 0
+    t_start = time.perf_counter() - trained_before(r.state.history, partial)
     for epoch in range(r.state.start_epoch, args.epochs):
         epoch_time = run_epoch(r, epoch, partial)
         partial = None
-        samples += end_epoch(r, epoch, epoch_time, t_start)
-    return finish(r, time.perf_counter() - t_start, samples)
+        end_epoch(r, epoch, epoch_time, t_start)
+    return finish(r, time.perf_counter() - t_start, samples_trained(r.state.history))
+
+
+def trained_before(history: list[dict[str, Any]], partial: Optional[Partial]) -> float:
+    """Seconds a resumed run trained before this process: its last finished epoch's
+    ``elapsed_s`` and the part of an unfinished epoch up to its checkpoint. A run's
+    ``elapsed_s`` and summary count training time, not the time between a checkpoint and an
+    interruption, nor the time the run was stopped."""
+    before = history[-1]["elapsed_s"] if history else 0.0
+    return before + (float(partial[3]) if partial is not None and len(partial) > 3 else 0.0)
+
+
+def samples_trained(history: list[dict[str, Any]]) -> int:
+    """The samples all ranks trained on in the epochs of ``history``."""
+    return round(sum(row["samples_per_s"] * row["epoch_time_s"] for row in history))
 
 
 def build(args: argparse.Namespace, ctx: Context, save_dir: Path,
@@ -168,7 +188,7 @@ def build(args: argparse.Namespace, ctx: Context, save_dir: Path,
     if len(loader) < accum:
         raise UsageError(f"--batch-size {args.batch_size} x --grad-accum-steps {accum} leaves "
                          f"no full optimizer step per epoch on {ctx.world} rank(s) of "
-                         f"{len(train_set)} samples; lower them")
+                         f"{len(train_set)} samples; lower them", shared=True)
     scale = {"linear": ctx.world * accum, "sqrt": math.sqrt(ctx.world * accum), "none": 1}
     lr = args.lr * scale[args.scale_lr]
     scaler_on = amp and amp_dtype == torch.float16
@@ -197,7 +217,7 @@ def build(args: argparse.Namespace, ctx: Context, save_dir: Path,
                      # without fp16's GradScaler (AMP off, or bf16) nothing else skips a
                      # non-finite step: the weights would turn NaN and training go on
                      check_finite=not scaler_on, max_nan_steps=args.max_nan_steps,
-                     rank=ctx.rank)
+                     rank=ctx.rank, world=ctx.world)
     sums = EpochSums(ctx.device)
     return Run(args, ctx, save_dir, saver, model, state, val_loader, loss_fn, amp, amp_dtype, lr,
                steps_per_epoch, step, sums,
@@ -237,7 +257,7 @@ def make_loaders(args: argparse.Namespace, ctx: Context, train_set: Any, test_se
     return loader, val_loader
 
 
-def restore(r: Run) -> tuple[Optional[tuple[float, int, int]], bool]:
+def restore(r: Run) -> tuple[Optional[Partial], bool]:
     """Load the checkpoint ``--resume`` names into ``r.state``. Returns the partial sums of an
     epoch continued in the middle (None: the next epoch starts from its beginning) and whether
     a checkpoint was loaded."""
@@ -247,8 +267,9 @@ def restore(r: Run) -> tuple[Optional[tuple[float, int, int]], bool]:
         return None, False
     problem = state.check_compatible(loaded, str(path))
     if problem:
-        raise UsageError(problem)
+        raise UsageError(problem, shared=True)
     mid_epoch = state.load_state_dict(loaded)
+    check_complete_elsewhere(r, path)
     hold_lr(state.optimizer, state.scheduler, ctx.device if r.graphed is not None else None)
     partial = None
     if mid_epoch:
@@ -266,10 +287,26 @@ def restore(r: Run) -> tuple[Optional[tuple[float, int, int]], bool]:
     return partial, True
 
 
+def check_complete_elsewhere(r: Run, path: Path) -> None:
+    """Refuse ``--resume PATH`` of a finished run (no epoch left) from outside ``--save-dir``:
+    there would be nothing to train, and ``--save-dir`` would get no checkpoint of it."""
+    source, epochs = path.resolve().parent, r.args.epochs
+    if r.state.start_epoch < epochs or source == r.save_dir.resolve():
+        return
+    raise UsageError(
+        f"--resume {path}: that run is already complete ({len(r.state.history)} epochs, "
+        f"--epochs {epochs}); its results are in {source}, and nothing is left to train into "
+        f"--save-dir {r.save_dir.resolve()}. To train it further there, raise --epochs above "
+        f"{r.state.start_epoch}; to train from scratch there, give --resume none", shared=True)
+
+
 def already_complete(r: Run) -> dict[str, Any]:
     """A resumed run with no epoch left: say so, where its results are and how to start
     over. Nothing is written, unless the run was killed between its last checkpoint and the
-    files after it: then metrics.csv, curves.png and summary.json are completed from it."""
+    files after it: then metrics.csv, curves.png and summary.json are completed from it. A
+    summary.json whose final epoch is not the checkpoint's last (another run's: one started
+    over with --resume none and killed before its summary) is kept aside, with its curves.png,
+    and written again."""
     state, save_dir = r.state, r.save_dir.resolve()
     best = max((row["val_f1"] for row in state.history), default=float("nan"))
     log(r.ctx, f"fastddp.train: the run in {save_dir} is already complete ({len(state.history)} "
@@ -279,13 +316,16 @@ def already_complete(r: Run) -> dict[str, Any]:
                "further raise --epochs")
     metrics_file, summary_file = r.save_dir / "metrics.csv", r.save_dir / "summary.json"
     stale = not metrics_file.exists() or metrics_file.read_bytes() != metrics_csv(state.history)
-    if r.ctx.is_main and state.history and (stale or not summary_file.exists()):
+    current = summary_is_current(r.save_dir, state.history)
+    if r.ctx.is_main and state.history and (stale or not current):
+        kept = [] if current else keep_final_files(r.save_dir)
         log(r.ctx, "note: writing metrics.csv, curves.png and summary.json from last.pt's "
-                   "history (they were missing, or behind it)")
+                   "history (they were missing, behind it, or of another run"
+                   + "".join(f"; kept {p.name}" for p in kept) + ")")
         r.saver.write(metrics_csv(state.history), metrics_file)
         last = state.history[-1]
-        samples = sum(row["samples_per_s"] * row["epoch_time_s"] for row in state.history)
-        return {**finish(r, last["elapsed_s"], int(samples), quiet=True), "already_complete": True}
+        summary = finish(r, last["elapsed_s"], samples_trained(state.history), quiet=True)
+        return {**summary, "already_complete": True}
     if summary_file.exists():
         return {**json.loads(summary_file.read_text()), "already_complete": True}
     return {"best_val_f1": state.best_f1, "save_dir": str(save_dir), "already_complete": True}

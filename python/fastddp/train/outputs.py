@@ -37,6 +37,21 @@ def metrics_csv(history: list[dict[str, Any]]) -> bytes:
     return out.getvalue().encode()
 
 
+def keep_aside(path: Path) -> Optional[Path]:
+    """Rename ``path`` to ``<name>.<time>.bak`` (``<name>.<time>.<n>.bak`` when that exists),
+    so that a file the run would overwrite or leave looking current is kept; returns the new
+    path, or None when there is no ``path``."""
+    if not path.is_file():
+        return None
+    stamp = time.strftime('%Y%m%d-%H%M%S')
+    kept, n = path.with_name(f"{path.name}.{stamp}.bak"), 1
+    while kept.exists():
+        kept = path.with_name(f"{path.name}.{stamp}.{n}.bak")
+        n += 1
+    path.rename(kept)
+    return kept
+
+
 def keep_foreign_metrics(save_dir: Path, history: list[dict[str, Any]]) -> Optional[Path]:
     """Move ``save_dir/metrics.csv`` aside when it is not what the run's ``history`` wrote:
     neither that history nor an earlier state of it (a run killed between last.pt and
@@ -49,13 +64,30 @@ def keep_foreign_metrics(save_dir: Path, history: list[dict[str, Any]]) -> Optio
         return None
     if metrics_csv(history).startswith(path.read_bytes()):
         return None
-    kept = save_dir / f"metrics.csv.{time.strftime('%Y%m%d-%H%M%S')}.bak"
-    n = 1
-    while kept.exists():
-        kept = save_dir / f"metrics.csv.{time.strftime('%Y%m%d-%H%M%S')}.{n}.bak"
-        n += 1
-    path.rename(kept)
-    return kept
+    return keep_aside(path)
+
+
+# The files a run writes once, after its last epoch: present before it trains, they belong to
+# an earlier run (or to this run with fewer --epochs).
+FINAL_FILES = ("summary.json", "curves.png")
+
+
+def keep_final_files(save_dir: Path) -> list[Path]:
+    """Move ``summary.json`` and ``curves.png`` aside (:func:`keep_aside`) before a run trains
+    into ``save_dir``: until it writes its own, they would pass for its results. Returns the
+    new paths."""
+    kept = [keep_aside(save_dir / name) for name in FINAL_FILES]
+    return [path for path in kept if path is not None]
+
+
+def summary_is_current(save_dir: Path, history: list[dict[str, Any]]) -> bool:
+    """Whether ``save_dir/summary.json`` summarises ``history``: its final epoch's row is
+    ``history``'s last one (a summary of another run, or of fewer epochs, is not)."""
+    try:
+        summary = json.loads((save_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return bool(history) and isinstance(summary, dict) and summary.get("final") == history[-1]
 
 
 def plot_curves(save_dir: Path, history: list[dict[str, Any]]) -> bool:

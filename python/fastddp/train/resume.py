@@ -54,7 +54,7 @@ def find_resume_state(args: argparse.Namespace, ctx: Context, save_dir: Path,
         dist.broadcast_object_list(choice, src=0)
     path, error, note = choice
     if error is not None:
-        raise UsageError(error)
+        raise UsageError(error, shared=True)
     if path is None:
         if note:
             log(ctx, f"note: {note}; starting from epoch 1")
@@ -91,7 +91,7 @@ def given_checkpoint(args: argparse.Namespace, ctx: Context,
     raise UsageError(f"--save-dir {save_dir} holds the checkpoint of another run ({own_path}: "
                      f"{len(own.get('history', []))} epoch(s), step {own.get('step')}); "
                      f"continuing {path} there would overwrite it. Choose another --save-dir, "
-                     "or continue that run with --resume auto")
+                     "or continue that run with --resume auto", shared=True)
 
 
 def continues(later: dict[str, Any], earlier: dict[str, Any]) -> bool:

@@ -185,7 +185,15 @@ def lr_lambda(total_steps: int, warmup_steps: int):
     return f
 
 
+# The files a run writes in --save-dir, and the temporaries and previous versions written
+# beside them (fastddp.train.checkpoint's ".tmp", ".prev", ".prev.tmp").
+RUN_FILES = ("last.pt", "best.pt", "metrics.csv", "summary.json", "curves.png", "config.json")
+RUN_FILE_SUFFIXES = ("", ".tmp", ".prev", ".prev.tmp")
+
+
 def check_save_dir(save_dir: Path) -> None:
+    """Refuse a --save-dir the run cannot write its files in (before epoch 1): a file, an
+    unwritable directory, or one holding a directory where a file of the run goes."""
     if save_dir.exists() and not save_dir.is_dir():
         raise UsageError(f"--save-dir {save_dir}: is a file, not a directory; choose a directory "
                          "(it is created if missing)")
@@ -197,6 +205,13 @@ def check_save_dir(save_dir: Path) -> None:
     except OSError as exc:
         raise UsageError(f"--save-dir {save_dir}: cannot write there ({exc.strerror or exc}); "
                          "choose a writable directory") from None
+    in_the_way = [save_dir / f"{name}{suffix}" for name in RUN_FILES
+                  for suffix in RUN_FILE_SUFFIXES if (save_dir / f"{name}{suffix}").is_dir()]
+    if in_the_way:
+        raise UsageError(f"--save-dir {save_dir}: {', '.join(map(str, in_the_way))} "
+                         f"{'is a directory' if len(in_the_way) == 1 else 'are directories'} "
+                         "where the run writes a file of that name; move it away, or choose "
+                         "another --save-dir")
 
 
 

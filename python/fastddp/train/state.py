@@ -102,19 +102,20 @@ class TrainState:
         return True
 
 
-def rank_state(device: torch.device, partial: tuple[float, int, int]) -> RankState:
-    """This rank's RNG streams and an unfinished epoch's (loss sum, correct, seen)."""
+def rank_state(device: torch.device, partial: tuple) -> RankState:
+    """This rank's RNG streams and an unfinished epoch's (loss sum, correct, seen, seconds
+    trained) (:data:`~fastddp.train.step.Partial`)."""
     return {"cpu": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
             "partial": partial}
 
 
-def restore_rank_state(rank: RankState, device: torch.device) -> tuple[float, int, int]:
+def restore_rank_state(rank: RankState, device: torch.device) -> tuple:
     """Set this rank's RNG streams from a checkpoint; returns the epoch's partial sums."""
     torch.set_rng_state(rank["cpu"])
     if device.type == "cuda" and rank.get("cuda") is not None:
         torch.cuda.set_rng_state(rank["cuda"], device)
-    return rank.get("partial", (0.0, 0, 0))
+    return tuple(rank.get("partial", (0.0, 0, 0)))
 
 
 __all__ = ["TrainState", "model_signature", "rank_state", "restore_rank_state", "unwrap"]
