@@ -4,6 +4,7 @@ its errors, arguments and device paths."""
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import numpy as np
 import pytest
@@ -123,24 +124,40 @@ def test_mid_epoch_resume_with_a_generator() -> None:
         fastddp.PrefetchLoader(TensorDataset(x, y), batch_size=50, shuffle=True).load_state_dict(state)
 
 
-def test_mid_epoch_resume() -> None:
+@pytest.mark.parametrize("sampler_cls", [fastddp.DistributedSampler, TorchSampler])
+@pytest.mark.parametrize("idiom", ["loader.set_epoch", "sampler.set_epoch"])
+def test_mid_epoch_resume(idiom: str, sampler_cls: type) -> None:
+    """The epoch saved is the one the pass used, whichever object ``set_epoch`` was called on
+    (``sampler.set_epoch(e)`` is DataLoader's idiom): the resumed pass is the rest of DataLoader's
+    epoch ``e``, and a resumed script calling ``set_epoch(e)`` again keeps the position."""
     x, y = _data()
-    sampler = fastddp.DistributedSampler(N, num_replicas=2, rank=0, seed=2)
-    loader = fastddp.PrefetchLoader(TensorDataset(x, y), batch_size=50, sampler=sampler)
-    loader.set_epoch(3)
-    full = [b.clone() for _, b in loader]
+
+    def make() -> tuple[fastddp.PrefetchLoader, Any]:
+        sampler = sampler_cls(range(N), num_replicas=2, rank=0, seed=2)
+        return fastddp.PrefetchLoader(TensorDataset(x, y), batch_size=50, sampler=sampler), sampler
+
+    def select(loader: fastddp.PrefetchLoader, sampler: Any, epoch: int) -> None:
+        (loader if idiom == "loader.set_epoch" else sampler).set_epoch(epoch)
+
+    reference = TorchSampler(range(N), num_replicas=2, rank=0, seed=2)
+    reference.set_epoch(3)
+    full = [b.clone() for _, b in torch.utils.data.DataLoader(TensorDataset(x, y), batch_size=50, sampler=reference)]
+    loader, sampler = make()
+    select(loader, sampler, 3)
     it = iter(loader)
     head = [next(it)[1].clone() for _ in range(4)]
     state = loader.state_dict()
     assert state["epoch"] == 3 and state["batches_done"] == 4
     del it
-    sampler2 = fastddp.DistributedSampler(N, num_replicas=2, rank=0, seed=2)
-    resumed = fastddp.PrefetchLoader(TensorDataset(x, y), batch_size=50, sampler=sampler2)
+    resumed, sampler2 = make()
     resumed.load_state_dict(state)
+    select(resumed, sampler2, 3)  # the resumed script's loop selects the saved epoch again
     tail = [b.clone() for _, b in resumed]
     assert len(head) + len(tail) == len(full)
     for a, b in zip(head + tail, full):
         assert torch.equal(a, b)
+    select(resumed, sampler2, 4)
+    assert len(list(resumed)) == len(full)  # another epoch: a whole pass
 
 
 def test_early_break_and_reiterate_and_no_leaked_threads() -> None:

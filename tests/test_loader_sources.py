@@ -246,21 +246,24 @@ def test_pin_memory_without_cuda_warns_like_dataloader(kind: str) -> None:
         assert torch.equal(gx, wx) and torch.equal(gy, wy)
 
 
-def test_mid_epoch_resume_of_a_global_generator_shuffle() -> None:
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("taken", [0, 3])
+def test_mid_epoch_resume_of_a_global_generator_shuffle(taken: int, workers: int) -> None:
     """shuffle=True drawing from the global generator: a pass resumed from state_dict redraws the
-    saved pass's order without drawing from the global generator, so a trainer that restores
-    its global state from the same checkpoint continues exactly as the uninterrupted run."""
+    saved pass's draws (up to state_dict, even one taken after iter() before the first batch)
+    without drawing from the global generator, so a trainer that restores its global state from
+    the same checkpoint continues exactly as the uninterrupted run."""
     x, y = _data()
     torch.manual_seed(21)
-    loader = fastddp.PrefetchLoader(TensorDataset(x, y), batch_size=100, shuffle=True)
+    loader = fastddp.PrefetchLoader(TensorDataset(x, y), batch_size=100, shuffle=True, num_workers=workers)
     it = iter(loader)
-    head = [next(it)[1].clone() for _ in range(3)]
+    head = [next(it)[1].clone() for _ in range(taken)]
     state, rng = loader.state_dict(), torch.random.get_rng_state()
     rest = [b.clone() for _, b in it]
     after = torch.rand(4)  # what the uninterrupted run draws next
 
     torch.manual_seed(999)  # a new process: its own global state until the trainer restores it
-    resumed = fastddp.PrefetchLoader(TensorDataset(x, y), batch_size=100, shuffle=True)
+    resumed = fastddp.PrefetchLoader(TensorDataset(x, y), batch_size=100, shuffle=True, num_workers=workers)
     resumed.load_state_dict(state)
     torch.random.set_rng_state(rng)
     tail = [b.clone() for _, b in resumed]

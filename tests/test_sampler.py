@@ -216,7 +216,11 @@ def test_position_follows_the_latest_iterator() -> None:
     "bad",
     [{"epoch": "x", "seed": 123, "position": 0}, {"epoch": 1, "seed": 123, "position": 99},
      {"epoch": 1, "seed": 1.5, "position": 0}, {"epoch": 1, "seed": 123, "position": "0"},
-     {"epoch": 1, "seed": 123}, {"epoch": 1, "seed": 123, "position": 0, "length": 5}],
+     {"epoch": 1, "seed": 123}, {"epoch": 1, "seed": 123, "position": 0, "length": 5},
+     {"epoch": 1, "seed": 123, "position": 0, "num_replicas": 4},
+     {"epoch": 1, "seed": 123, "position": 0, "shuffle": False},
+     {"epoch": 1, "seed": 123, "position": 0, "drop_last": True},
+     {"epoch": 1, "seed": 123, "position": 0, "order": "stateless"}],
 )
 def test_refused_state_changes_nothing(bad) -> None:
     s = fastddp.DistributedSampler(40, num_replicas=2, rank=0, seed=9)
@@ -228,6 +232,27 @@ def test_refused_state_changes_nothing(bad) -> None:
         s.load_state_dict(bad)
     assert s.state_dict() == before
     assert list(it) == s.indices().tolist()[1:]
+
+
+def test_state_of_other_settings_is_refused_naming_them() -> None:
+    src = fastddp.DistributedSampler(100, num_replicas=2, rank=0, seed=1)
+    it = iter(src)
+    [next(it) for _ in range(5)]
+    dst = fastddp.DistributedSampler(100, num_replicas=4, rank=3, seed=1, shuffle=False)
+    with pytest.raises(ValueError, match=r"num_replicas: state 2, this sampler 4, shuffle: state True, "
+                                         r"this sampler False\).*Create this sampler with the saved settings"):
+        dst.load_state_dict(src.state_dict())
+    assert dst.pending_state_dict()["position"] == 0
+
+
+def test_state_of_another_rank_resumes_this_ranks_indices() -> None:
+    # one rank's checkpoint restores every rank (a position means the same on each rank)
+    src = fastddp.DistributedSampler(100, num_replicas=2, rank=0, seed=1)
+    it = iter(src)
+    [next(it) for _ in range(5)]
+    dst = fastddp.DistributedSampler(100, num_replicas=2, rank=1, seed=1)
+    dst.load_state_dict(src.state_dict())
+    assert list(dst) == fastddp.DistributedSampler(100, num_replicas=2, rank=1, seed=1).indices().tolist()[5:]
 
 
 @pytest.mark.parametrize(("seed", "epoch"), [(2**64 - 1, 0), (-1, 1), (-(2**63), 0), (2**63 - 1, 1)])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numbers
+import operator
 from collections.abc import Iterator
 from typing import Any, Optional, Union
 
@@ -13,6 +14,10 @@ from ._ext import C
 
 _ORDERS = {"torch": 0, "stateless": 1}
 _STATE_KEYS = ("epoch", "seed", "position")
+# Recorded in a state and compared on load: each selects another order or split of the epoch.
+# (``rank`` is recorded but not compared: a position means the same on every rank of a world,
+# so one rank's state restores every rank's position, as a shared checkpoint does.)
+_MATCHED_KEYS = ("num_replicas", "shuffle", "drop_last", "order", "length")
 
 
 def _check_int(name: str, value: Any) -> int:
@@ -171,9 +176,24 @@ class DistributedSampler(torch.utils.data.Sampler[int]):
                 f"{self.length}); create a new DistributedSampler after changing the dataset")
         self.length = length  # a length with the same split gives torch's order for it
 
+    def _check_slicing(self) -> None:
+        """torch's iterator slices the epoch's indices with ``rank`` and ``num_replicas``
+        (``indices[rank:total_size:num_replicas]``): one assigned after construction that is
+        not an integer (a float) fails there with a ``TypeError``; ours raises the same type,
+        naming the attribute (``int()`` would silently truncate it)."""
+        for name in ("rank", "num_replicas"):
+            value = getattr(self, name)
+            try:
+                operator.index(value)
+            except TypeError:
+                raise TypeError(f"slice indices must be integers or None or have an __index__ method "
+                                f"(DistributedSampler: {name}={value!r} is not an integer; assign an "
+                                "int)") from None
+
     def indices(self) -> torch.Tensor:
         """This rank's indices for the current epoch (all of them, ignoring any resume
         offset), as an int64 CPU tensor. Cached; treat it as read-only."""
+        self._check_slicing()
         self._check_sizes()
         key = (self.length, self.num_replicas, self.rank, bool(self.shuffle), self.seed, self.epoch,
                bool(self.drop_last), self.order)
@@ -243,9 +263,7 @@ class DistributedSampler(torch.utils.data.Sampler[int]):
         for key in _STATE_KEYS:
             if key not in state:
                 raise ValueError(f"DistributedSampler.load_state_dict: missing key {key!r}")
-        if state.get("length", self.length) != self.length:
-            raise ValueError(f"DistributedSampler.load_state_dict: state is for a dataset of "
-                             f"{state['length']} items, this one has {self.length}")
+        self._check_same_split(state)
         epoch = _check_int("epoch", state["epoch"])
         seed = _check_int("seed", state["seed"])
         position = _check_int("position", state["position"])
@@ -255,3 +273,20 @@ class DistributedSampler(torch.utils.data.Sampler[int]):
         self.seed, self.epoch = seed, epoch
         self._resume = position
         self._settle(position)
+
+    def _check_same_split(self, state: dict[str, Any]) -> None:
+        """Refuse a state recorded by a sampler that orders or splits the epoch otherwise (its
+        position would resume another sequence); keys a state does not record are not compared."""
+        mine = {"num_replicas": int(self.num_replicas), "shuffle": bool(self.shuffle),
+                "drop_last": bool(self.drop_last), "order": self.order, "length": self.length}
+        saved = {key: state[key] for key in _MATCHED_KEYS if key in state}
+        for key in ("shuffle", "drop_last"):  # kept as given; they act by truth value
+            if key in saved:
+                saved[key] = bool(saved[key])
+        differ = [key for key in saved if saved[key] != mine[key]]
+        if differ:
+            pairs = ", ".join(f"{key}: state {saved[key]!r}, this sampler {mine[key]!r}" for key in differ)
+            raise ValueError(f"DistributedSampler.load_state_dict: the state was saved by a sampler with "
+                             f"other settings ({pairs}); its position would resume another order. "
+                             "Create this sampler with the saved settings, or start the epoch from its "
+                             "beginning without load_state_dict")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import (
@@ -182,6 +183,8 @@ def test_unbatched_mode(make: Callable[[], Any]) -> None:
     ("tensors", {"sampler": [3, 1, 4, 1, 5], "batch_size": 2}),
     ("python", {"batch_size": 4, "in_order": False}),
     ("python", {"batch_size": 3, "num_workers": 2, "prefetch_factor": 1}),
+    ("tensors", {"batch_size": 4, "num_workers": np.int64(0)}),  # numpy integers, as DataLoader
+    ("tensors", {"batch_size": 4, "num_workers": np.int64(2), "prefetch_factor": np.int64(1)}),
 ])
 def test_batching_arguments(kind: str, kwargs: dict) -> None:
     side_by_side(tensors if kind == "tensors" else Noisy, **kwargs)
@@ -231,6 +234,31 @@ def test_num_workers_assigned_later_fails_at_iter_as_dataloader(value, error) ->
         next(iter(loader))
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize(("attr", "value"), [("collate_fn", None), ("generator", 5), ("timeout", -1)])
+def test_attribute_assigned_later_fails_as_dataloader(attr: str, value: Any, workers: int) -> None:
+    """DataLoader checks these at construction only. Assigned later: ``collate_fn = None`` is
+    called for every batch (a TypeError at each next()), a generator that is not one fails the
+    base-seed draw of iter(), a negative timeout fails iter()'s assertion after that draw (with
+    workers it is no timeout)."""
+    seen = []
+    for cls in (DataLoader, fastddp.PrefetchLoader):
+        torch.manual_seed(5)
+        loader = cls(tensors(), batch_size=4, shuffle=True, num_workers=workers)
+        setattr(loader, attr, value)
+        try:
+            got: Any = outcomes(loader)
+        except Exception as exc:
+            got = (type(exc), str(exc).split("\n")[0])
+        seen.append((got, torch.random.get_rng_state()))
+    (ref, ref_state), (ours, our_state) = seen
+    if isinstance(ref, tuple):
+        assert ours == ref
+    else:
+        same(ref, ours)
+    assert torch.equal(ref_state, our_state), "the global generator differs"
+
+
 def test_num_workers_zero_float_is_single_process_as_dataloader() -> None:
     for cls in (DataLoader, fastddp.PrefetchLoader):
         loader = cls(tensors(), batch_size=4)
@@ -262,11 +290,13 @@ def test_settable_attributes_take_effect() -> None:
 
 def test_public_attributes_are_dataloaders() -> None:
     for kwargs in ({"batch_size": 3}, {"batch_size": None}, {"shuffle": True, "batch_size": 2},
-                   {"num_workers": 2, "batch_size": 2}):
+                   {"num_workers": 2, "batch_size": 2},
+                   {"num_workers": np.int64(2), "prefetch_factor": np.int32(3), "batch_size": 2}):
         ref, ours = DataLoader(tensors(), **kwargs), fastddp.PrefetchLoader(tensors(), **kwargs)
         for name in ("batch_size", "drop_last", "num_workers", "prefetch_factor", "pin_memory", "timeout",
                      "worker_init_fn", "in_order", "persistent_workers", "generator", "pin_memory_device"):
             assert getattr(ref, name) == getattr(ours, name), name
+            assert type(getattr(ref, name)) is type(getattr(ours, name)), name  # kept as given
         for name in ("sampler", "batch_sampler", "collate_fn"):
             assert type(getattr(ref, name)) is type(getattr(ours, name)), name
 

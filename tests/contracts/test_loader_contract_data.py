@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import pickle
+import warnings
 from typing import Any, Callable
 
 import pytest
@@ -50,7 +51,9 @@ def test_sampler_indices_as_dataloader(sampler: list) -> None:
 
 
 def test_batch_sampler_outputs_as_dataloader() -> None:
-    side_by_side(tensors, batch_sampler=[[0, 1], [], [2.5], [3, -1], [N]], passes=1)
+    # a uint8 tensor of indices: DataLoader's dataset[i] reads each 0-d uint8 index as a mask
+    uint8 = torch.tensor([1, 2], dtype=torch.uint8)
+    side_by_side(tensors, batch_sampler=[[0, 1], [], [2.5], [3, -1], [N], uint8], passes=1)
 
 
 def test_own_form_float_index_raises_indexerror_at_its_batch() -> None:
@@ -312,20 +315,24 @@ def test_pin_memory_warnings_without_an_accelerator() -> None:
         assert len(got) == 5 and not got[0][1][0].is_pinned()
 
 
+@pytest.mark.parametrize("inference", [False, True], ids=["tensors", "inference tensors"])
 @pytest.mark.parametrize("layout", ["transposed", "pin_dataset", "device_resident"])
-def test_tensors_changed_in_place_between_passes(layout: str) -> None:
+def test_tensors_changed_in_place_between_passes(layout: str, inference: bool) -> None:
     # DataLoader reads the dataset's current values in every pass; a copy the loader made of a
-    # non-contiguous (or pinned, or device-resident) tensor is made again once it changed.
+    # non-contiguous (or pinned, or device-resident) tensor is made again once it changed (an
+    # inference tensor, which has no version counter, changes only under inference_mode).
     if layout == "pin_dataset" and not torch.cuda.is_available():
         pytest.skip("pin_dataset needs a CUDA device")
     extra = {"transposed": {}, "pin_dataset": {"pin_dataset": True, "device": "cuda"},
              "device_resident": {"device_resident": True}}[layout]
     passes = []
     for cls, kwargs in ((DataLoader, {}), (fastddp.PrefetchLoader, extra)):
-        base = torch.arange(24.0).reshape(3, 8)
+        with torch.inference_mode(inference):
+            base = torch.arange(24.0).reshape(3, 8)
         loader = cls(TensorDataset(base.t(), torch.arange(8)), batch_size=3, **kwargs)
         first = outcomes(loader)
-        base.mul_(-1)
+        with torch.inference_mode(inference):
+            base.mul_(-1)
         passes.append((first, outcomes(loader)))
     for ref, ours in zip(*passes):
         same(ref, [(k, [t.cpu() for t in leaves], spec) for k, leaves, spec in ours])
@@ -349,20 +356,34 @@ TENSOR_KINDS = {
     "parameter": lambda: torch.nn.Parameter(torch.arange(5.0)),
     "requires_grad": lambda: torch.arange(5.0, requires_grad=True),
     "sparse": lambda: torch.eye(5).to_sparse(),
+    "inference": lambda: _inference(torch.arange(5.0)),  # e.g. features from a frozen model
+    "quantized": lambda: _quantized(torch.arange(5.0) / 4),
 }
+
+
+def _quantized(t: torch.Tensor) -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's deprecation of quantized tensors
+        return torch.quantize_per_tensor(t, 0.25, 3, torch.qint8)
+
+
+def _inference(t: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        return t.clone()
 
 
 @pytest.mark.parametrize("kind", sorted(TENSOR_KINDS))
 def test_tensor_dataset_of_tensors_that_are_not_plain_data(kind: str) -> None:
     # the batches DataLoader's torch.stack makes of them: the conjugated values, the subclass,
-    # the autograd history (a learned dataset, e.g. dataset distillation), sparse's error
+    # the autograd history (a learned dataset, e.g. dataset distillation), sparse's error, the
+    # quantizer (read through torch's collation), inference tensors (gathered)
     side_by_side(lambda: TensorDataset(TENSOR_KINDS[kind]()), batch_size=2)
     grads = [[b[0].requires_grad for b in cls(TensorDataset(TENSOR_KINDS[kind]()), batch_size=2)]
              for cls in (DataLoader, fastddp.PrefetchLoader)] if kind != "sparse" else [[], []]
     assert grads[0] == grads[1]
 
 
-@pytest.mark.parametrize("kind", ["requires_grad", "sparse", "subclass"])
+@pytest.mark.parametrize("kind", ["requires_grad", "sparse", "subclass", "quantized"])
 def test_own_form_columns_must_be_plain_data(kind: str) -> None:
     with pytest.raises(ValueError, match=r"tensor 0 is a .*Wrap them in a TensorDataset"):
         fastddp.PrefetchLoader((TENSOR_KINDS[kind](),), batch_size=2)

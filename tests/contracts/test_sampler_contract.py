@@ -101,16 +101,20 @@ def test_iterator_keeps_the_epoch_it_was_created_in() -> None:
 
 
 @pytest.mark.parametrize(("attr", "value"), [("seed", 99), ("epoch", 7), ("shuffle", False),
-                                             ("seed", 2.5), ("epoch", "x")])
+                                             ("seed", 2.5), ("epoch", "x"), ("rank", 1.0), ("rank", 0.9),
+                                             ("num_replicas", 3.0), ("rank", True)])
 @pytest.mark.parametrize("shuffle", [True, False])
 def test_attributes_set_directly_are_read_by_the_next_iter(attr, value, shuffle) -> None:
+    # a float rank or num_replicas: torch's slicing TypeError at iter() (ours names it)
     def run(cls):
         s = cls(range(30), num_replicas=3, rank=2, shuffle=shuffle)
         before = list(s)
         setattr(s, attr, value)
         return before, list(s)
 
-    _side_by_side(run)
+    want, got = _side_by_side(run)
+    if isinstance(value, float) and attr in ("rank", "num_replicas"):
+        assert want[0] is TypeError and got[1].startswith(want[1]) and f"{attr}={value!r}" in got[1]
 
 
 @pytest.mark.parametrize(("replicas", "rank"), [(2, 2), (2, -1), (1, 5), (3, -3)])

@@ -43,6 +43,12 @@ class Replay:
     skip: int = 0
     rng_state: Optional[torch.Tensor] = None
     generator_state: Optional[torch.Tensor] = None
+    epoch: Optional[int] = None  # the saved pass's epoch: a pass of another epoch starts fresh
+
+    @property
+    def resumes(self) -> bool:
+        """Whether the next pass continues a saved one (batches to skip, or its random state)."""
+        return bool(self.skip) or self.rng_state is not None or self.generator_state is not None
 
 
 @dataclass
@@ -244,19 +250,36 @@ def build_runner(loader: Any, dataset: Any, iterable: bool) -> tuple[DataLoader,
     """torch's DataLoader over ``dataset`` with the loader's current arguments; its index
     sampler wrapped so that a resumed pass skips the delivered batches without reading them."""
     workers = loader.num_workers
+    # collate_fn None stands for the default only when given to the constructor; assigned later,
+    # DataLoader calls it. timeout is checked by the constructor only; assigned later, a
+    # negative one reaches DataLoader's iterator (assigned below, after construction).
+    collate_fn = _call_none if loader.collate_fn is None else loader.collate_fn
     kwargs: dict[str, Any] = dict(
-        num_workers=workers, collate_fn=loader.collate_fn, pin_memory=loader.pin_memory,
-        timeout=loader.timeout, worker_init_fn=loader.worker_init_fn, generator=loader.generator,
+        num_workers=workers, collate_fn=collate_fn, pin_memory=loader.pin_memory,
+        timeout=0, worker_init_fn=loader.worker_init_fn, generator=loader.generator,
         pin_memory_device=loader.pin_memory_device, in_order=loader.in_order)
     if workers > 0:  # DataLoader refuses these without workers, and ignores them once set
         kwargs.update(prefetch_factor=loader.prefetch_factor, persistent_workers=loader.persistent_workers,
                       multiprocessing_context=loader.multiprocessing_context)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # its warnings are given when our own loader is made
-        if iterable:
-            return DataLoader(dataset, batch_size=loader.batch_size, drop_last=loader.drop_last, **kwargs), None
-        if loader.batch_sampler is not None:
-            skipper = SkippingSampler(loader.batch_sampler)
-            return DataLoader(dataset, batch_sampler=skipper, **kwargs), skipper
-        skipper = SkippingSampler(loader.sampler)
-        return DataLoader(dataset, batch_size=None, sampler=skipper, **kwargs), skipper
+        runner, skipper = _make_runner(loader, dataset, iterable, kwargs)
+    runner.timeout = loader.timeout
+    return runner, skipper
+
+
+def _make_runner(loader: Any, dataset: Any, iterable: bool,
+                 kwargs: dict[str, Any]) -> tuple[DataLoader, Optional[SkippingSampler]]:
+    if iterable:
+        return DataLoader(dataset, batch_size=loader.batch_size, drop_last=loader.drop_last, **kwargs), None
+    if loader.batch_sampler is not None:
+        skipper = SkippingSampler(loader.batch_sampler)
+        return DataLoader(dataset, batch_sampler=skipper, **kwargs), skipper
+    skipper = SkippingSampler(loader.sampler)
+    return DataLoader(dataset, batch_size=None, sampler=skipper, **kwargs), skipper
+
+
+def _call_none(batch: Any) -> Any:
+    """``collate_fn = None`` assigned after construction: DataLoader calls None for every
+    batch (in its workers too); this module-level stand-in fails the same way and pickles."""
+    raise TypeError("'NoneType' object is not callable")

@@ -44,6 +44,8 @@ def reads_ahead_unobserved(index_sampler: Any) -> bool:
 
 
 _BOOLS = frozenset((bool, np.bool_))  # neither type can be subclassed: a type test suffices
+# Index dtypes that indexing a tensor reads as a mask (uint8: torch's legacy mask), not as rows
+_MASKS = (torch.bool, torch.uint8)
 
 
 class PlanEntry:
@@ -67,7 +69,7 @@ def to_entry(number: int, batch: Any, rows: int) -> PlanEntry:
         idx = torch.as_tensor(batch)
     except (TypeError, ValueError, RuntimeError, OverflowError):
         return PlanEntry(number, None, batch)
-    if (idx.dim() != 1 or idx.numel() == 0 or idx.dtype == torch.bool
+    if (idx.dim() != 1 or idx.numel() == 0 or idx.dtype in _MASKS
             or idx.is_floating_point() or idx.is_complex()):
         return PlanEntry(number, None, batch)
     idx = idx.to(torch.int64)

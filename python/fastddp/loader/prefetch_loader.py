@@ -3,6 +3,7 @@ gathered by C++ threads into pinned rings and delivered on the device."""
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Iterator
 from typing import Any, Optional, Union
 
@@ -14,6 +15,7 @@ from .iterator import LoaderHooks, LoaderIterator, Progress
 from .passes import NativePass, NativeSettings, Replay, TorchPass, build_runner
 from .plan import reads_ahead_unobserved
 from .settings import (
+    change_count,
     check_extras,
     check_own_form,
     check_prefetch_factor,
@@ -124,7 +126,7 @@ class PrefetchLoader:
         self._src = src
         self.device, self.prefetch = check_extras(device, prefetch, prefetch_factor, num_workers, generator)
         self._tensor_options = (device_resident, resident_max_bytes, pin_dataset)
-        self._tensors: Optional[tuple[tuple[int, ...], list[torch.Tensor], bool]] = None
+        self._tensors: Optional[tuple[Optional[tuple[Any, ...]], list[torch.Tensor], bool]] = None
         if pin_dataset or device_resident:
             if not src.gatherable or (pin_dataset and self.device.type != "cuda"):
                 raise ValueError("PrefetchLoader: pin_dataset needs tensors or .npy arrays and a CUDA "
@@ -132,6 +134,7 @@ class PrefetchLoader:
                                  else "PrefetchLoader: device_resident needs tensors or .npy arrays")
             self._prepared()
         self._epoch = 0
+        self._pass_epoch: Optional[int] = None  # the epoch the current pass uses
         self._progress = Progress()  # batches delivered in the current pass
         self._replay = Replay()
         self._pass_state: tuple[Optional[torch.Tensor], Optional[torch.Tensor]] = (None, None)
@@ -175,11 +178,14 @@ class PrefetchLoader:
         non-contiguous, pinned or resident tensor would otherwise keep the old values, where
         DataLoader reads the current ones); and whether they are on the device."""
         current = self._src.tensors()
-        key = tuple((id(t), t._version) for t in current)  # views share their base's version
+        key = tuple((id(t), change_count(t)) for t in current)
         if self._tensors is None or self._tensors[0] != key:
             resident, max_bytes, pin_dataset = self._tensor_options
             tensors, on_device = prepare_tensors(current, self.device, resident, max_bytes, pin_dataset)
-            self._tensors = (key, tensors, on_device)
+            # an inference tensor has no version counter (it changes only inside inference
+            # mode): a copy of one is made again for every pass, so none is ever stale
+            copied_untracked = any(c.is_inference() and p is not c for c, p in zip(current, tensors))
+            self._tensors = (None if copied_untracked else key, tensors, on_device)
         return self._tensors[1], self._tensors[2]
 
     def _native_settings(self) -> NativeSettings:
@@ -206,11 +212,17 @@ class PrefetchLoader:
 
     def _start(self, pass_: Any, draw_seed: bool) -> None:
         replay, self._replay = self._replay, Replay()
-        if replay.skip:
+        self._pass_epoch = self._upcoming_epoch()
+        if replay.epoch is not None and replay.epoch != self._pass_epoch:
+            replay = Replay()  # the saved pass's epoch was left (e.g. sampler.set_epoch)
+        if replay.resumes:
             self._pass_state = (replay.rng_state, replay.generator_state)
         else:
+            # a generator that is not a torch.Generator (assigned after construction) fails the
+            # base-seed draw below with DataLoader's TypeError
+            generator = self.generator if isinstance(self.generator, torch.Generator) else None
             self._pass_state = (torch.random.get_rng_state() if self.generator is None else None,
-                                self.generator.get_state() if self.generator is not None else None)
+                                generator.get_state() if generator is not None else None)
         self._progress.delivered = replay.skip
         # The samplers' states as the pass found them: the pass reads them ahead of delivery,
         # and a resumed pass skips the delivered batches itself.
@@ -293,9 +305,38 @@ class PrefetchLoader:
         return "direct" if all(t.is_pinned() for t in tensors) else "staged"
 
     # ------------------------------------------------------------------ epochs and resuming
+    def _epoch_targets(self) -> list[Any]:
+        """What ``set_epoch`` reaches: the sampler, and the batch sampler (or, when it has no
+        ``set_epoch``, the sampler inside it), each once, those with a ``set_epoch``."""
+        inner = getattr(self.batch_sampler, "sampler", None)
+        bs = self.batch_sampler if hasattr(self.batch_sampler, "set_epoch") else inner
+        return [s for s in {id(self.sampler): self.sampler, id(bs): bs}.values()
+                if s is not None and hasattr(s, "set_epoch")]
+
+    def _sampler_epoch(self) -> Optional[int]:
+        """The ``epoch`` of the first sampler ``set_epoch`` reaches that has an integer one
+        (torch's and fastddp's DistributedSampler, ``seed=``'s shuffle), else None."""
+        for s in self._epoch_targets():
+            try:
+                return operator.index(getattr(s, "epoch", None))
+            except TypeError:
+                continue
+        return None
+
     @property
     def epoch(self) -> int:
-        return self.sampler.epoch if isinstance(self.sampler, EpochShuffle) else self._epoch
+        """The epoch the next pass uses: the sampler's, when it carries one (so
+        ``sampler.set_epoch(e)`` is seen as ``loader.set_epoch(e)`` is), else the loader's own
+        (set by :meth:`set_epoch`)."""
+        epoch = self._sampler_epoch()
+        return self._epoch if epoch is None else epoch
+
+    def _upcoming_epoch(self) -> int:
+        """The epoch a pass starting now uses (``seed=``'s shuffle steps to the next one when
+        no ``set_epoch`` pinned it)."""
+        if isinstance(self.sampler, EpochShuffle):
+            return self.sampler.upcoming_epoch
+        return self.epoch
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch; forwarded to the sampler's ``set_epoch`` (or the batch sampler's,
@@ -303,16 +344,15 @@ class PrefetchLoader:
         if int(epoch) != self.epoch:
             self._replay = Replay()
         self._epoch = int(epoch)
-        inner = getattr(self.batch_sampler, "sampler", None)
-        bs = self.batch_sampler if hasattr(self.batch_sampler, "set_epoch") else inner
-        for s in {id(self.sampler): self.sampler, id(bs): bs}.values():
-            if s is not None and hasattr(s, "set_epoch"):
-                s.set_epoch(epoch)
+        for s in self._epoch_targets():
+            s.set_epoch(epoch)
 
     def state_dict(self) -> dict[str, Any]:
-        """Epoch, batches delivered in the current pass, the random state that pass started
-        from (the global generator's, or the given generator's), and the samplers' states."""
-        state: dict[str, Any] = {"epoch": self.epoch, "batches_done": self._progress.delivered}
+        """The epoch of the current pass (the sampler's when it carries one: see :attr:`epoch`),
+        batches delivered in it, the random state it started from (the global generator's, or
+        the given generator's), and the samplers' states as it found them."""
+        epoch = self.epoch if self._pass_epoch is None else self._pass_epoch
+        state: dict[str, Any] = {"epoch": epoch, "batches_done": self._progress.delivered}
         state.update(self._sampler_states if self._sampler_states is not None else self._current_sampler_states())
         rng_state, generator_state = self._pass_state
         if generator_state is not None:
@@ -336,11 +376,7 @@ class PrefetchLoader:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume: the next pass redraws the saved pass's order and starts after the last batch
         delivered before ``state_dict``."""
-        for name in ("sampler", "batch_sampler"):
-            obj = getattr(self, name)
-            if obj is not None and name in state and hasattr(obj, "load_state_dict"):
-                obj.load_state_dict(state[name])
-        done = int(state["batches_done"])
+        done, epoch = int(state["batches_done"]), int(state["epoch"])
         unbounded = self._src.kind == "iterable" and not hasattr(self.dataset, "__len__")
         upper = None if unbounded else len(self)
         if done < 0 or (upper is not None and done > upper):
@@ -349,10 +385,15 @@ class PrefetchLoader:
         if "generator_state" in state and self.generator is None:
             raise ValueError("PrefetchLoader.load_state_dict: the state was saved from a loader with a "
                              "generator; pass generator=torch.Generator() to this one too")
-        self.set_epoch(int(state["epoch"]))
-        if done:
-            self._replay = Replay(skip=done, rng_state=state.get("rng_state"),
-                                  generator_state=state.get("generator_state"))
+        for name in ("sampler", "batch_sampler"):
+            obj = getattr(self, name)
+            if obj is not None and name in state and hasattr(obj, "load_state_dict"):
+                obj.load_state_dict(state[name])
+        self.set_epoch(epoch)
+        # a state taken after iter() holds the random state its pass started from (even before
+        # the first batch): the resumed pass redraws that pass's order from it
+        self._replay = Replay(skip=done, rng_state=state.get("rng_state"),
+                              generator_state=state.get("generator_state"), epoch=epoch)
 
 
 __all__ = ["PrefetchLoader"]

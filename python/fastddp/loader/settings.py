@@ -4,6 +4,7 @@ checked here."""
 
 from __future__ import annotations
 
+import operator
 import warnings
 from typing import Any, Optional, Union
 
@@ -45,28 +46,48 @@ def check_extras(device: Union[str, torch.device, None], prefetch: Optional[int]
         raise ValueError(f"PrefetchLoader: device {dev} requested but CUDA is not available; use "
                          "device=None for CPU batches")
     if prefetch is None:
-        prefetch = (prefetch_factor or 2) * num_workers if num_workers > 0 else 4
-        prefetch = max(1, prefetch)
-    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
+        # DataLoader's default (2 batches a worker); a num_workers or prefetch_factor that is
+        # not an integer fails at iter(), as DataLoader's iterator fails on it
+        workers, factor = _index_or(num_workers, 0), _index_or(prefetch_factor, 2)
+        return dev, max(1, factor * workers) if workers > 0 else 4
+    if isinstance(prefetch, bool) or _index_or(prefetch, 0) < 1:
         raise ValueError(f"PrefetchLoader: prefetch must be an integer >= 1, got {prefetch!r}")
-    return dev, prefetch
+    return dev, operator.index(prefetch)
+
+
+def _index_or(value: Any, default: int) -> int:
+    """``value`` as ``operator.index`` reads it (a numpy integer is an integer), else ``default``."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        return default
+
+
+def change_count(tensor: torch.Tensor) -> Optional[int]:
+    """The tensor's version counter (in-place changes count it up; views share their base's),
+    or None for an inference tensor, which has none (it can change only inside
+    ``torch.inference_mode()``)."""
+    return None if tensor.is_inference() else tensor._version
 
 
 def check_workers(num_workers: Any) -> int:
-    """``num_workers`` as a native pass reads it when an iterator starts. DataLoader checks it
-    only at construction; one assigned later reaches its iterator unchecked, where a negative
-    count fails an assertion and a non-integer a comparison. The same exception types, naming
-    the attribute and the fix."""
+    """``num_workers`` as a native pass reads it when an iterator starts (an integer as
+    ``operator.index`` reads it: a numpy integer is one, as for DataLoader). DataLoader checks
+    it only at construction; one assigned later reaches its iterator unchecked, where a
+    negative count fails an assertion and a non-integer a comparison. The same exception
+    types, naming the attribute and the fix."""
     if isinstance(num_workers, float) and num_workers == 0:
         return 0  # DataLoader's test is `num_workers > 0`: 0.0 is single-process there too
-    if not isinstance(num_workers, int):
+    try:
+        count = operator.index(num_workers)
+    except TypeError:
         raise TypeError(f"PrefetchLoader: num_workers must be an integer, got {num_workers!r} "
-                        "(assigned after construction); assign 0 or a positive int")
-    if num_workers < 0:
+                        "(DataLoader's worker iterator fails on it); use 0 or a positive int") from None
+    if count < 0:
         raise AssertionError("num_workers must be greater than 0 for MultiProcessingDataLoaderIter "
                              f"(PrefetchLoader: num_workers={num_workers} assigned after construction; "
                              "assign 0 or a positive int)")
-    return int(num_workers)
+    return count
 
 
 def prepare_tensors(tensors: list[torch.Tensor], device: torch.device, resident: Union[bool, str],

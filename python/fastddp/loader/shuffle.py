@@ -23,6 +23,11 @@ class EpochShuffle:
         self.epoch = int(epoch)
         self._pinned = True
 
+    @property
+    def upcoming_epoch(self) -> int:
+        """The epoch the next iterator uses."""
+        return self.epoch if self._pinned else self.epoch + 1
+
     def __iter__(self) -> Iterator[int]:
         if not self._pinned:
             self.epoch += 1

@@ -78,6 +78,10 @@ def _plain_data(t: torch.Tensor) -> Optional[str]:
     tensor outside autograd, of no subclass); else what it is instead."""
     if t.layout != torch.strided:
         return f"a {t.layout} tensor"
+    if t.is_quantized:
+        return "a quantized tensor (its rows carry the quantizer, kept by torch.stack)"
+    if t.device.type == "meta":
+        return "a meta tensor (it has no data to gather)"
     if t.requires_grad:
         return "a tensor that requires grad (its batches carry autograd history)"
     if type(t) not in (torch.Tensor, torch.nn.Parameter):
