@@ -30,7 +30,7 @@ def test_small_mlp_learns_to_90_percent_but_not_trivially() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=1e-2)
     g = torch.Generator().manual_seed(0)
     accs = []
-    for _ in range(3):
+    while len(accs) < 3 and not (accs and accs[-1] >= 0.90):  # 90 % within 3 epochs
         model.train()
         perm = torch.randperm(len(d.y_train), generator=g)
         for i in range(0, len(perm) - 63, 64):
