@@ -117,9 +117,13 @@ def test_mid_epoch_resume_with_a_generator() -> None:
     resumed = fastddp.PrefetchLoader(TensorDataset(x, y), batch_size=50, shuffle=True,
                                      generator=torch.Generator().manual_seed(999))
     resumed.load_state_dict(state)
+    again = resumed.state_dict()  # saved again before the resumed pass: the same position
     tail = [b.clone() for _, b in resumed]
     assert len(tail) == len(rest) and all(torch.equal(a, b) for a, b in zip(tail, rest))
     assert len(head) + len(tail) == len(loader)
+    third = fastddp.PrefetchLoader(TensorDataset(x, y), batch_size=50, shuffle=True, generator=torch.Generator())
+    third.load_state_dict(again)
+    assert all(torch.equal(a, b) for (_, a), b in zip(third, rest, strict=True))
     with pytest.raises(ValueError, match="saved from a loader with a generator; pass generator="):
         fastddp.PrefetchLoader(TensorDataset(x, y), batch_size=50, shuffle=True).load_state_dict(state)
 
@@ -152,6 +156,12 @@ def test_mid_epoch_resume(idiom: str, sampler_cls: type) -> None:
     resumed, sampler2 = make()
     resumed.load_state_dict(state)
     select(resumed, sampler2, 3)  # the resumed script's loop selects the saved epoch again
+    again = resumed.state_dict()  # a checkpoint written before the resumed pass keeps the position
+    assert again["epoch"] == 3 and again["batches_done"] == 4
+    third, sampler3 = make()
+    third.load_state_dict(again)
+    select(third, sampler3, 3)
+    assert all(torch.equal(a, b) for (_, a), b in zip(third, full[4:], strict=True))
     tail = [b.clone() for _, b in resumed]
     assert len(head) + len(tail) == len(full)
     for a, b in zip(head + tail, full):

@@ -350,11 +350,28 @@ class PrefetchLoader:
     def state_dict(self) -> dict[str, Any]:
         """The epoch of the current pass (the sampler's when it carries one: see :attr:`epoch`),
         batches delivered in it, the random state it started from (the global generator's, or
-        the given generator's), and the samplers' states as it found them."""
+        the given generator's), and the samplers' states as it found them. Between
+        :meth:`load_state_dict` and the pass it resumes, the state loaded (a checkpoint written
+        then keeps the position)."""
+        if self._replay.resumes:
+            return self._pending_state()
         epoch = self.epoch if self._pass_epoch is None else self._pass_epoch
         state: dict[str, Any] = {"epoch": epoch, "batches_done": self._progress.delivered}
         state.update(self._sampler_states if self._sampler_states is not None else self._current_sampler_states())
-        rng_state, generator_state = self._pass_state
+        return self._with_random_state(state, *self._pass_state)
+
+    def _pending_state(self) -> dict[str, Any]:
+        """The state of a loaded pass that has not started: where it will resume."""
+        replay = self._replay
+        state: dict[str, Any] = {"epoch": self.epoch if replay.epoch is None else replay.epoch,
+                                 "batches_done": replay.skip}
+        state.update(self._current_sampler_states())
+        return self._with_random_state(state, replay.rng_state, replay.generator_state)
+
+    @staticmethod
+    def _with_random_state(state: dict[str, Any], rng_state: Optional[torch.Tensor],
+                           generator_state: Optional[torch.Tensor]) -> dict[str, Any]:
+        """``state`` with the random state its pass starts from (the generator's, or the global one)."""
         if generator_state is not None:
             state["generator_state"] = generator_state.clone()
         elif rng_state is not None:
