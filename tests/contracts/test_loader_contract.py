@@ -5,6 +5,7 @@ generators' states must be the same."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable
 
 import numpy as np
@@ -299,6 +300,14 @@ def test_public_attributes_are_dataloaders() -> None:
             assert type(getattr(ref, name)) is type(getattr(ours, name)), name  # kept as given
         for name in ("sampler", "batch_sampler", "collate_fn"):
             assert type(getattr(ref, name)) is type(getattr(ours, name)), name
+    warned = []
+    for cls in (DataLoader, fastddp.PrefetchLoader):  # more workers than CPUs: DataLoader's warning
+        loader = cls(tensors(), batch_size=2, num_workers=4096)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loader.check_worker_number_rationality()
+        warned.append([str(w.message) for w in caught])
+    assert len(warned[0]) == 1 and warned[0] == warned[1]
 
 
 @pytest.mark.parametrize(("workers", "value"), [(0, "spawn"), (0, None), (2, "bogus"), (2, 3), (2, "spawn"), (2, None)])

@@ -259,6 +259,11 @@ class PrefetchLoader:
             return self._iterator
         return self._new_iterator()
 
+    def check_worker_number_rationality(self) -> None:
+        """DataLoader's public check: a warning when ``num_workers`` is more than the CPUs this
+        process may use (DataLoader's own code, reading this loader's ``num_workers``)."""
+        DataLoader.check_worker_number_rationality(self)  # type: ignore[arg-type]
+
     def __len__(self) -> int:
         if self._src.kind == "iterable":  # DataLoader's rule: the stream's len(), in batches
             length = self._iterable_len_reported = len(self.dataset)
