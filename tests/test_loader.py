@@ -336,6 +336,25 @@ def test_cuda_direct_bad_index_is_dataloaders_indexerror_at_its_batch() -> None:
         list(torch.utils.data.DataLoader(TensorDataset(x), batch_size=4, sampler=sampler))
 
 
+def test_devices_other_than_cpu_and_cuda() -> None:
+    """The C++ gather delivers to CPU or CUDA devices; a TensorDataset's batches for another
+    backend are moved there with .to() (DataLoader's batches, on that device), own-form tensors
+    are refused at construction naming the device, and a backend this torch lacks is refused
+    there too."""
+    ds = TensorDataset(torch.arange(12.0).view(6, 2), torch.arange(6))
+    loader = fastddp.PrefetchLoader(ds, batch_size=4, device="meta")
+    got = list(loader)
+    want = list(torch.utils.data.DataLoader(ds, batch_size=4))
+    assert [[t.device.type for t in b] for b in got] == [["meta", "meta"]] * 2
+    assert [[t.shape for t in b] for b in got] == [[t.shape for t in b] for b in want]
+    with pytest.raises(ValueError, match=r"device meta: tensors and \.npy paths are gathered by C\+\+ "
+                       r"threads, .*wrap them in a TensorDataset"):
+        fastddp.PrefetchLoader((torch.zeros(4, 2),), batch_size=2, device="meta")
+    missing = next(t for t in ("xpu", "mps", "mtia") if not getattr(torch, t).is_available())
+    with pytest.raises(ValueError, match=rf"device {missing}(:0)? is not usable in this torch"):
+        fastddp.PrefetchLoader(ds, batch_size=4, device=missing)
+
+
 def test_pin_dataset_needs_cuda_device() -> None:
     with pytest.raises(ValueError, match=r"pin_dataset needs tensors or \.npy arrays and a CUDA "
                        r"device \(got a tensors dataset, device cpu\)"):

@@ -15,6 +15,7 @@ from .iterator import LoaderHooks, LoaderIterator, Progress
 from .passes import NativePass, NativeSettings, Replay, TorchPass, build_runner
 from .plan import reads_ahead_unobserved
 from .settings import (
+    NATIVE_DEVICE_TYPES,
     change_count,
     check_extras,
     check_own_form,
@@ -125,6 +126,11 @@ class PrefetchLoader:
         self.dataset = dataset
         self._src = src
         self.device, self.prefetch = check_extras(device, prefetch, prefetch_factor, num_workers, generator)
+        if src.own_form and self.device.type not in NATIVE_DEVICE_TYPES:
+            raise ValueError(f"PrefetchLoader: device {self.device}: tensors and .npy paths are gathered "
+                             "by C++ threads, which deliver to CPU or CUDA devices; wrap them in a "
+                             f"TensorDataset to have each batch moved to {self.device.type} with .to(), "
+                             "or use device=None")
         self._tensor_options = (device_resident, resident_max_bytes, pin_dataset)
         self._tensors: Optional[tuple[Optional[tuple[Any, ...]], list[torch.Tensor], bool]] = None
         if pin_dataset or device_resident:
@@ -163,6 +169,8 @@ class PrefetchLoader:
     # ------------------------------------------------------------------ what a pass does
     def _native(self) -> bool:
         """Whether a pass gathers natively (else torch's DataLoader machinery reads it)."""
+        if self.device.type not in NATIVE_DEVICE_TYPES:
+            return False  # batches are moved there with .to(device)
         native = (self._src.gatherable and self.batch_sampler is not None and self.collate_fn is default_collate
                   and self.worker_init_fn is None and self.timeout == 0
                   and (self.multiprocessing_context is None or self.num_workers == 0))

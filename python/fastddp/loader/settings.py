@@ -35,6 +35,10 @@ def check_own_form(**given: Any) -> None:
                              f"them in a TensorDataset to use {name}, or drop it")
 
 
+# Where the C++ gather delivers batches; the loader moves them to any other device with .to().
+NATIVE_DEVICE_TYPES = ("cpu", "cuda")
+
+
 def check_extras(device: Union[str, torch.device, None], prefetch: Optional[int],
                  prefetch_factor: Optional[int], num_workers: int,
                  generator: Optional[torch.Generator]) -> tuple[torch.device, int]:
@@ -45,6 +49,12 @@ def check_extras(device: Union[str, torch.device, None], prefetch: Optional[int]
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"PrefetchLoader: device {dev} requested but CUDA is not available; use "
                          "device=None for CPU batches")
+    if dev.type not in NATIVE_DEVICE_TYPES:
+        try:  # another backend (meta, xpu, mps): batches are moved there with .to(device)
+            torch.empty(0, device=dev)
+        except (RuntimeError, AssertionError) as exc:
+            raise ValueError(f"PrefetchLoader: device {dev} is not usable in this torch ({exc}); use "
+                             "device=None for CPU batches") from None
     if prefetch is None:
         # DataLoader's default (2 batches a worker); a num_workers or prefetch_factor that is
         # not an integer fails at iter(), as DataLoader's iterator fails on it
