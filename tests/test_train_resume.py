@@ -319,6 +319,11 @@ def test_resume_path_of_a_finished_run_into_a_new_save_dir(one_epoch, tmp_path,
     codes, out = trainer_runs.run(save, data_path, ["--epochs", "2", "--resume", str(given)])
     assert codes == [0], out
     assert [row["epoch"] for row in trainer_runs.metrics(save)] == ["1", "2"]
+    # the best epoch so far came along: best.pt is the given run's or a better one of this run
+    best = torch.load(save / "best.pt", weights_only=False)
+    first = torch.load(one_epoch / "best.pt", weights_only=False)
+    assert best["metrics"]["val_f1"] >= first["metrics"]["val_f1"]
+    assert f"copied {(one_epoch / 'best.pt').resolve()}" in out, out
 
 
 def test_epoch_resumed_in_its_middle_counts_its_time_before_the_checkpoint(tmp_path,

@@ -270,6 +270,8 @@ def restore(r: Run) -> tuple[Optional[Partial], bool]:
         raise UsageError(problem, shared=True)
     mid_epoch = state.load_state_dict(loaded)
     check_complete_elsewhere(r, path)
+    if ctx.is_main:
+        carry_best(r, path)
     hold_lr(state.optimizer, state.scheduler, ctx.device if r.graphed is not None else None)
     partial = None
     if mid_epoch:
@@ -285,6 +287,28 @@ def restore(r: Run) -> tuple[Optional[Partial], bool]:
                  f"by hand, or written after a checkpoint that is gone): kept as {kept.name}; "
                  "metrics.csv is written again from the checkpoint")
     return partial, True
+
+
+def carry_best(r: Run, path: Path) -> None:
+    """``--resume PATH`` from another directory into a ``--save-dir`` without a best.pt: the
+    best epoch so far is in PATH's run, so its best.pt is copied here (queued behind the
+    writer's other files) when it is the best epoch of the history loaded; a later epoch that
+    does better replaces it as usual. Otherwise the run says where the best weights are not."""
+    source, target = path.resolve().parent / "best.pt", r.save_dir / "best.pt"
+    if source.parent == r.save_dir.resolve() or target.exists() or not r.state.history:
+        return
+    try:
+        best = checkpoint.verify(source)
+    except (checkpoint.CheckpointError, OSError):
+        best = None
+    top = max(r.state.history, key=lambda row: row["val_f1"])
+    if best is not None and best.get("metrics") == top:
+        r.saver.write(source.read_bytes(), target)
+        log(r.ctx, f"note: copied {source} (the best epoch so far, {top['epoch']}) into {r.save_dir}")
+        return
+    log(r.ctx, f"note: {source} is missing, unreadable or not the best epoch of {path}'s "
+               f"history (epoch {top['epoch']}); {r.save_dir} gets a best.pt from the first epoch "
+               "this run trains that does better")
 
 
 def check_complete_elsewhere(r: Run, path: Path) -> None:
