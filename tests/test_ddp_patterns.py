@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 
 import pytest
 import torch
@@ -291,6 +292,30 @@ def test_gradient_layout_follows_the_parameter_like_torch_ddp(ranks, transport: 
     """channels_last and transposed parameters get gradients with their own strides (the bucket
     views take them), equal to torch DDP's in value and layout, with either gradient layout."""
     ranks.run(_layouts, world_size=2, args=(transport, as_view, set_to_none))
+
+
+def _layout_changed_after_wrapping(rank: int, world_size: int) -> None:
+    """``.to(memory_format=torch.channels_last)`` after wrapping: torch DDP warns that the
+    gradients' strides differ from its bucket views'; DDPWrapper gives the same warning (its
+    gradients are the exact average; torch's first step's are not, so values are not compared)."""
+    os.environ["FASTDDP_SHM_ALLREDUCE"] = "1"
+    ours, ref = make_pair(conv_bn, {})
+    said = []
+    torch.set_warn_always(True)  # TORCH_WARN_ONCE warns every time (the pool's processes are reused)
+    try:
+        for m in (ref, ours):
+            m.module.to(memory_format=torch.channels_last)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                m(torch.randn(2, 3, 6, 6).to(memory_format=torch.channels_last)).sum().backward()
+            said.append({str(w.message).split("\n")[0] for w in caught if "Grad strides" in str(w.message)})
+    finally:
+        torch.set_warn_always(False)
+    assert len(said[0]) == 1 and said[0] == said[1], said
+
+
+def test_layout_changed_after_wrapping_warns_like_torch_ddp(ranks) -> None:
+    ranks.run(_layout_changed_after_wrapping, world_size=2)
 
 
 _FUZZ_OPS = ("train", "train", "no_grad", "inference", "no_sync", "eval_toggle", "zero_none", "zero_keep", "step",

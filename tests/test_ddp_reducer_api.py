@@ -64,9 +64,9 @@ def test_bucket_visitor_survives_a_replaced_reducer_and_is_taken_once() -> None:
 
 
 def _visitor_checks(rank: int, world_size: int) -> tuple[str, bool, int]:
-    lin = nn.Linear(3, 3)
-    lin._ddp_params_and_buffers_to_ignore = ["bias"]
-    model = fastddp.DDPWrapper(lin)
+    net = nn.Sequential(nn.Linear(3, 3))
+    net._ddp_params_and_buffers_to_ignore = ["0.bias"]
+    model = fastddp.DDPWrapper(net)
     try:
         model.register_bucket_visitor(object())
         refused = ""

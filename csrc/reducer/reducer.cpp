@@ -267,6 +267,15 @@ void Reducer::copy_grad_to_bucket_locked(int64_t index) {
   const auto& target = buckets_[param_bucket_[index]];
   const bool divide = inv_world_ != 1.0 && !comm_hook_ && !reduce_avg_locked() && !target.shm &&
                       !target.comm.defined();
+  if (grad.defined() && grad.strides() != view.strides()) {
+    // torch DDP's warning, word for word (a parameter's layout changed after wrapping, e.g.
+    // .to(memory_format=torch.channels_last)); the copy below still lays the values out right.
+    TORCH_WARN_ONCE("Grad strides do not match bucket view strides. This may indicate grad was not created "
+                    "according to the gradient layout contract, or that the param's strides changed since DDP "
+                    "was constructed.  This is not an error, but may impair performance.\ngrad.sizes() = ",
+                    grad.sizes(), ", strides() = ", grad.strides(), "\n", "bucket_view.sizes() = ", view.sizes(),
+                    ", strides() = ", view.strides());
+  }
   if (grad.defined()) {
     if (grad.is_alias_of(view)) {
       if (divide) view.mul_(inv_world_);  // accumulated in place (bucket view): pre-divide there
