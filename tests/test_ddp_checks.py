@@ -48,6 +48,24 @@ def test_shapes_differing_beyond_the_fourth_dim_are_refused_as_torch_refuses() -
         assert "rank 1 has shape (1, 1, 1, 1, 3, 2)" in ours_msg, ours_msg
 
 
+def _layout_mismatch(rank: int, world_size: int) -> tuple[str, str]:
+    conv = nn.Sequential(nn.Conv2d(3, 4, 3))
+    if rank == 1:  # the same shapes, the weight channels_last on one rank only
+        conv.to(memory_format=torch.channels_last)
+    return _outcome(lambda: fastddp.DDPWrapper(conv))
+
+
+def test_strides_differing_between_ranks_are_refused_with_torchs_sentence() -> None:
+    """torch DDP refuses this on the differing rank ("appears not to match strides of the same
+    param in process 0"); DDPWrapper on every rank (a bucket laid out differently per rank would
+    sum unrelated elements)."""
+    for kind, msg in run_distributed(_layout_mismatch, world_size=2):
+        assert kind == "RuntimeError", msg
+        assert ("params[0] ('0.weight') in this process with sizes [4, 3, 3, 3] appears not to match "
+                "strides of the same param in process 0") in msg, msg
+        assert "rank 0 has strides (27, 9, 3, 1), rank 1 has (27, 1, 9, 3)" in msg, msg
+
+
 def _dtype_mismatch(rank: int, world_size: int, dims: int) -> tuple[str, str]:
     shape = (3, 2, 2, 2, 2)[:dims]
     dtype = torch.float32 if rank == 0 else torch.float64

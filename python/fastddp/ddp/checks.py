@@ -203,8 +203,10 @@ def deprecated_arguments(broadcast_buffers: Optional[bool], forward_sync_buffers
 
 def verify_across_ranks(named: list[tuple[str, nn.Parameter]], group: dist.ProcessGroup, world_size: int) -> None:
     """torch DDP's check that every rank built the same model: the same number of
-    parameters and, for each, the same full shape, dtype and requires_grad (two all-gathers:
-    the count and widest rank, then one row per parameter)."""
+    parameters and, for each, the same full shape, strides, dtype and requires_grad (two
+    all-gathers: the count and widest rank, then one row per parameter). Strides matter: each
+    rank lays its bucket out as its parameters are laid out, so a parameter that is
+    channels_last on one rank only would be summed element against unrelated element."""
     if world_size == 1:
         return
     device = named[0][1].device if "nccl" in backend_name(group) else torch.device("cpu")
@@ -215,18 +217,26 @@ def verify_across_ranks(named: list[tuple[str, nn.Parameter]], group: dist.Proce
     if len(set(counts)) > 1:
         raise RuntimeError("DDPWrapper: ranks have different numbers of parameters: "
                            + ", ".join(f"rank {r}: {c}" for r, c in enumerate(counts)))
-    width = _META_FIELDS + max(int(h[1]) for h in headers)
+    width = _META_FIELDS + 2 * max(int(h[1]) for h in headers)
     local = torch.tensor([v for _, p in named for v in _param_meta(p, width)], dtype=torch.int64, device=device)
     gathered = [torch.zeros_like(local) for _ in range(world_size)]
     dist.all_gather(gathered, local, group=group)
     rows = [g.view(-1, width).cpu() for g in gathered]
-    for i, (name, _param) in enumerate(named):
+    for i, (name, param) in enumerate(named):
         for r in range(world_size):
-            if not torch.equal(rows[r][i], rows[0][i]):
+            if torch.equal(rows[r][i], rows[0][i]):
+                continue
+            if _describe(rows[r][i]) == _describe(rows[0][i]) and _strides(rows[r][i]) != _strides(rows[0][i]):
                 raise RuntimeError(
-                    f"DDPWrapper: parameter {i} ({name!r}) differs between ranks: rank 0 has "
-                    f"{_describe(rows[0][i])}, rank {r} has {_describe(rows[r][i])}. Every rank "
-                    "must build the same model.")
+                    f"DDPWrapper: params[{i}] ({name!r}) in this process with sizes {list(param.shape)} "
+                    "appears not to match strides of the same param in process 0 (torch DDP's check): "
+                    f"rank 0 has strides {_strides(rows[0][i])}, rank {r} has {_strides(rows[r][i])}. Lay "
+                    "the parameters out alike on every rank, e.g. .to(memory_format=torch.channels_last) "
+                    "on all ranks or none, before wrapping.")
+            raise RuntimeError(
+                f"DDPWrapper: parameter {i} ({name!r}) differs between ranks: rank 0 has "
+                f"{_describe(rows[0][i])}, rank {r} has {_describe(rows[r][i])}. Every rank "
+                "must build the same model.")
 
 
 def env_flag(name: str) -> Optional[bool]:
@@ -249,13 +259,21 @@ def _dtype_code(dtype: torch.dtype) -> int:
     return _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
 
 
-_META_FIELDS = 4  # numel, ndim, requires_grad, dtype code; the full shape follows
+_META_FIELDS = 4  # numel, ndim, requires_grad, dtype code; the full shape, then the strides follow
 
 
 def _param_meta(p: torch.Tensor, width: int) -> list[int]:
-    """One parameter's row of the cross-rank model check, zero-padded to ``width``."""
-    row = [p.numel(), p.dim(), int(p.requires_grad), _dtype_code(p.dtype), *p.shape]
-    return row + [0] * (width - len(row))
+    """One parameter's row of the cross-rank model check, zero-padded to ``width``: the fields,
+    the shape, zeros to half the rest, the strides."""
+    half = (width - _META_FIELDS) // 2
+    shape = [*p.shape] + [0] * (half - p.dim())
+    strides = [*p.stride()] + [0] * (half - p.dim())
+    return [p.numel(), p.dim(), int(p.requires_grad), _dtype_code(p.dtype), *shape, *strides]
+
+
+def _strides(row: torch.Tensor) -> tuple[int, ...]:
+    ndim, half = int(row[1]), (len(row) - _META_FIELDS) // 2
+    return tuple(int(v) for v in row[_META_FIELDS + half:_META_FIELDS + half + ndim])
 
 
 def _describe(row: torch.Tensor) -> str:
