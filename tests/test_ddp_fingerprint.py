@@ -214,6 +214,16 @@ def _correct_runs(rank: int, world_size: int, transport: str) -> list[bool]:
                 with torch.autocast("cpu", dtype=torch.bfloat16):
                     out = model(torch.randn(2, 8, generator=g))
                 out.float().sum().backward()
+    # forwards without a backward on rank 0 only (a logging forward, gradients on), inside
+    # no_sync() and between the micro-steps and the reducing step: torch DDP runs this
+    for _ in range(2):
+        with model.no_sync():
+            model(torch.randn(2, 8, generator=g)).sum().backward()
+            if rank == 0:
+                model(torch.randn(2, 8, generator=g))
+        if rank == 0:
+            model(torch.randn(2, 8, generator=g))
+        model(torch.randn(2, 8, generator=g)).sum().backward()
     # find_unused_parameters: the same unused set, then (as torch DDP allows) different ones
     branch = fastddp.DDPWrapper(BranchNet(), find_unused_parameters=True)
     for step in range(4):

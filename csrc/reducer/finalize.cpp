@@ -24,6 +24,7 @@ void Reducer::finalize_backward() {
   callback_queued_ = false;
   if (!expect_sync_) return;
   expect_sync_ = false;
+  nosync_steps_ = 0;  // the micro-steps this reduction sums
   record_arrival_ = false;  // the first reduced backward's order is the one kept
   const bool static_first = static_graph_ && static_first_iteration_;
   if (static_first) settle_static_first_locked();

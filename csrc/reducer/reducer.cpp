@@ -166,8 +166,9 @@ void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs, bool 
   if (!sync) {
     // A forward under no_sync() leaves the reducer as it is, as torch DDP's does: a reduction
     // a reducing forward asked for still happens in the next backward (one backward through
-    // both forwards' graphs, or a reducing forward whose own backward never ran).
-    ++nosync_forwards_;
+    // both forwards' graphs, or a reducing forward whose own backward never ran). Its
+    // backward, if one runs, counts as a no_sync() micro-step for the fingerprints.
+    nosync_forward_pending_ = true;
     return;
   }
   if (static_graph_ && expect_sync_ && hooks_seen_ && !callback_queued_) refuse_incomplete_static_locked();
@@ -327,6 +328,8 @@ void Reducer::mark_ready(int64_t index) {
     // no_sync(), or a backward not preceded by a forward: the gradients change after the last
     // reduction, so what visitors computed from it is stale, and a new gradient (after
     // zero_grad(set_to_none)) lives outside the buckets.
+    if (nosync_forward_pending_) ++nosync_steps_;  // a no_sync() micro-step that accumulated
+    nosync_forward_pending_ = false;
     invalidate_visitors_locked();
     if (grad.defined() && !grad.is_alias_of(bucket_view(index))) buckets_hold_grads_ = false;
     return;
@@ -339,6 +342,7 @@ void Reducer::mark_ready(int64_t index) {
               "torch.autograd.grad(..., create_graph=True) and call backward() without create_graph.");
   diag::status().backward_started();  // a reducing backward (no_sync's stay "outside")
   hooks_seen_ = true;
+  nosync_forward_pending_ = false;  // a no_sync() forward backwarded with this reduction
   if (static_graph_) {
     if (static_first_iteration_) {
       // Count the arrivals; everything is reduced at the end of this backward.

@@ -308,7 +308,10 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   int64_t fp_reductions_ = 0;       // reductions taken part in (stand-ins for joined ranks too)
   int64_t fp_collectives_ = 0;      // bucket collectives issued
   int64_t fp_layout_ = 0;           // hash of the installed bucket layout
-  int64_t nosync_forwards_ = 0;     // forwards under no_sync() since the last reducing forward
+  // no_sync() micro-steps since the last reduction: forwards under no_sync() whose backward
+  // ran (a forward alone, e.g. for logging, is not one); counted at that backward's first hook.
+  int64_t nosync_steps_ = 0;
+  bool nosync_forward_pending_ = false;  // a no_sync() forward whose backward has not run yet
   int64_t fp_nosync_ = 0;           // ... captured by the reducing forward
   int64_t fp_autocast_ = 0;         // the reducing forward's autocast state
   int64_t fp_unused_ = 0;           // hash of the parameters the reducing forward did not reach

@@ -78,8 +78,7 @@ int64_t Reducer::layout_hash_locked() const {
 }
 
 void Reducer::note_reducing_forward_locked() {
-  fp_nosync_ = nosync_forwards_;
-  nosync_forwards_ = 0;
+  fp_nosync_ = nosync_steps_;  // since the last reduction (a reducing forward may have had no backward)
   if (!params_.empty()) {
     const auto device_type = params_.front().device().type();
     fp_autocast_ = at::autocast::is_autocast_enabled(device_type)
