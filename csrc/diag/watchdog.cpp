@@ -17,6 +17,12 @@ namespace {
 using Seconds = std::chrono::duration<double>;
 
 std::vector<uint8_t> bytes(const std::string& s) { return {s.begin(), s.end()}; }
+
+// An error's message without the C++ stack trace c10::Error appends.
+std::string message_of(const std::exception& e) {
+  const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
+  return c10_error ? c10_error->what_without_backtrace() : e.what();
+}
 std::string text(const std::vector<uint8_t>& b) { return {b.begin(), b.end()}; }
 
 // One rank's answer: "phase detail step steps_done seconds\n<python stack>".
@@ -90,7 +96,7 @@ std::string collective_failed(const std::string& headline) {
       dog->post_abort(report);
       done->set_value(std::move(report));
     } catch (const std::exception& e) {
-      done->set_value(std::string("(no report: the c10d store failed: ") + e.what() + ")");
+      done->set_value(std::string("(no report: the c10d store failed: ") + message_of(e) + ")");
     }
   }).detach();
   const auto& o = dog->options();
@@ -171,9 +177,12 @@ void Watchdog::run() {
       take_shared_report();
       watch_own_wait();
     } catch (const std::exception& e) {
-      // The store is gone (its host rank exited): nothing more can be collected.
-      std::fprintf(stderr, "fastddp watchdog (rank %lld): the c10d store failed (%s); stall reports are off\n",
-                   static_cast<long long>(options_.rank), e.what());
+      // The store is gone (its host rank exited): nothing more can be collected. Between
+      // steps that is how a job ends (the host rank finished first): nothing to say then.
+      if (status().snapshot().phase != Phase::kOutside) {
+        std::fprintf(stderr, "fastddp watchdog (rank %lld): the c10d store failed (%s); stall reports are off\n",
+                     static_cast<long long>(options_.rank), message_of(e).c_str());
+      }
       return;
     }
   }
@@ -266,7 +275,7 @@ std::string Watchdog::python_stack() {
     try {
       done->set_value(stack());
     } catch (const std::exception& e) {
-      done->set_value(std::string("Python stack not available: ") + e.what());
+      done->set_value(std::string("Python stack not available: ") + message_of(e));
     }
   }).detach();
   if (answer.wait_for(Seconds(options_.stack_timeout_s)) != std::future_status::ready)
