@@ -204,7 +204,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // Gathers every rank's detail (a collective, on the error path only) and raises.
   [[noreturn]] void raise_desync_locked(const Fingerprint& mine);
   int64_t layout_hash_locked() const;
-  // A reducing forward: its no_sync() count and autocast state go into the next fingerprint.
+  // A reducing forward: the no_sync() micro-steps since the last reduction and its autocast state
+  // go into the next fingerprint.
   void note_reducing_forward_locked();
   // find_unused_parameters: the parameters the reducing forward did not reach.
   void note_unused_locked(const std::vector<char>& reached);
