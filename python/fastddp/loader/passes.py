@@ -283,3 +283,14 @@ def _call_none(batch: Any) -> Any:
     """``collate_fn = None`` assigned after construction: DataLoader calls None for every
     batch (in its workers too); this module-level stand-in fails the same way and pickles."""
     raise TypeError("'NoneType' object is not callable")
+
+
+def with_random_state(state: dict[str, Any], rng_state: Optional[torch.Tensor],
+                      generator_state: Optional[torch.Tensor]) -> dict[str, Any]:
+    """A loader ``state`` with the random state its pass starts from (the generator's, or the
+    global one)."""
+    if generator_state is not None:
+        state["generator_state"] = generator_state.clone()
+    elif rng_state is not None:
+        state["rng_state"] = rng_state.clone()
+    return state

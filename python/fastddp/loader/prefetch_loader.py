@@ -3,7 +3,6 @@ gathered by C++ threads into pinned rings and delivered on the device."""
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable, Iterator
 from typing import Any, Optional, Union
 
@@ -12,7 +11,7 @@ from torch.utils.data import BatchSampler, DataLoader, default_collate
 
 from .._ext import C
 from .iterator import LoaderHooks, LoaderIterator, Progress
-from .passes import NativePass, NativeSettings, Replay, TorchPass, build_runner
+from .passes import NativePass, NativeSettings, Replay, TorchPass, build_runner, with_random_state
 from .plan import reads_ahead_unobserved
 from .settings import (
     NATIVE_DEVICE_TYPES,
@@ -25,7 +24,7 @@ from .settings import (
     prepare_tensors,
     start_warnings,
 )
-from .shuffle import EpochShuffle
+from .shuffle import EpochShuffle, epoch_targets, sampler_epoch
 from .sources import classify
 
 # DataLoader's attributes, mirrored so that code reading them keeps working.
@@ -268,8 +267,7 @@ class PrefetchLoader:
         return self._new_iterator()
 
     def check_worker_number_rationality(self) -> None:
-        """DataLoader's public check: a warning when ``num_workers`` is more than the CPUs this
-        process may use (DataLoader's own code, reading this loader's ``num_workers``)."""
+        """DataLoader's own check: a warning when ``num_workers`` exceeds the usable CPUs."""
         DataLoader.check_worker_number_rationality(self)  # type: ignore[arg-type]
 
     def __len__(self) -> int:
@@ -318,30 +316,12 @@ class PrefetchLoader:
         return "direct" if all(t.is_pinned() for t in tensors) else "staged"
 
     # ------------------------------------------------------------------ epochs and resuming
-    def _epoch_targets(self) -> list[Any]:
-        """What ``set_epoch`` reaches: the sampler, and the batch sampler (or, when it has no
-        ``set_epoch``, the sampler inside it), each once, those with a ``set_epoch``."""
-        inner = getattr(self.batch_sampler, "sampler", None)
-        bs = self.batch_sampler if hasattr(self.batch_sampler, "set_epoch") else inner
-        return [s for s in {id(self.sampler): self.sampler, id(bs): bs}.values()
-                if s is not None and hasattr(s, "set_epoch")]
-
-    def _sampler_epoch(self) -> Optional[int]:
-        """The ``epoch`` of the first sampler ``set_epoch`` reaches that has an integer one
-        (torch's and fastddp's DistributedSampler, ``seed=``'s shuffle), else None."""
-        for s in self._epoch_targets():
-            try:
-                return operator.index(getattr(s, "epoch", None))
-            except TypeError:
-                continue
-        return None
-
     @property
     def epoch(self) -> int:
         """The epoch the next pass uses: the sampler's, when it carries one (so
         ``sampler.set_epoch(e)`` is seen as ``loader.set_epoch(e)`` is), else the loader's own
         (set by :meth:`set_epoch`)."""
-        epoch = self._sampler_epoch()
+        epoch = sampler_epoch(self.sampler, self.batch_sampler)
         return self._epoch if epoch is None else epoch
 
     def _upcoming_epoch(self) -> int:
@@ -357,7 +337,7 @@ class PrefetchLoader:
         if int(epoch) != self.epoch:
             self._replay = Replay()
         self._epoch = int(epoch)
-        for s in self._epoch_targets():
+        for s in epoch_targets(self.sampler, self.batch_sampler):
             s.set_epoch(epoch)
 
     def state_dict(self) -> dict[str, Any]:
@@ -371,7 +351,7 @@ class PrefetchLoader:
         epoch = self.epoch if self._pass_epoch is None else self._pass_epoch
         state: dict[str, Any] = {"epoch": epoch, "batches_done": self._progress.delivered}
         state.update(self._sampler_states if self._sampler_states is not None else self._current_sampler_states())
-        return self._with_random_state(state, *self._pass_state)
+        return with_random_state(state, *self._pass_state)
 
     def _pending_state(self) -> dict[str, Any]:
         """The state of a loaded pass that has not started: where it will resume."""
@@ -379,17 +359,7 @@ class PrefetchLoader:
         state: dict[str, Any] = {"epoch": self.epoch if replay.epoch is None else replay.epoch,
                                  "batches_done": replay.skip}
         state.update(self._current_sampler_states())
-        return self._with_random_state(state, replay.rng_state, replay.generator_state)
-
-    @staticmethod
-    def _with_random_state(state: dict[str, Any], rng_state: Optional[torch.Tensor],
-                           generator_state: Optional[torch.Tensor]) -> dict[str, Any]:
-        """``state`` with the random state its pass starts from (the generator's, or the global one)."""
-        if generator_state is not None:
-            state["generator_state"] = generator_state.clone()
-        elif rng_state is not None:
-            state["rng_state"] = rng_state.clone()
-        return state
+        return with_random_state(state, replay.rng_state, replay.generator_state)
 
     def _current_sampler_states(self) -> dict[str, Any]:
         """The samplers' states as a pass starting now finds them: a sampler that can say where

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -37,3 +38,22 @@ class EpochShuffle:
 
     def __len__(self) -> int:
         return len(self.data_source)
+
+
+def epoch_targets(sampler: Any, batch_sampler: Any) -> list[Any]:
+    """What a loader's ``set_epoch`` reaches: the sampler, and the batch sampler (or, when it
+    has no ``set_epoch``, the sampler inside it), each once, those with a ``set_epoch``."""
+    inner = getattr(batch_sampler, "sampler", None)
+    bs = batch_sampler if hasattr(batch_sampler, "set_epoch") else inner
+    return [s for s in {id(sampler): sampler, id(bs): bs}.values() if s is not None and hasattr(s, "set_epoch")]
+
+
+def sampler_epoch(sampler: Any, batch_sampler: Any) -> Optional[int]:
+    """The ``epoch`` of the first of :func:`epoch_targets` that has an integer one (torch's and
+    fastddp's DistributedSampler, ``seed=``'s shuffle), else None."""
+    for s in epoch_targets(sampler, batch_sampler):
+        try:
+            return operator.index(getattr(s, "epoch", None))
+        except TypeError:
+            continue
+    return None
