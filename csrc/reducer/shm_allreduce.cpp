@@ -136,28 +136,35 @@ inline bool reached(uint32_t value, uint32_t seq) { return static_cast<int32_t>(
 // blocking on both sides gives the same bits on every rank.
 constexpr int64_t kBlock = 2048;
 
-// dst[i] = scale * sum over src of src[k][i], accumulated in Acc in rank order, and the same
-// values into `copy` when it is not null. dst may be one of the sources: each block is read
-// completely before it is written. Returns the sum of squares of the written values when
-// `squares` (each block is squared, and copied, while it is in L1).
+// dst[i] = sum over src of scale * src[k][i], accumulated in Acc in rank order, and the same
+// values into `copy` when it is not null. Each rank's value is scaled before the sum, as torch
+// DDP divides each gradient before its all-reduce: at world size 2 the result has torch's bits
+// also where the sum itself would overflow or the halves are subnormal. dst may be one of the
+// sources: each block is read completely before it is written. Returns the sum of squares of
+// the written values when `squares` (each block is squared, and copied, while it is in L1).
 template <typename T, typename Acc>
 double sum_slices(T* dst, T* copy, const std::vector<const T*>& src, int64_t n, Acc scale, bool squares) {
   Acc acc[kBlock];
   double sumsq = 0.0;
+  const bool scaled = scale != Acc(1);
   for (int64_t base = 0; base < n; base += kBlock) {
     const int64_t m = std::min(kBlock, n - base);
     const T* s0 = src[0] + base;
-    for (int64_t i = 0; i < m; ++i) acc[i] = static_cast<Acc>(s0[i]);
+    if (scaled) {
+      for (int64_t i = 0; i < m; ++i) acc[i] = static_cast<Acc>(s0[i]) * scale;
+    } else {
+      for (int64_t i = 0; i < m; ++i) acc[i] = static_cast<Acc>(s0[i]);
+    }
     for (size_t k = 1; k < src.size(); ++k) {
       const T* s = src[k] + base;
-      for (int64_t i = 0; i < m; ++i) acc[i] += static_cast<Acc>(s[i]);
+      if (scaled) {
+        for (int64_t i = 0; i < m; ++i) acc[i] += static_cast<Acc>(s[i]) * scale;
+      } else {
+        for (int64_t i = 0; i < m; ++i) acc[i] += static_cast<Acc>(s[i]);
+      }
     }
     T* d = dst + base;
-    if (scale != Acc(1)) {
-      for (int64_t i = 0; i < m; ++i) d[i] = static_cast<T>(acc[i] * scale);
-    } else {
-      for (int64_t i = 0; i < m; ++i) d[i] = static_cast<T>(acc[i]);
-    }
+    for (int64_t i = 0; i < m; ++i) d[i] = static_cast<T>(acc[i]);
     if (copy) std::memcpy(copy + base, d, static_cast<size_t>(m) * sizeof(T));
     if (squares) sumsq += sum_squares(d, m);
   }
