@@ -203,6 +203,75 @@ def test_non_reentrant_checkpointing_matches_torch_ddp(ranks, kwargs: dict) -> N
     ranks.run(_non_reentrant, world_size=2, args=(kwargs,))
 
 
+class _LastLayersCheckpointed(nn.Module):
+    """The last two layers recomputed by a reentrant checkpoint: their gradients arrive in a
+    backward nested in the outer one, which ends before the first layer's gradient arrives."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(lambda t: self.c(torch.relu(self.b(t))), torch.relu(self.a(x)), use_reentrant=True)
+
+
+def _reentrant_last(rank: int, world_size: int, kwargs: dict, transport: str) -> None:
+    os.environ["FASTDDP_SHM_ALLREDUCE"] = "1" if transport == "shm" else "0"
+    ours, ref = make_pair(_LastLayersCheckpointed, kwargs)
+    if not kwargs.get("find_unused_parameters"):
+        train_both(ours, ref, rand_vec)
+        return
+    # The graph search cannot see into a reentrant checkpoint, so its parameters are marked
+    # unused and then get a gradient: torch DDP raises RuntimeError, and so does DDPWrapper.
+    for m in (ref, ours):
+        with pytest.raises(RuntimeError, match=r"only once|twice in one backward"):
+            m(torch.randn(4, 8)).sum().backward()
+
+
+@pytest.mark.parametrize("transport", ["shm", "c10d"])
+@pytest.mark.parametrize("kwargs", [{}, {"gradient_as_bucket_view": True}, {"find_unused_parameters": True}],
+                         ids=["default", "gradient_as_bucket_view", "find_unused_parameters"])
+def test_reentrant_checkpointing_around_the_last_layers_matches_torch_ddp(ranks, kwargs: dict,
+                                                                          transport: str) -> None:
+    ranks.run(_reentrant_last, world_size=2, args=(kwargs, transport))
+
+
+def _reentrant_missing(rank: int, world_size: int, missing_on: tuple[int, ...]) -> str:
+    """A parameter left out of a backward whose last gradients came from a reentrant checkpoint
+    (the outer backward brings none after it), on the ranks `missing_on`: reported when the
+    next forward starts (torch DDP reports an unfinished reduction at the next forward too), on
+    every rank, naming the parameters; a rank whose backward was whole is told which rank's was
+    not instead of waiting for it."""
+    torch.manual_seed(0)
+    model = _LastLayersCheckpointed()
+    ours = fastddp.DDPWrapper(model)
+    x = torch.randn(4, 8)
+    out = ours(x)
+    if rank in missing_on:  # a backward through the checkpointed layers only
+        h = torch.relu(model.a(x)).detach().requires_grad_()
+        from torch.utils.checkpoint import checkpoint
+
+        checkpoint(lambda t: model.c(torch.relu(model.b(t))), h, use_reentrant=True).sum().backward()
+        with pytest.raises(RuntimeError) as info:
+            ours(x)
+    else:
+        with pytest.raises(RuntimeError) as info:
+            out.sum().backward()
+    return str(info.value)
+
+
+@pytest.mark.parametrize("missing_on", [(0, 1), (1,)], ids=["every_rank", "rank_1"])
+def test_gradient_missing_after_a_reentrant_backward_is_reported_at_the_next_forward(
+        ranks, missing_on: tuple[int, ...]) -> None:
+    messages = ranks.run(_reentrant_missing, world_size=2, args=(missing_on,))
+    want = ("rank 1 produced no gradient for a.weight, a.bias" if missing_on == (1,)
+            else "received no gradient in the last backward pass: a.weight, a.bias")
+    for message in messages:
+        assert want in message, message
+
+
 @dataclasses.dataclass
 class _Output:
     logits: torch.Tensor
@@ -410,3 +479,145 @@ def _create_graph(rank: int, world_size: int, transport: str) -> list[str]:
 @pytest.mark.parametrize("transport", ["shm", "c10d"])
 def test_backward_with_create_graph_is_refused_like_torch_ddp(ranks, transport: str) -> None:
     ranks.run(_create_graph, world_size=2, args=(transport,))
+
+
+def _grad_data_rebound(rank: int, world_size: int, transport: str) -> None:
+    """gradient_as_bucket_view=True and `p.grad.data = t` between steps (a script that resets
+    gradients by hand): every later backward is still reduced. .grad is its own view of the
+    bucket, so the rebinding moves that handle, never the reducer's view. torch DDP reduces the
+    first rebinding's gradient too (compared below); from the second on its .grad holds stale
+    bucket values, so the later steps are compared with the gradient averaged by hand."""
+    os.environ["FASTDDP_SHM_ALLREDUCE"] = "1" if transport == "shm" else "0"
+    ours, ref = make_pair(mlp, {"gradient_as_bucket_view": True})
+    plain = mlp()
+    plain.load_state_dict(ours.module.state_dict())
+    g = torch.Generator().manual_seed(rank)
+    for step in range(4):
+        x = rand_vec(g)
+        for m in (ours, ref, plain):
+            m(x).pow(2).mean().backward()
+        for p, q in zip(plain.parameters(), ours.module.parameters()):
+            dist.all_reduce(p.grad)
+            torch.testing.assert_close(q.grad, p.grad / world_size, rtol=1e-6, atol=1e-7)
+        if step <= 1:
+            compare_models(ours, ref, rtol=0, atol=0)
+        with pytest.raises(RuntimeError, match="Can't detach views in-place"):
+            next(ours.module.parameters()).grad.detach_()  # still a view of the bucket, as in torch
+        for m in (ours.module, ref.module, plain):
+            for p in m.parameters():
+                p.grad.data = torch.zeros_like(p)
+
+
+@pytest.mark.parametrize("transport", ["shm", "c10d"])
+def test_grad_data_rebound_with_bucket_views_is_still_reduced(ranks, transport: str) -> None:
+    ranks.run(_grad_data_rebound, world_size=2, args=(transport,))
+
+
+class _FailingBackward(torch.autograd.Function):
+    """Identity whose backward raises while `fail` is set (an out-of-memory error inside backward)."""
+
+    fail = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        if _FailingBackward.fail:
+            raise RuntimeError("simulated out of memory in backward")
+        return g
+
+
+class _FailsMidway(nn.Module):
+    """Three layers in separate buckets; backward can fail between the last two and the first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 64), nn.Linear(64, 64), nn.Linear(64, 4)
+
+    def forward(self, x):
+        return self.c(torch.tanh(self.b(_FailingBackward.apply(torch.tanh(self.a(x))))))
+
+
+def _failed_backward(rank: int, world_size: int, transport: str, fail_on: tuple[int, ...]) -> list[str]:
+    """A backward that raises after some buckets were launched, caught by the script (the "skip
+    the batch on out-of-memory" idiom): torch DDP raises RuntimeError at every later forward.
+    DDPWrapper does the same (it used to train on, with the next step's gradients mixed with the
+    failed step's), and a rank whose own backward succeeded is told which rank's did not."""
+    os.environ["FASTDDP_SHM_ALLREDUCE"] = "1" if transport == "shm" else "0"
+    outcome = []
+    # torch DDP's healthy rank would wait in its backward for the failed one until the timeout
+    for name in ("torch", "ours") if len(fail_on) == world_size else ("ours",):
+        torch.manual_seed(1)
+        cls = TorchDDP if name == "torch" else fastddp.DDPWrapper
+        model = cls(_FailsMidway(), bucket_cap_mb=0.01)
+        x = torch.randn(6, 8)
+        model(x).sum().backward()
+        _FailingBackward.fail = rank in fail_on
+        try:
+            model(x).sum().backward()
+        except RuntimeError as e:
+            outcome.append(f"{name} backward: {str(e).splitlines()[0][:200]}")
+        finally:
+            _FailingBackward.fail = False
+        if rank not in fail_on:
+            continue  # told in its backward; the failed rank refuses to go on
+        for attempt in range(2):
+            with pytest.raises(RuntimeError) as info:
+                model(x)
+            outcome.append(f"{name} forward {attempt}: {str(info.value).splitlines()[0][:90]}")
+    return outcome
+
+
+_REFUSED = "DDPWrapper: a backward pass raised before its gradients were reduced"
+
+
+@pytest.mark.parametrize("transport", ["shm", "c10d"])
+def test_training_on_after_a_failed_backward_is_refused_like_torch_ddp(ranks, transport: str) -> None:
+    for outcome in ranks.run(_failed_backward, world_size=2, args=(transport, (0, 1))):
+        torch_part, ours = outcome[:3], outcome[3:]
+        assert [line.split(":")[0] for line in torch_part] == ["torch backward", "torch forward 0", "torch forward 1"]
+        assert "Expected to have finished reduction" in torch_part[1]
+        assert ours[0] == "ours backward: simulated out of memory in backward"
+        assert all(_REFUSED in line for line in ours[1:]) and len(ours) == 3, ours
+
+
+@pytest.mark.parametrize("transport", ["shm", "c10d"])
+def test_a_backward_failed_on_one_rank_is_reported_on_every_rank(ranks, transport: str) -> None:
+    healthy, failed = ranks.run(_failed_backward, world_size=2, args=(transport, (1,)))
+    assert len(healthy) == 1 and "rank 1 produced no gradient for a.weight, a.bias" in healthy[0], healthy
+    assert failed[0] == "ours backward: simulated out of memory in backward"
+    assert all(_REFUSED in line for line in failed[1:]) and len(failed) == 3, failed
+
+
+class _Scaled(nn.Module):
+    """d(loss)/dw = c: each rank's gradient is exactly the values it is given."""
+
+    def __init__(self, n: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(n, dtype=dtype))
+
+    def forward(self, c):
+        return (self.w * c).sum()
+
+
+def _extreme_values(rank: int, world_size: int, transport: str, dtype: torch.dtype) -> None:
+    """Gradients whose sum overflows, and subnormals whose halves round: torch DDP divides each
+    rank's gradient by the world size before its all-reduce, and both transports do too."""
+    os.environ["FASTDDP_SHM_ALLREDUCE"] = "1" if transport == "shm" else "0"
+    info = torch.finfo(dtype)
+    tiny = torch.nextafter(torch.zeros((), dtype=dtype), torch.ones((), dtype=dtype))
+    big = torch.tensor(info.max, dtype=dtype) * 0.9
+    c = torch.stack([tiny, 3 * tiny, 5 * tiny, big, -big, torch.tensor(0.1, dtype=dtype), tiny * (rank + 2)])
+    ours, ref = (cls(_Scaled(len(c), dtype)) for cls in (fastddp.DDPWrapper, TorchDDP))
+    for m in (ours, ref):
+        m(c).backward()
+    assert torch.equal(ours.module.w.grad, ref.module.w.grad), (ours.module.w.grad, ref.module.w.grad)
+    assert torch.isfinite(ours.module.w.grad).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize("transport", ["shm", "c10d"])
+def test_sums_that_overflow_and_subnormals_reduce_like_torch_ddp(ranks, transport: str, dtype) -> None:
+    ranks.run(_extreme_values, world_size=2, args=(transport, dtype))

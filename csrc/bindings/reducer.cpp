@@ -93,6 +93,9 @@ void bind_reducer(py::module_& m) {
       .def("prepare_for_backward", &fastddp::reducer::Reducer::prepare_for_backward, py::arg("outputs"),
            py::arg("sync"), "Arm the reducer for the next backward (sync=False: accumulate locally).",
            py::call_guard<py::gil_scoped_release>())
+      .def("finish_unfinished_reduction", &fastddp::reducer::Reducer::finish_unfinished_reduction,
+           "Start of a forward: finish (and report) a reduction no backward completed.",
+           py::call_guard<py::gil_scoped_release>())
       .def("bucket_buffers", &fastddp::reducer::Reducer::bucket_buffers, "The flat gradient buffers.")
       .def("set_reduction_scale", &fastddp::reducer::Reducer::set_reduction_scale, py::arg("scale"),
            "Multiply the next reduction's result by scale (join with divide_by_initial_world_size=False).",

@@ -56,6 +56,7 @@ void Reducer::install_buckets_locked(const std::vector<std::vector<int64_t>>& bu
   param_slot_ = std::move(param_slot);
   fp_layout_ = layout_hash_locked();
   views_.assign(n, at::Tensor());
+  grad_views_.assign(n, at::Tensor());
   for (int64_t b = 0; b < static_cast<int64_t>(buckets_.size()); ++b) make_views_locked(b);
   if (gradient_as_bucket_view_ && !passthrough_) {
     // Existing gradients (possibly views of the previous buffers, which stay alive until
@@ -65,7 +66,7 @@ void Reducer::install_buckets_locked(const std::vector<std::vector<int64_t>>& bu
       auto& grad = params_[i].mutable_grad();
       if (grad.defined()) {
         views_[i].copy_(grad);
-        grad = views_[i];
+        grad = grad_view_locked(i);
       }
     }
   }
@@ -111,7 +112,19 @@ void Reducer::make_views_locked(int64_t bucket_index) {
     views_[i] = p.is_non_overlapping_and_dense()
                     ? bucket.buffer.as_strided(p.sizes(), p.strides(), bucket.buffer.storage_offset() + offset)
                     : bucket.buffer.narrow(0, offset, p.numel()).view(p.sizes());
+    grad_views_[i] = at::Tensor();
   }
+}
+
+const at::Tensor& Reducer::grad_view_locked(int64_t index) {
+  auto& handle = grad_views_[index];
+  const auto& view = views_[index];
+  // Made once per layout; again only after `p.grad.data = t` (or `.set_()`) moved it: then it
+  // no longer shows the bucket slot, and the reducer's own view never moved.
+  if (!handle.defined() || handle.data_ptr() != view.data_ptr() || handle.sizes() != view.sizes() ||
+      handle.strides() != view.strides() || handle.scalar_type() != view.scalar_type())
+    handle = view.alias();
+  return handle;
 }
 
 void Reducer::ensure_private_locked(int64_t bucket_index, bool lent_counts) {

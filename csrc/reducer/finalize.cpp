@@ -6,6 +6,8 @@
 
 #include "diag/status.h"
 
+#include <torch/csrc/autograd/function.h>
+
 #include <algorithm>
 #include <optional>
 
@@ -22,7 +24,22 @@ double ms_since(std::chrono::steady_clock::time_point start) {
 void Reducer::finalize_backward() {
   std::lock_guard<std::mutex> lock(mutex_);
   callback_queued_ = false;
-  if (!expect_sync_) return;
+  if (!expect_sync_ || continued_by_outer_backward_locked()) return;
+  finalize_locked();
+}
+
+bool Reducer::continued_by_outer_backward_locked() const {
+  // A reentrant backward (torch.utils.checkpoint(use_reentrant=True) around the model's last
+  // layers) runs inside a node of the outer backward and ends before that backward brings the
+  // rest of the gradients: the first of them queues this callback again, on the outer backward
+  // (torch DDP queues its callback once the last bucket is ready). A reduction that no later
+  // gradient completes is finished, and reported, when the next forward starts
+  // (finish_unfinished_reduction).
+  return !static_graph_ && next_launch_ < static_cast<int64_t>(buckets_.size()) &&
+         torch::autograd::get_current_node();
+}
+
+void Reducer::finalize_locked() {
   expect_sync_ = false;
   nosync_steps_ = 0;  // the micro-steps this reduction sums
   record_arrival_ = false;  // the first reduced backward's order is the one kept
@@ -129,7 +146,7 @@ void Reducer::write_grads_locked(const at::Tensor& global_used) {
     }
     auto& grad = params_[i].mutable_grad();
     const auto& view = bucket_view(i);
-    if (!grad.defined() || !grad.is_alias_of(view)) grad = view;
+    if (!grad.defined() || !grad.is_alias_of(view)) grad = grad_view_locked(i);
   }
   buckets_hold_grads_ = all_views;
 }

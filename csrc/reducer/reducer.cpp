@@ -187,6 +187,30 @@ void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs, bool 
   }
 }
 
+void Reducer::finish_unfinished_reduction() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(failed_backward_.empty(), failed_backward_);
+  if (static_graph_ || !expect_sync_ || !hooks_seen_) return;
+  if (!callback_queued_) {
+    finalize_locked();  // left to an outer backward that brought no more gradients: reports them
+    return;
+  }
+  // Queued but never run: that backward raised (autograd drops a failed backward's callbacks),
+  // with part of its buckets launched. The rest are issued, so that the other ranks are told
+  // instead of waiting; this wrapper then refuses every forward, as torch DDP does after it.
+  failed_backward_ = "DDPWrapper: a backward pass raised before its gradients were reduced (e.g. out of memory "
+                     "inside backward), so this wrapper's buckets hold part of that reduction and it cannot go on; "
+                     "torch's DistributedDataParallel refuses every forward after this too. Build a new wrapper "
+                     "to go on (from the model's state, on every rank).";
+  callback_queued_ = false;
+  try {
+    finalize_locked();
+  } catch (const std::exception&) {
+    // The missing gradients' report: the other ranks raise theirs; this one raises the cause.
+  }
+  TORCH_CHECK(false, failed_backward_);
+}
+
 void Reducer::refuse_incomplete_static_locked() const {
   // With static_graph the reduction is finalised only once every expected gradient arrived
   // (first iteration: once backward reached an output's grad_fn).
@@ -303,7 +327,7 @@ void Reducer::copy_grad_to_bucket_locked(int64_t index) {
       // Autograd's new gradient is in the bucket now: .grad becomes the bucket slot (a lent
       // alias without gradient_as_bucket_view, when nobody else holds it), freeing it now.
       if (gradient_as_bucket_view_) {
-        grad = view;
+        grad = grad_view_locked(index);
       } else if (unset_at_forward_[index] && grad.use_count() == 1 && plain_like(grad, view)) {
         lend_locked(index);  // autograd made it in this backward and only the parameter holds it
       }
@@ -493,7 +517,7 @@ void Reducer::flush_deferred_locked(Bucket& bucket) {
   for (size_t k = 0; k < bucket.deferred.size(); ++k) {
     const int64_t i = bucket.deferred[k];
     if (gradient_as_bucket_view_) {
-      params_[i].mutable_grad() = views[k];
+      params_[i].mutable_grad() = grad_view_locked(i);
     } else if (unset_at_forward_[i] && params_[i].grad().use_count() == 1 && plain_like(params_[i].grad(), views[k])) {
       lend_locked(i);
     }
@@ -517,7 +541,7 @@ std::string Reducer::missing_gradients_locked() {
   }
   if (missing_count == 0) return std::string();
   fp_missing_ = fp_finish(missing_hash) | 1;
-  return c10::str("DDPWrapper: ", missing_count, " parameter(s) received no gradient in this backward pass: ", missing,
+  return c10::str("DDPWrapper: ", missing_count, " parameter(s) received no gradient in the last backward pass: ", missing,
               (missing_count > 20 ? ", ..." : ""), ". Their reduction cannot finish. ",
               (!frozen.empty()
                    ? "These now have requires_grad=False but required grad when the wrapper was built: " + frozen +

@@ -102,6 +102,11 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // this iteration reaches. sync=false (inside no_sync()) is only counted for the fingerprints:
   // like torch DDP, it leaves a reduction an earlier forward asked for in place.
   void prepare_for_backward(const std::vector<at::Tensor>& outputs, bool sync);
+  // Called at the start of every forward, before its collectives: a reduction left to an
+  // outer backward that brought no more gradients (see finalize.cpp) is finished here, which
+  // reports the parameters that got none (torch DDP reports them at the next forward too); one
+  // whose backward raised is finished for the other ranks' sake and refused, now and after.
+  void finish_unfinished_reduction();
 
   std::vector<at::Tensor> bucket_buffers() const;
 
@@ -226,6 +231,10 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   at::Tensor allreduce_used_locked(const std::vector<char>& used_here);
   // End of a reduced backward (finalize.cpp), in the order it runs them:
   void finalize_backward();
+  void finalize_locked();
+  // The callback ran at the end of a reentrant backward nested in an outer one that brings
+  // the rest of this reduction's gradients (see finalize.cpp).
+  bool continued_by_outer_backward_locked() const;
   // static_graph's first iteration: what the hooks saw becomes the graph (unused parameters
   // marked, the used ones' gradients moved into their buckets).
   void settle_static_first_locked();
@@ -241,6 +250,10 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void queue_finalize();         // from the outputs' grad_fn pre-hook (static_graph, first iteration)
   void queue_finalize_locked();  // end-of-backward callback on the current graph task
   const at::Tensor& bucket_view(int64_t index) const { return views_[index]; }
+  // gradient_as_bucket_view=True: the tensor handed out as parameter `index`'s .grad, a view of
+  // the same bucket memory as bucket_view(index) but its own TensorImpl (made again when
+  // `p.grad.data = t` moved it elsewhere), so a rebinding never moves the reducer's view.
+  const at::Tensor& grad_view_locked(int64_t index);
   bool reduce_avg_locked();
   void invalidate_visitors_locked();
   bool visitors_want_squares_locked() const;
@@ -276,6 +289,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // Decided at the first launch; never with comm_dtype (pre-division guards fp16 overflow).
   std::optional<bool> reduce_avg_;
   std::vector<at::Tensor> views_;  // parameter -> its view of the bucket buffer (cached)
+  std::vector<at::Tensor> grad_views_;  // parameter -> its .grad handle (gradient_as_bucket_view)
   // Co-located CPU ranks: the wire buffers (bucket.comm if defined, else bucket.buffer) are
   // summed through this shared-memory transport instead of c10d.
   std::shared_ptr<ShmAllreduce> shm_;
@@ -286,6 +300,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   bool expect_sync_ = false;      // a forward asked for a reduction in the coming backward
   bool callback_queued_ = false;  // finalize_backward is queued on the autograd engine
   bool hooks_seen_ = false;       // a gradient arrived since the last prepare_for_backward
+  std::string failed_backward_;   // set once a backward raised mid-reduction: every forward refuses
   int64_t next_launch_ = 0;       // buckets launch strictly in index order
   std::vector<char> ready_;
   std::vector<char> locally_used_;  // since the last reduction, no_sync() backwards included

@@ -333,6 +333,7 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, TorchInputMethods, BufferSync
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if self._input_device is not None:
             inputs, kwargs = to_device(inputs, self._input_device), to_device(kwargs, self._input_device)
+        self._reducer.finish_unfinished_reduction()  # before this forward's collectives
         grad_enabled = torch.is_grad_enabled()
         # torch DDP rebuilds the buckets once, before the first forward after a reduced backward
         rebuild = (grad_enabled and not self._buckets_rebuilt and self.require_backward_grad_sync
