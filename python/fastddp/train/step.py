@@ -60,11 +60,13 @@ class TrainStep:
     """Forward, loss, scaled backward and — on the last micro-batch of a step — the fused
     ``scaler.step`` (unscale, inf/NaN check, clipping, optimizer) and ``scaler.update``.
 
-    ``check_finite`` (AMP off or bf16: no scaler skips non-finite steps) checks each loss on the host
-    and skips the step, failing after ``max_nan_steps`` in a row; it synchronises, so a CUDA
-    graph captures steps with it off. With ``world`` > 1 the ranks combine their verdicts in one
-    all-reduce per micro-batch, so every rank skips the same steps (a rank that skipped its
-    backward alone would wait in other collectives than the rest) and names the same ranks."""
+    ``check_finite`` (AMP off or bf16: no scaler skips non-finite steps) checks each loss and
+    skips the step, failing after ``max_nan_steps`` in a row; it synchronises, so a CUDA graph
+    captures steps with it off. With ``world`` > 1 the ranks combine their verdicts in one
+    all-reduce of a flag per rank, started before the backward and read after it (so it runs
+    beside the backward instead of in front of it): every rank runs the backward, then every
+    rank skips the same steps (a rank that skipped its backward alone would wait in other
+    collectives than the rest) and names the same ranks."""
 
     model: nn.Module
     loss_fn: nn.Module
@@ -94,10 +96,11 @@ class TrainStep:
             with self.amp_ctx():
                 out = self.model(x)
                 loss = self.loss_fn(out.float(), y)
-            if before is not None and not self._finite(loss, step_index):
-                self._restore_buffers(before)
-                return None
+            verdict = self._share_verdict(loss) if before is not None else None
             self.scaler.scale(loss / accum if accum > 1 else loss).backward()
+        if verdict is not None and not self._finite(verdict, step_index):
+            self._restore_buffers(before)
+            return None
         sums.add(out, loss, y)
         sums.seen += y.shape[0]
         if last:
@@ -115,18 +118,19 @@ class TrainStep:
             for buffer, value in zip(self.model.buffers(), saved):
                 buffer.copy_(value)
 
-    def _non_finite_ranks(self, loss: torch.Tensor) -> list[int]:
-        """The ranks whose loss is not finite (the same list on every rank)."""
-        bad = ~torch.isfinite(loss.detach()).reshape(1)
-        if self.world <= 1:
-            return [self.rank] if bool(bad) else []
+    def _share_verdict(self, loss: torch.Tensor) -> tuple[torch.Tensor, Optional[dist.Work]]:
+        """A flag per rank, set where the loss is not finite, and the all-reduce (started now,
+        on the device, without a host sync) that gives every rank every flag."""
         flags = torch.zeros(self.world, dtype=torch.int32, device=loss.device)
-        flags[self.rank] = bad.to(torch.int32)[0]
-        dist.all_reduce(flags)
-        return [int(r) for r in flags.nonzero().flatten().tolist()]
+        flags[self.rank] = (~torch.isfinite(loss.detach())).to(torch.int32).reshape(())
+        work = dist.all_reduce(flags, async_op=True) if self.world > 1 else None
+        return flags, work
 
-    def _finite(self, loss: torch.Tensor, step_index: int) -> bool:
-        bad = self._non_finite_ranks(loss)
+    def _finite(self, verdict: tuple[torch.Tensor, Optional[dist.Work]], step_index: int) -> bool:
+        flags, work = verdict
+        if work is not None:
+            work.wait()
+        bad = [int(r) for r in flags.nonzero().flatten().tolist()]  # the same list on every rank
         if not bad:
             return True
         self.nan_streak += 1
