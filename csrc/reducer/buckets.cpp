@@ -7,6 +7,7 @@
 #include "diag/status.h"
 
 #include <ATen/ops/empty.h>
+#include <c10/core/GradMode.h>
 #include <ATen/ops/tensor.h>
 #include <ATen/ops/zeros.h>
 
@@ -122,8 +123,12 @@ const at::Tensor& Reducer::grad_view_locked(int64_t index) {
   // Made once per layout; again only after `p.grad.data = t` (or `.set_()`) moved it: then it
   // no longer shows the bucket slot, and the reducer's own view never moved.
   if (!handle.defined() || handle.data_ptr() != view.data_ptr() || handle.sizes() != view.sizes() ||
-      handle.strides() != view.strides() || handle.scalar_type() != view.scalar_type())
+      handle.strides() != view.strides() || handle.scalar_type() != view.scalar_type()) {
+    // Made with gradients enabled (it may be made inside backward), as the views themselves
+    // were: an ordinary view of the bucket, like torch DDP's, for in-place use of .grad.
+    c10::AutoGradMode grad_mode(true);
     handle = view.alias();
+  }
   return handle;
 }
 
