@@ -137,3 +137,74 @@ def test_shared_memory_timeout_falls_back_to_torchs_default() -> None:
     for group in (NoCpuBackend(), SimpleNamespace(_get_backend=lambda device: SimpleNamespace(options=None))):
         holder = SimpleNamespace(process_group=group)
         assert fastddp.DDPWrapper._timeout_s(holder) == default_pg_timeout.total_seconds()
+
+
+_SETTINGS_ON_RANK_1 = {
+    "comm_dtype": ({"comm_dtype": torch.bfloat16}, "comm_dtype differs between ranks: rank 0 has None, "
+                   "rank 1 has torch.bfloat16"),
+    "find_unused_parameters": ({"find_unused_parameters": True}, "find_unused_parameters differs between "
+                               "ranks: rank 0 has False, rank 1 has True"),
+    "broadcast_buffers": ({"broadcast_buffers": False}, "broadcast_buffers differs between ranks"),
+    "forward_sync_buffers": ({"forward_sync_buffers": False}, "forward_sync_buffers differs between ranks"),
+    "static_graph": ({"static_graph": True}, "static_graph differs between ranks"),
+    "bucket_cap_mb_list": ({"bucket_cap_mb_list": [1.0, 25.0]}, "bucket_cap_mb_list differs between ranks: "
+                           "rank 0 has None, rank 1 has a list"),
+}
+
+
+def _setting_on_one_rank(rank: int, world_size: int, name: str) -> tuple[str, str]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    kwargs = _SETTINGS_ON_RANK_1[name][0] if rank == 1 else {}
+    return _outcome(lambda: fastddp.DDPWrapper(model, **kwargs))
+
+
+@pytest.mark.parametrize("name", list(_SETTINGS_ON_RANK_1))
+def test_settings_that_differ_between_ranks_are_refused_by_name(ranks, name: str) -> None:
+    """A setting that decides which collectives a rank issues, given on one rank only: every
+    rank raises, naming it (gloo aborted the process, the ranks waited for each other until
+    the timeout, or, comm_dtype on shared memory, summed bfloat16 bytes as float32)."""
+    for kind, message in ranks.run(_setting_on_one_rank, world_size=2, args=(name,)):
+        assert kind == "RuntimeError" and _SETTINGS_ON_RANK_1[name][1] in message, message
+
+
+def _caps_differ(rank: int, world_size: int) -> int:
+    """bucket_cap_mb 0.3 on rank 0, 25 on rank 1: torch DDP trains (it broadcasts rank 0's bucket
+    assignment); DDPWrapper lays every rank's buckets out with rank 0's cap and trains alike."""
+    torch.manual_seed(0)
+    make = lambda: nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)])  # noqa: E731
+    a, b = make(), make()
+    b.load_state_dict(a.state_dict())
+    cap = 0.3 if rank == 0 else 25.0
+    ours, ref = fastddp.DDPWrapper(a, bucket_cap_mb=cap), TorchDDP(b, bucket_cap_mb=cap)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, ref)]
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        x = torch.randn(8, 256, generator=g)
+        for m, opt in zip((ours, ref), opts):
+            m(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    for p, q in zip(ours.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+    assert ours.bucket_bytes_cap == int(cap * 1024 * 1024)  # torch DDP's attribute keeps the argument
+    return len(ours.bucket_buffers())
+
+
+def test_bucket_caps_that_differ_between_ranks_train_like_torch_ddp(ranks) -> None:
+    counts = ranks.run(_caps_differ, world_size=2)
+    assert counts[0] == counts[1] and counts[0] > 1, counts
+
+
+def _frozen_on_rank_1(rank: int, world_size: int) -> tuple[str, str]:
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    if rank == 1:
+        model[2].requires_grad_(False)
+    return _outcome(lambda: fastddp.DDPWrapper(model))
+
+
+def test_parameters_frozen_on_one_rank_are_named(ranks) -> None:
+    for kind, message in ranks.run(_frozen_on_rank_1, world_size=2):
+        assert kind == "RuntimeError", message
+        assert ("ranks reduce different numbers of parameters (rank 0: 4, rank 1: 2); parameters that "
+                "require grad on rank 0 only (not on rank 1): 2.bias, 2.weight") in message, message

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import numbers
 import os
+import struct
 import warnings
+from dataclasses import astuple, dataclass, fields
 from typing import Any, Optional
 
 import torch
@@ -201,22 +203,78 @@ def deprecated_arguments(broadcast_buffers: Optional[bool], forward_sync_buffers
                       "Please avoid using it.", FutureWarning, stacklevel=3)
 
 
-def verify_across_ranks(named: list[tuple[str, nn.Parameter]], group: dist.ProcessGroup, world_size: int) -> None:
+@dataclass(frozen=True)
+class SharedSettings:
+    """The wrapper settings that decide which collectives a rank issues, as integers: ranks
+    that differ in one would issue different collectives (gloo aborts the process, or the
+    ranks wait for each other until the timeout, or — comm_dtype on shared memory — sum
+    bytes of one dtype as another), so the construction check refuses them by name."""
+
+    find_unused_parameters: int
+    static_graph: int
+    comm_dtype: int  # -1: none
+    broadcast_buffers: int  # the buffers broadcast at construction
+    forward_sync_buffers: int  # ... and before forwards
+    bucket_cap_mb_list: int  # hash of the list; 0: none
+
+    @staticmethod
+    def of(find_unused: bool, static_graph: bool, comm_dtype: Optional[torch.dtype], init_sync_buffers: bool,
+           forward_sync_buffers: bool, caps: Optional[list[float]]) -> SharedSettings:
+        caps_hash = 0 if caps is None else hash(tuple(float(c) for c in caps)) & ((1 << 62) - 1) | 1
+        return SharedSettings(int(find_unused), int(static_graph), -1 if comm_dtype is None else _dtype_code(comm_dtype),
+                              int(init_sync_buffers), int(forward_sync_buffers), caps_hash)
+
+
+def _show(name: str, code: int) -> str:
+    if name == "comm_dtype":
+        return "None" if code < 0 else str(_DTYPES[code]) if code < len(_DTYPES) else "another dtype"
+    if name == "bucket_cap_mb_list":
+        return "None" if code == 0 else "a list"
+    return str(bool(code))
+
+
+def _refuse_other_settings(rows: list[list[int]]) -> None:
+    for k, field in enumerate(fields(SharedSettings)):
+        codes = [row[k] for row in rows]
+        if len(set(codes)) > 1:
+            r = next(r for r, c in enumerate(codes) if c != codes[0])
+            raise RuntimeError(
+                f"DDPWrapper: {field.name} differs between ranks: rank 0 has {_show(field.name, codes[0])}, "
+                f"rank {r} has {_show(field.name, codes[r])}. Every rank must wrap its model with the same "
+                f"{field.name}, or the ranks issue different collectives.")
+
+
+def _bits(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", x))[0]
+
+
+def _float(bits: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", bits))[0]
+
+
+def verify_across_ranks(named: list[tuple[str, nn.Parameter]], group: dist.ProcessGroup, world_size: int,
+                        settings: SharedSettings, bucket_cap_mb: float) -> float:
     """torch DDP's check that every rank built the same model: the same number of
     parameters and, for each, the same full shape, strides, dtype and requires_grad (two
-    all-gathers: the count and widest rank, then one row per parameter). Strides matter: each
-    rank lays its bucket out as its parameters are laid out, so a parameter that is
-    channels_last on one rank only would be summed element against unrelated element."""
+    all-gathers: the count, widest rank and settings, then one row per parameter). Strides
+    matter: each rank lays its bucket out as its parameters are laid out, so a parameter that
+    is channels_last on one rank only would be summed element against unrelated element.
+
+    The first gather also carries the :class:`SharedSettings`, refused when they differ, and
+    ``bucket_cap_mb``: returns group rank 0's, which every rank lays its buckets out with (torch
+    DDP broadcasts rank 0's bucket assignment, so ranks given other caps still train alike)."""
     if world_size == 1:
-        return
+        return bucket_cap_mb
     device = named[0][1].device if "nccl" in backend_name(group) else torch.device("cpu")
-    header = torch.tensor([len(named), max(p.dim() for _, p in named)], dtype=torch.int64, device=device)
+    header = torch.tensor([len(named), max(p.dim() for _, p in named), _bits(bucket_cap_mb), *astuple(settings)],
+                          dtype=torch.int64, device=device)
     headers = [torch.zeros_like(header) for _ in range(world_size)]
     dist.all_gather(headers, header, group=group)
-    counts = [int(h[0]) for h in headers]
+    rows = [h.cpu().tolist() for h in headers]
+    _refuse_other_settings([row[3:] for row in rows])
+    counts = [row[0] for row in rows]
     if len(set(counts)) > 1:
-        raise RuntimeError("DDPWrapper: ranks have different numbers of parameters: "
-                           + ", ".join(f"rank {r}: {c}" for r, c in enumerate(counts)))
+        raise RuntimeError(_count_mismatch(named, counts, group, world_size))
     width = _META_FIELDS + 2 * max(int(h[1]) for h in headers)
     local = torch.tensor([v for _, p in named for v in _param_meta(p, width)], dtype=torch.int64, device=device)
     gathered = [torch.zeros_like(local) for _ in range(world_size)]
@@ -237,6 +295,28 @@ def verify_across_ranks(named: list[tuple[str, nn.Parameter]], group: dist.Proce
                 f"DDPWrapper: parameter {i} ({name!r}) differs between ranks: rank 0 has "
                 f"{_describe(rows[0][i])}, rank {r} has {_describe(rows[r][i])}. Every rank "
                 "must build the same model.")
+    return _float(int(headers[0][2]))
+
+
+def _count_mismatch(named: list[tuple[str, nn.Parameter]], counts: list[int], group: dist.ProcessGroup,
+                    world_size: int) -> str:
+    """The message for ranks with different numbers of reduced parameters, naming those that
+    only some ranks reduce (frozen on the others, or absent there); one more all-gather, which
+    every rank makes since every rank saw the counts differ."""
+    names: list[Any] = [None] * world_size
+    dist.all_gather_object(names, [n for n, _ in named], group=group)
+    first = set(names[0])
+    lines = []
+    for r in range(1, world_size):
+        only_here, only_first = set(names[r]) - first, first - set(names[r])
+        if only_first:
+            lines.append(f"rank 0 only (not on rank {r}): {', '.join(sorted(only_first)[:10])}")
+        if only_here:
+            lines.append(f"rank {r} only: {', '.join(sorted(only_here)[:10])}")
+    counted = ", ".join(f"rank {r}: {c}" for r, c in enumerate(counts))
+    return (f"DDPWrapper: ranks reduce different numbers of parameters ({counted}); parameters that "
+            f"require grad on {'; '.join(lines) or 'some ranks only'}. Every rank must build the same model "
+            "and freeze the same parameters before wrapping it.")
 
 
 def env_flag(name: str) -> Optional[bool]:

@@ -205,14 +205,17 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, TorchInputMethods, BufferSync
         named = self._select_parameters(module, device_ids, static_graph, comm_dtype)
         checks.refuse_cpu_sync_batchnorm(module, named[0][1].device.type)
         checks.deprecated_arguments(broadcast_buffers, forward_sync_buffers, check_reduction)
+        self._bucket_cap_mb = bucket_cap_mb  # group rank 0's once checked: alike buckets on every rank
         if init_sync:
+            shared = checks.SharedSettings.of(find_unused_parameters, self.static_graph, comm_dtype,
+                                              init_sync_buffers, self.forward_sync_buffers, caps)
             with diag.phase(diag.Phase.SETUP):
-                checks.verify_across_ranks(named, self.process_group, self.world_size)
+                self._bucket_cap_mb = checks.verify_across_ranks(named, self.process_group, self.world_size,
+                                                                 shared, bucket_cap_mb)
                 self._sync_module_states(init_sync_buffers)
         self._module_buffers = self._synced_buffers()  # broadcast from rank 0 before forwards
         self._buckets_rebuilt = False
         self._bucket_caps_mb = caps
-        self._bucket_cap_mb = bucket_cap_mb
         # torch DDP's descriptive attributes, which code written for it reads
         self.bucket_bytes_cap = int(bucket_cap_mb * 1024 * 1024)
         self.is_multi_device_module = len({p.device for p in self._reduced_params}) > 1
