@@ -116,3 +116,17 @@ def test_rank_killed_during_the_all_reduce(tmp_path: Path, shm: bool) -> None:
         assert "rank 1 (pid" in out and "exited during collective" in out, out
     assert "rank 1: no answer (the process is gone" in out, out  # the report of every rank
     assert "rank 0: all-reduce of bucket 0" in out, out
+
+
+@pytest.mark.parametrize("shm", [True, False], ids=["shm", "gloo"])
+def test_rank_ended_by_an_uncaught_exception_is_named_with_it(tmp_path: Path, shm: bool) -> None:
+    """Rank 1's script raises: its exception hook posts the exception and its line through the
+    store, so rank 0's error says why rank 1 is gone (not "no answer") and where."""
+    waiting, bad = run_fault(tmp_path, "raises", shm)
+    assert bad.proc.returncode == 1 and "ValueError: bad batch (simulated)" in bad.output, bad.output
+    out = waiting.output
+    assert waiting.proc.returncode != 0, out
+    assert "rank 1: ended with an uncaught ValueError: bad batch (simulated) at " in out, out
+    assert "hang_worker.py:" in out.split("rank 1: ended with an uncaught ValueError")[1].splitlines()[0], out
+    assert "lagging: rank(s) 1 ended with an error (above)." in out, out
+

@@ -301,21 +301,26 @@ std::string Watchdog::collect_report(const std::string& headline) {
   store_->set(prefix + std::to_string(options_.rank), bytes(status_line()));
   std::vector<Answer> answers(static_cast<size_t>(options_.world));
   const auto deadline = std::chrono::steady_clock::now() + Seconds(2 * options_.poll_s + options_.stack_timeout_s + 1);
+  std::vector<std::string> ended(static_cast<size_t>(options_.world));  // why a rank ended, if it said
   for (int64_t r = 0; r < options_.world; ++r) {
     const std::string key = prefix + std::to_string(r);
-    while (!store_->check({key}) && std::chrono::steady_clock::now() < deadline)
+    const std::string exit_key = "exit/" + std::to_string(r);  // posted by fastddp.diag's excepthook
+    while (!store_->check({key}) && !store_->check({exit_key}) && std::chrono::steady_clock::now() < deadline)
       std::this_thread::sleep_for(Seconds(options_.poll_s / 5));
     if (store_->check({key})) answers[static_cast<size_t>(r)] = parse(text(store_->get(key)));
+    else if (store_->check({exit_key})) ended[static_cast<size_t>(r)] = text(store_->get(exit_key));
   }
   std::ostringstream o;
   o << headline << "\n";
-  std::string lagging, silent;
+  std::string lagging, silent, gone;
   for (int64_t r = 0; r < options_.world; ++r) {
     const Answer& a = answers[static_cast<size_t>(r)];
     o << "  rank " << r << ": ";
     if (!a.present) {
-      o << "no answer (the process is gone or its watchdog cannot reach the store)\n";
-      silent += (silent.empty() ? "" : ", ") + std::to_string(r);
+      const std::string& why = ended[static_cast<size_t>(r)];
+      o << (why.empty() ? "no answer (the process is gone or its watchdog cannot reach the store)"
+                        : "ended with an uncaught " + why) << "\n";
+      (why.empty() ? silent : gone) += ((why.empty() ? silent : gone).empty() ? "" : ", ") + std::to_string(r);
       continue;
     }
     o << doing(a) << "\n" << indent(a.stack, "      ") << "\n";
@@ -325,6 +330,8 @@ std::string Watchdog::collect_report(const std::string& headline) {
   }
   if (!lagging.empty())
     o << "  lagging: " << lagging << ". The other ranks wait for it in fastddp.";
+  else if (!gone.empty())
+    o << "  lagging: rank(s) " << gone << " ended with an error (above)" << (silent.empty() ? "" : "; rank(s) " + silent + " did not answer") << ".";
   else if (!silent.empty())
     o << "  lagging: rank(s) " << silent << " did not answer.";
   else

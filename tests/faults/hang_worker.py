@@ -72,6 +72,9 @@ def main() -> None:
     for step, (x, y) in enumerate(loader):
         if step == steps:
             break
+        if bad and fault == "raises" and step == 1:
+            print("FAULT-START", flush=True)
+            raise ValueError("bad batch (simulated)")  # uncaught: the process ends here
         loss = nn.functional.cross_entropy(model(x), y)
         opt.zero_grad()
         loss.backward()

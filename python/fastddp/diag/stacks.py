@@ -55,3 +55,13 @@ def describe_thread(thread_id: int) -> str:
     frames = traceback.extract_stack(frame)
     lines = [summarize(frames)] + [f"  {_where(f)}" for f in reversed(frames[-_FRAMES:])]
     return "\n".join(lines)
+
+
+def describe_exception(kind: type, value: BaseException, tb: object) -> str:
+    """One line for an uncaught exception: its type, the first line of its message and the
+    innermost frame outside torch and fastddp ("ValueError: bad batch at train.py:40 in step")."""
+    frames = traceback.extract_tb(tb) if tb is not None else []
+    user = _user_frame(frames, len(frames)) or (frames[-1] if frames else None)
+    message = str(value).strip().splitlines()[0][:300] if str(value).strip() else ""
+    where = f" at {_where(user)}" if user else ""
+    return f"{kind.__name__}{': ' + message if message else ''}{where}"

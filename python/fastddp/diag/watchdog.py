@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .._ext import C
-from .stacks import describe_thread
+from .stacks import describe_exception, describe_thread
 
 DEFAULT_THRESHOLD_S = 30.0
 _STORE_PREFIX = "fastddp/diag/"
@@ -30,7 +30,8 @@ class _Running:
 
     watchdog: Any = None
     group: Any = None
-    hooked = False  # sys.excepthook prints the latest report
+    store: Any = None  # the watchdog's store, where an uncaught exception is posted for the others
+    hooked = False  # sys.excepthook posts the exception and prints the latest report
 
 
 def group_timeout_s(group: Any) -> float:
@@ -88,7 +89,7 @@ def ensure_started(threshold_s: Optional[float] = None) -> Any:
     options.poll_s = min(threshold / 4, max(0.5, options.world / 256))
     thread = threading.get_ident()  # the thread that trains: its stack goes into the reports
     _Running.watchdog = C.Watchdog(store, options, lambda: describe_thread(thread))
-    _Running.group = world
+    _Running.group, _Running.store = world, store
     if not _Running.hooked:
         _report_after_uncaught_errors()
         _Running.hooked = True
@@ -101,6 +102,7 @@ def _report_after_uncaught_errors() -> None:
     previous = sys.excepthook
 
     def hook(kind: type, value: BaseException, tb: Any) -> None:
+        _post_exit_reason(describe_exception(kind, value, tb))
         previous(kind, value, tb)
         report = last_report()
         told = "What every rank was doing" in str(value) + "".join(getattr(value, "__notes__", []))
@@ -108,6 +110,28 @@ def _report_after_uncaught_errors() -> None:
             print(f"fastddp: the latest stall report before this error:\n{report}", file=sys.stderr)
 
     sys.excepthook = hook
+
+
+def _post_exit_reason(line: str) -> None:
+    """Tell the other ranks' reports why this rank is ending ("ended with an uncaught
+    ValueError: … at train.py:40 in step") instead of "no answer". Bounded: a store whose host
+    is gone must not hold up the exit."""
+    store, watchdog = _Running.store, _Running.watchdog
+    if store is None or watchdog is None:
+        return
+    rank = dist.get_rank() if dist.is_initialized() else None
+    if rank is None:
+        return
+    poster = threading.Thread(target=_set_quietly, args=(store, f"exit/{rank}", line), daemon=True)
+    poster.start()
+    poster.join(timeout=2.0)
+
+
+def _set_quietly(store: Any, key: str, value: str) -> None:
+    try:
+        store.set(key, value)
+    except Exception:  # the store may be gone; the exit goes on
+        pass
 
 
 def stop() -> None:
