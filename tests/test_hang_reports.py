@@ -130,3 +130,14 @@ def test_rank_ended_by_an_uncaught_exception_is_named_with_it(tmp_path: Path, sh
     assert "hang_worker.py:" in out.split("rank 1: ended with an uncaught ValueError")[1].splitlines()[0], out
     assert "lagging: rank(s) 1 ended with an error (above)." in out, out
 
+
+def test_rank_that_skipped_a_backward_is_named(tmp_path: Path) -> None:
+    """Rank 1 skips the backward of one step (after its forward): the ranks then wait in
+    collectives of different steps, and the report says which rank started more reducing
+    steps and why that happens."""
+    waiting, bad = run_fault(tmp_path, "skips_backward")
+    for rank in (waiting, bad):
+        assert rank.proc.returncode != 0, rank.output
+        assert ("rank 1 started 3 reducing steps, rank 0 2: a forward (gradients on, outside no_sync()) whose "
+                "backward did not run, or a forward more, on rank 1") in rank.output, rank.output
+

@@ -284,6 +284,27 @@ std::string Watchdog::python_stack() {
   return answer.get();
 }
 
+namespace {
+
+std::string step_skew(const std::vector<Answer>& answers) {
+  // Ranks waiting in different collectives and at different reducing steps: the usual cause is
+  // a forward whose backward did not run on one rank (a step skipped after the forward).
+  int64_t low = -1, high = -1, low_rank = -1, high_rank = -1;
+  for (int64_t r = 0; r < static_cast<int64_t>(answers.size()); ++r) {
+    const Answer& a = answers[static_cast<size_t>(r)];
+    if (!a.present) continue;
+    if (low_rank < 0 || a.step < low) low = a.step, low_rank = r;
+    if (high_rank < 0 || a.step > high) high = a.step, high_rank = r;
+  }
+  if (low == high) return "";
+  return "\n  rank " + std::to_string(high_rank) + " started " + std::to_string(high) + " reducing steps, rank " +
+         std::to_string(low_rank) + " " + std::to_string(low) + ": a forward (gradients on, outside no_sync()) "
+         "whose backward did not run, or a forward more, on rank " + std::to_string(high_rank) +
+         "; every rank must run the same reducing forwards and backwards.";
+}
+
+}  // namespace
+
 std::string Watchdog::report_stall(const Snapshot& mine) {
   Answer self;
   self.present = true;
@@ -335,7 +356,7 @@ std::string Watchdog::collect_report(const std::string& headline) {
   else if (!silent.empty())
     o << "  lagging: rank(s) " << silent << " did not answer.";
   else
-    o << "  every rank waits on the others: they issued different collectives (see above).";
+    o << "  every rank waits on the others: they issued different collectives (see above)." << step_skew(answers);
   return o.str();
 }
 

@@ -25,9 +25,10 @@ STUCK_STEP = 2
 
 
 class Net(nn.Module):
-    def __init__(self, stuck_in_forward: bool) -> None:
+    def __init__(self, stuck_in_forward: bool, norm: bool = False) -> None:
         super().__init__()
         self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 2)
+        self.norm = nn.BatchNorm1d(16) if norm else nn.Identity()  # buffers broadcast in forward
         self.stuck_in_forward = stuck_in_forward
         self.calls = 0
 
@@ -36,7 +37,7 @@ class Net(nn.Module):
         if self.stuck_in_forward and self.calls == STUCK_STEP:
             print("FAULT-START", flush=True)
             time.sleep(600)  # a stuck forward (e.g. waiting on a remote resource)
-        return self.b(torch.relu(self.a(x)))
+        return self.b(torch.relu(self.norm(self.a(x))))
 
 
 class Samples(Dataset):
@@ -61,7 +62,7 @@ def main() -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=float(timeout_s)))
     bad = rank == 1
-    net = Net(bad and fault == "stuck_forward")
+    net = Net(bad and fault == "stuck_forward", norm=fault == "skips_backward")
     model = (torch.nn.parallel.DistributedDataParallel(net) if stock
              else fastddp.DDPWrapper(net, shm_allreduce=shm == "1"))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -76,6 +77,9 @@ def main() -> None:
             print("FAULT-START", flush=True)
             raise ValueError("bad batch (simulated)")  # uncaught: the process ends here
         loss = nn.functional.cross_entropy(model(x), y)
+        if bad and fault == "skips_backward" and step == 1:
+            print("FAULT-START", flush=True)
+            continue  # e.g. `if not loss.isfinite(): continue` on this rank only
         opt.zero_grad()
         loss.backward()
         opt.step()
