@@ -128,7 +128,7 @@ def test_rank_ended_by_an_uncaught_exception_is_named_with_it(tmp_path: Path, sh
     assert waiting.proc.returncode != 0, out
     assert "rank 1: ended with an uncaught ValueError: bad batch (simulated) at " in out, out
     assert "hang_worker.py:" in out.split("rank 1: ended with an uncaught ValueError")[1].splitlines()[0], out
-    assert "lagging: rank(s) 1 ended with an error (above)." in out, out
+    assert "lagging: rank(s) 1 ended (see above)." in out, out
 
 
 def test_rank_that_skipped_a_backward_is_named(tmp_path: Path) -> None:
@@ -140,4 +140,16 @@ def test_rank_that_skipped_a_backward_is_named(tmp_path: Path) -> None:
         assert rank.proc.returncode != 0, rank.output
         assert ("rank 1 started 3 reducing steps, rank 0 2: a forward (gradients on, outside no_sync()) whose "
                 "backward did not run, or a forward more, on rank 1") in rank.output, rank.output
+
+
+@pytest.mark.parametrize("shm", [True, False], ids=["shm", "gloo"])
+def test_rank_whose_script_ended_early_is_named_with_its_steps(tmp_path: Path, shm: bool) -> None:
+    """Rank 1 runs out of batches and its script ends normally (uneven inputs without join()):
+    rank 0's error says that rank 1 ended without an error after 3 reducing steps."""
+    waiting, bad = run_fault(tmp_path, "ends_early", shm)
+    assert bad.proc.returncode == 0 and "DONE" in bad.output, bad.output
+    out = waiting.output
+    assert waiting.proc.returncode != 0, out
+    assert ("rank 1: ended without an error after 3 reducing step(s) (its script returned or called exit; "
+            "if the others still train, the ranks had uneven inputs: see DDPWrapper.join())") in out, out
 

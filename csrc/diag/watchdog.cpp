@@ -340,7 +340,7 @@ std::string Watchdog::collect_report(const std::string& headline) {
     if (!a.present) {
       const std::string& why = ended[static_cast<size_t>(r)];
       o << (why.empty() ? "no answer (the process is gone or its watchdog cannot reach the store)"
-                        : "ended with an uncaught " + why) << "\n";
+                        : "ended " + why) << "\n";
       (why.empty() ? silent : gone) += ((why.empty() ? silent : gone).empty() ? "" : ", ") + std::to_string(r);
       continue;
     }
@@ -352,7 +352,8 @@ std::string Watchdog::collect_report(const std::string& headline) {
   if (!lagging.empty())
     o << "  lagging: " << lagging << ". The other ranks wait for it in fastddp.";
   else if (!gone.empty())
-    o << "  lagging: rank(s) " << gone << " ended with an error (above)" << (silent.empty() ? "" : "; rank(s) " + silent + " did not answer") << ".";
+    o << "  lagging: rank(s) " << gone << " ended (see above)"
+      << (silent.empty() ? "" : "; rank(s) " + silent + " did not answer") << ".";
   else if (!silent.empty())
     o << "  lagging: rank(s) " << silent << " did not answer.";
   else

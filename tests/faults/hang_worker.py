@@ -69,7 +69,7 @@ def main() -> None:
     if bad and fault == "killed":  # dies while the reduction of its first step is in flight
         model.module.a.weight.register_hook(lambda g: os.kill(os.getpid(), signal.SIGKILL))
     loader = DataLoader(Samples(bad and fault == "stuck_data"), batch_size=4)
-    steps = STEPS - 1 if bad and fault in ("extra_step", "fewer_batches") else STEPS
+    steps = STEPS - 1 if bad and fault in ("extra_step", "fewer_batches", "ends_early") else STEPS
     for step, (x, y) in enumerate(loader):
         if step == steps:
             break
@@ -83,7 +83,7 @@ def main() -> None:
         opt.zero_grad()
         loss.backward()
         opt.step()
-    if bad and fault in ("extra_step", "fewer_batches"):
+    if bad and fault in ("extra_step", "fewer_batches", "ends_early"):
         print("FAULT-START", flush=True)
     if fault == "extra_step":
         dist.barrier()  # rank 1 went on to a barrier while rank 0 takes one more step

@@ -30,7 +30,9 @@ class _Running:
 
     watchdog: Any = None
     group: Any = None
-    store: Any = None  # the watchdog's store, where an uncaught exception is posted for the others
+    store: Any = None  # the watchdog's store, where this rank posts why it ended, for the others
+    rank: Optional[int] = None
+    posted = False  # the reason this rank ended is posted (an uncaught exception comes first)
     hooked = False  # sys.excepthook posts the exception and prints the latest report
 
 
@@ -89,7 +91,7 @@ def ensure_started(threshold_s: Optional[float] = None) -> Any:
     options.poll_s = min(threshold / 4, max(0.5, options.world / 256))
     thread = threading.get_ident()  # the thread that trains: its stack goes into the reports
     _Running.watchdog = C.Watchdog(store, options, lambda: describe_thread(thread))
-    _Running.group, _Running.store = world, store
+    _Running.group, _Running.store, _Running.rank = world, store, options.rank
     if not _Running.hooked:
         _report_after_uncaught_errors()
         _Running.hooked = True
@@ -102,7 +104,7 @@ def _report_after_uncaught_errors() -> None:
     previous = sys.excepthook
 
     def hook(kind: type, value: BaseException, tb: Any) -> None:
-        _post_exit_reason(describe_exception(kind, value, tb))
+        _post_exit_reason("with an uncaught " + describe_exception(kind, value, tb))
         previous(kind, value, tb)
         report = last_report()
         told = "What every rank was doing" in str(value) + "".join(getattr(value, "__notes__", []))
@@ -113,18 +115,26 @@ def _report_after_uncaught_errors() -> None:
 
 
 def _post_exit_reason(line: str) -> None:
-    """Tell the other ranks' reports why this rank is ending ("ended with an uncaught
+    """Tell the other ranks' reports why this rank is ending ("rank 1: ended with an uncaught
     ValueError: … at train.py:40 in step") instead of "no answer". Bounded: a store whose host
     is gone must not hold up the exit."""
-    store, watchdog = _Running.store, _Running.watchdog
-    if store is None or watchdog is None:
+    store, rank = _Running.store, _Running.rank
+    if store is None or rank is None or _Running.posted:
         return
-    rank = dist.get_rank() if dist.is_initialized() else None
-    if rank is None:
-        return
+    _Running.posted = True
     poster = threading.Thread(target=_set_quietly, args=(store, f"exit/{rank}", line), daemon=True)
     poster.start()
     poster.join(timeout=2.0)
+
+
+def _post_script_end() -> None:
+    """At the interpreter's exit without an uncaught exception: a rank that ran out of batches
+    while the others train on (uneven inputs without join()) is reported as such."""
+    if _Running.store is None:
+        return
+    started = C.diag_snapshot()[2]
+    _post_exit_reason(f"without an error after {started} reducing step(s) (its script returned or called "
+                      "exit; if the others still train, the ranks had uneven inputs: see DDPWrapper.join())")
 
 
 def _set_quietly(store: Any, key: str, value: str) -> None:
@@ -147,3 +157,4 @@ def last_report() -> str:
 
 
 atexit.register(stop)
+atexit.register(_post_script_end)  # runs first (atexit is last in, first out)
