@@ -162,8 +162,8 @@ def _setting_on_one_rank(rank: int, world_size: int, name: str) -> tuple[str, st
 @pytest.mark.parametrize("name", list(_SETTINGS_ON_RANK_1))
 def test_settings_that_differ_between_ranks_are_refused_by_name(ranks, name: str) -> None:
     """A setting that decides which collectives a rank issues, given on one rank only: every
-    rank raises, naming it (gloo aborted the process, the ranks waited for each other until
-    the timeout, or, comm_dtype on shared memory, summed bfloat16 bytes as float32)."""
+    rank raises, naming it (unchecked, gloo would abort the process, the ranks wait for each
+    other until the timeout, or, comm_dtype on shared memory, sum bfloat16 bytes as float32)."""
     for kind, message in ranks.run(_setting_on_one_rank, world_size=2, args=(name,)):
         assert kind == "RuntimeError" and _SETTINGS_ON_RANK_1[name][1] in message, message
 

@@ -543,8 +543,8 @@ class _FailsMidway(nn.Module):
 def _failed_backward(rank: int, world_size: int, transport: str, fail_on: tuple[int, ...]) -> list[str]:
     """A backward that raises after some buckets were launched, caught by the script (the "skip
     the batch on out-of-memory" idiom): torch DDP raises RuntimeError at every later forward.
-    DDPWrapper does the same (it used to train on, with the next step's gradients mixed with the
-    failed step's), and a rank whose own backward succeeded is told which rank's did not."""
+    DDPWrapper does the same (training on would mix the next step's gradients with the failed
+    step's launched buckets), and a rank whose own backward succeeded is told which rank's did not."""
     os.environ["FASTDDP_SHM_ALLREDUCE"] = "1" if transport == "shm" else "0"
     outcome = []
     # torch DDP's healthy rank would wait in its backward for the failed one until the timeout
