@@ -186,6 +186,17 @@ def _device_of(device_id: Any) -> torch.device:
     return torch.device("cuda", device_id) if isinstance(device_id, int) else torch.device(device_id)
 
 
+def buffer_sync(broadcast_buffers: Optional[bool], forward_sync_buffers: Optional[bool]) -> tuple[bool, bool]:
+    """Whether the buffers are broadcast before forwards and at construction, by torch DDP's
+    (2.13+) rule: forward_sync_buffers replaces broadcast_buffers; given, it decides only the
+    per-forward sync and the buffers are synced at construction anyway; else broadcast_buffers
+    (default True) decides both."""
+    if forward_sync_buffers is not None:
+        return bool(forward_sync_buffers), True
+    both = True if broadcast_buffers is None else bool(broadcast_buffers)
+    return both, both
+
+
 def deprecated_arguments(broadcast_buffers: Optional[bool], forward_sync_buffers: Optional[bool],
                          check_reduction: bool) -> None:
     """torch DDP's FutureWarnings for its deprecated arguments, given the same way."""

@@ -176,15 +176,7 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, TorchInputMethods, BufferSync
         bucket_cap_mb = max(caps) if caps else 25.0 if bucket_cap_mb is None else checks.bucket_cap(bucket_cap_mb)
         self.module = module
         self.dim = dim
-        # torch DDP (2.13+): forward_sync_buffers replaces broadcast_buffers; given, it decides
-        # only the per-forward sync and the buffers are synced at construction anyway; else
-        # broadcast_buffers (default True) decides both.
-        if forward_sync_buffers is not None:
-            self.forward_sync_buffers = bool(forward_sync_buffers)
-            init_sync_buffers = True
-        else:
-            self.forward_sync_buffers = True if broadcast_buffers is None else bool(broadcast_buffers)
-            init_sync_buffers = self.forward_sync_buffers
+        self.forward_sync_buffers, init_sync_buffers = checks.buffer_sync(broadcast_buffers, forward_sync_buffers)
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = bool(static_graph)  # torch DDP sets True through _set_static_graph()
