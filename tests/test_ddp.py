@@ -42,7 +42,7 @@ def _use_transport(transport: str, world_size: int) -> bool:
 def _mlp_buckets(rank: int, world_size: int, transport: str, set_to_none: bool, as_view: bool) -> None:
     """MLP, many tiny buckets, either zero_grad style, either gradient layout."""
     passthrough = _use_transport(transport, world_size)
-    ours, ref = make_pair(mlp, {"bucket_cap_mb": 0.001}, {"gradient_as_bucket_view": as_view})
+    ours, ref = make_pair(mlp, {"bucket_cap_mb": 0.0001}, {"gradient_as_bucket_view": as_view})
     report = ours.bucket_report()
     assert (report["passthrough"], report["batch_copies"]) == (passthrough, transport.endswith("+batched"))
     train_both(ours, ref, rand_vec, set_to_none=set_to_none)
@@ -300,10 +300,13 @@ def test_needs_process_group() -> None:
 
 def test_bucket_assignment_order_and_caps() -> None:
     params = [torch.zeros(2**18) for _ in range(8)]  # 1 MiB each (fp32)
-    buckets = assign_buckets(params, bucket_cap_mb=2.5)
-    assert buckets == [[7], [6, 5], [4, 3], [2, 1], [0]]
+    assert assign_buckets(params, 2.5) == [list(range(8))]
+    assert assign_buckets(params, 2.5, find_unused_parameters=True) == [[6, 7], [3, 4, 5], [0, 1, 2]]
+    backward = list(reversed(range(8)))
+    assert assign_buckets(params, 2.5, order=backward) == [[7, 6, 5], [4, 3, 2], [1, 0]]
+    assert assign_buckets(params, order=backward) == [[7], [6, 5, 4, 3, 2, 1, 0]]
     mixed = [torch.zeros(4), torch.zeros(4, dtype=torch.bfloat16), torch.zeros(4)]
-    assert sorted(map(sorted, assign_buckets(mixed, 25))) == [[0, 2], [1]]
+    assert assign_buckets(mixed, 25) == [[1], [0, 2]]
 
 
 @pytest.mark.cuda

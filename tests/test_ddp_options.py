@@ -177,9 +177,11 @@ def test_invalid_arguments_are_refused_clearly(ranks, case) -> None:
 
 def test_per_bucket_caps() -> None:
     params = [torch.zeros(2**18) for _ in range(6)]  # 1 MiB each (fp32)
-    # reverse registration order; bucket k holds at most caps[k] MiB, the last cap repeats
-    assert assign_buckets(params, 3, caps_mb=[1, 3]) == [[5], [4, 3, 2], [1, 0]]
-    assert assign_buckets(params, 2, caps_mb=[2]) == [[5, 4], [3, 2], [1, 0]]
+    # bucket k closes once it reaches caps[k] MiB, the last cap repeats; at construction the
+    # parameters are taken in registration order and the buckets listed in reverse
+    assert assign_buckets(params, 3, caps_mb=[1, 3]) == [[4, 5], [1, 2, 3], [0]]
+    assert assign_buckets(params, 3, caps_mb=[1, 3], order=[5, 4, 3, 2, 1, 0]) == [[5], [4, 3, 2], [1, 0]]
+    assert assign_buckets(params, 2, caps_mb=[2]) == [[4, 5], [2, 3], [0, 1]]
     # per (device, dtype): each dtype's first bucket takes the first cap
     mixed = [torch.zeros(2**18), torch.zeros(2**19, dtype=torch.bfloat16), torch.zeros(2**18)]
     assert assign_buckets(mixed, 2, caps_mb=[1, 2]) == [[2], [1], [0]]

@@ -48,7 +48,8 @@ def _rebuild(rank: int, world_size: int) -> list[str]:
     before = [b["params"] for b in ours.bucket_report()["buckets"]]
     train_both(ours, ref, rand_vec, steps=3)
     after = [b["params"] for b in ours.bucket_report()["buckets"]]
-    assert before[0][0] == "a.bias", before  # reverse registration order
+    # as torch DDP: one bucket, registration order, until the rebuild
+    assert before == [["c.weight", "c.bias", "b.weight", "b.bias", "a.weight", "a.bias"]], before
     assert after[0][0].startswith("c."), after  # the last layer's gradients arrive first
     return after[0]
 
@@ -59,11 +60,11 @@ def test_buckets_rebuilt_in_arrival_order_keep_parity(ranks) -> None:
 
 
 def _static_checkpointed(rank: int, world_size: int, as_view: bool, set_to_none: bool) -> None:
-    ours, ref = make_pair(SharedCheckpointed, {"static_graph": True, "bucket_cap_mb": 0.0005},
+    ours, ref = make_pair(SharedCheckpointed, {"static_graph": True, "bucket_cap_mb": 0.0003},
                       {"gradient_as_bucket_view": as_view})
     train_both(ours, ref, rand_vec, steps=4, set_to_none=set_to_none)
     assert ours.module.never.weight.grad is None
-    assert len(ours.bucket_report()["buckets"]) >= 3
+    assert len(ours.bucket_report()["buckets"]) >= 3  # rebuilt before the third step, as torch DDP
 
 
 def _static_no_sync(rank: int, world_size: int) -> None:

@@ -10,7 +10,7 @@ from torch import nn
 
 import fastddp
 from fastddp._ext import C
-from fastddp.ddp import FIRST_BUCKET_MB, assign_buckets
+from fastddp.ddp import assign_buckets
 
 from .distributed import run_distributed
 
@@ -26,14 +26,20 @@ def test_reducer_options_are_named_fields_with_defaults() -> None:
     assert options.comm_dtype == torch.bfloat16 and options.bucket_caps_mb == [1.5, 4.0]
 
 
-def test_bucket_plan_follows_order_caps_and_dtype() -> None:
+def test_bucket_plan_follows_torch_ddps_rules() -> None:
     mib = 2**18  # float32 elements in one MiB
     params = [torch.zeros(mib), torch.zeros(mib, dtype=torch.float64), torch.zeros(mib), torch.zeros(mib)]
-    # reverse order; the first bucket holds at most FIRST_BUCKET_MB, float64 apart
-    assert FIRST_BUCKET_MB == 1.0
-    assert assign_buckets(params, bucket_cap_mb=2) == [[3], [2, 0], [1]]
-    assert assign_buckets(params, bucket_cap_mb=2, order=[0, 2, 3, 1]) == [[0], [2, 3], [1]]
-    assert assign_buckets(params, bucket_cap_mb=0) == [[3], [2], [1], [0]]
+    # before the rebuild: one bucket per dtype, listed in reverse, registration order inside
+    assert assign_buckets(params) == [[1], [0, 2, 3]]
+    # find_unused_parameters: never rebuilt, so capped from the start; a bucket closes once it
+    # reaches its cap (float64 apart), and only the default cap has a small first bucket
+    assert assign_buckets(params, 2, find_unused_parameters=True) == [[3], [1], [0, 2]]
+    assert assign_buckets(params, find_unused_parameters=True) == [[2, 3], [1], [0]]
+    assert assign_buckets(params, 2, find_unused_parameters=True, static_graph=True) == [[1], [0, 2, 3]]
+    # rebuilt in arrival order: the default's first bucket holds 1 MiB
+    assert assign_buckets(params, order=[3, 2, 1, 0]) == [[3], [1], [2, 0]]
+    assert assign_buckets(params, 2, order=[0, 2, 3, 1]) == [[0, 2], [1], [3]]
+    assert assign_buckets(params, 0, order=[3, 2, 1, 0]) == [[3], [2], [1], [0]]
 
 
 def test_packed_bytes_align_each_tensor_to_64_bytes() -> None:

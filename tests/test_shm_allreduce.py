@@ -245,7 +245,7 @@ def _grad_stats(rank: int, world_size: int, shm: bool, comm_dtype) -> list:
     # must equal the sum of squares of the buckets as they end up, on every rank. The fourth
     # backward poisons one rank's gradients: the statistics turn non-finite everywhere.
     torch.manual_seed(0)
-    model = fastddp.DDPWrapper(nn.Sequential(nn.Linear(300, 200), nn.Linear(200, 7)), bucket_cap_mb=0.1,
+    model = fastddp.DDPWrapper(nn.Sequential(nn.Linear(300, 200), nn.Linear(200, 7)), bucket_cap_mb=0.004,
                                shm_allreduce=shm, comm_dtype=comm_dtype)
     visitor = C.amp_bucket_stats()
     model.register_bucket_visitor(visitor)
@@ -267,7 +267,8 @@ def test_reducer_grad_stats_equal_the_reduced_buckets(ranks, shm: bool, comm_dty
     results = ranks.run(_grad_stats, world_size=3, args=(shm, comm_dtype))
     for rows in results:
         for step, (transport, buckets, stats, expected) in enumerate(rows):
-            assert transport == ("shm" if shm else "c10d") and buckets > 1
+            # one bucket until the rebuild, as torch DDP's
+            assert transport == ("shm" if shm else "c10d") and (buckets > 1 or step == 0)
             if step < 3:
                 assert stats == pytest.approx(expected, rel=1e-12), (step, rows)
                 assert stats == results[0][step][2]  # every rank reaches the same statistics

@@ -42,8 +42,10 @@ void bind_options(py::module_& m) {
       .def_readwrite("single_rank_passthrough", &ReducerOptions::single_rank_passthrough)
       .def_readwrite("fingerprint", &ReducerOptions::fingerprint)
       .def_readwrite("fingerprint_unused", &ReducerOptions::fingerprint_unused);
-  m.def("plan_buckets", &fastddp::reducer::plan_buckets, py::arg("params"), py::arg("order"), py::arg("options"),
-        "Bucket indices filled in `order`, grouped by (device, dtype), within the options' caps.");
+  m.def("initial_buckets", &fastddp::reducer::initial_buckets, py::arg("params"), py::arg("options"),
+        "torch DDP's bucket layout at construction (parameter indices per bucket, csrc/reducer/layout.h).");
+  m.def("rebuilt_buckets", &fastddp::reducer::rebuilt_buckets, py::arg("params"), py::arg("order"),
+        py::arg("options"), "torch DDP's bucket layout rebuilt in gradient arrival order `order`.");
 }
 
 // Every method that takes the reducer's mutex releases the GIL first: with a Python comm hook
@@ -107,11 +109,15 @@ void bind_reducer(py::module_& m) {
            "Register a visitor of every bucket once its reduced values are final (e.g. GradScaler's statistics).",
            py::call_guard<py::gil_scoped_release>())
       .def("arrival_order", &fastddp::reducer::Reducer::arrival_order,
-           "Gradient arrival order (parameter indices) of the first reduced backward.",
+           "Gradient arrival order (parameter indices) the bucket rebuild follows; empty until recorded.",
            py::call_guard<py::gil_scoped_release>())
       .def("rebuild_buckets_in_arrival_order", &fastddp::reducer::Reducer::rebuild_buckets_in_arrival_order,
            "Re-plan the buckets in group rank 0's gradient arrival order (a collective); True if they changed.",
            py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("reductions",
+                             py::cpp_function(&fastddp::reducer::Reducer::reductions,
+                                              py::call_guard<py::gil_scoped_release>()),
+                             "Reduced backwards finished so far.")
       .def_property_readonly("options", &fastddp::reducer::Reducer::options, "The ReducerOptions it was built with.")
       .def_property_readonly("fingerprinting", &fastddp::reducer::Reducer::fingerprinting,
                              "Whether reductions carry fingerprints the ranks compare (a mismatch raises DesyncError).")

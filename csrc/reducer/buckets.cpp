@@ -11,6 +11,8 @@
 #include <ATen/ops/tensor.h>
 #include <ATen/ops/zeros.h>
 
+#include <unordered_map>
+
 namespace fastddp::reducer {
 
 int64_t Reducer::wire_bytes() const {
@@ -72,6 +74,35 @@ void Reducer::install_buckets_locked(const std::vector<std::vector<int64_t>>& bu
     }
   }
   for (auto& bucket : buckets_) bucket.storage_refs = bucket.buffer.storage().use_count();
+  if (!gradient_as_bucket_view_ && !passthrough_) move_lent_grads_locked();  // not in storage_refs
+}
+
+void Reducer::move_lent_grads_locked() {
+  // A lent .grad alias of the previous buffers stays its parameter's .grad (the same tensor, as
+  // torch's .grad stays across steps), re-pointed at its slot in the new bucket with its values,
+  // when nothing but such aliases refers to that memory (no slice of an old .grad, no alias let
+  // go): then nobody can tell, and the gradients live in the buckets again. Otherwise the
+  // tensors stay where they are, with their values, and each backward copies them in.
+  const int64_t n = static_cast<int64_t>(params_.size());
+  std::unordered_map<const c10::StorageImpl*, int64_t> attached;
+  for (int64_t i = 0; i < n; ++i) {
+    const auto& grad = params_[i].grad();
+    if (grad.defined() && grad.unsafeGetTensorImpl() == lent_[i]._unsafe_get_target())
+      ++attached[grad.storage().unsafeGetStorageImpl()];
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const auto& grad = params_[i].grad();
+    if (!grad.defined() || grad.unsafeGetTensorImpl() != lent_[i]._unsafe_get_target()) continue;
+    const auto* memory = grad.storage().unsafeGetStorageImpl();
+    if (static_cast<int64_t>(grad.storage().use_count()) != attached[memory] || !plain_like(grad, views_[i])) continue;
+    const auto& view = views_[i];
+    view.copy_(grad);
+    --attached[memory];  // this alias lets go of the old memory now
+    auto* impl = grad.unsafeGetTensorImpl();
+    impl->set_storage_keep_dtype(view.storage());
+    impl->set_sizes_and_strides(view.sizes(), view.strides(), view.storage_offset());
+    lent_from_[i] = view.storage().unsafeGetStorageImpl();
+  }
 }
 
 void Reducer::allocate_bucket_locked(Bucket& bucket, const at::Tensor& first, int64_t total, bool last) {
@@ -177,7 +208,7 @@ bool Reducer::rebuild_buckets_in_arrival_order() {
   std::vector<int64_t> order = arrival_order();
   std::vector<char> seen(params_.size(), 0);
   for (int64_t i : order) seen[i] = 1;
-  for (int64_t i = n - 1; i >= 0; --i)
+  for (int64_t i = 0; i < n; ++i)
     if (!seen[i]) order.push_back(i);
   if (process_group_->getSize() > 1) {
     // Group rank 0's order, so every rank plans the same buckets and issues the same collectives.
@@ -189,7 +220,7 @@ bool Reducer::rebuild_buckets_in_arrival_order() {
     const auto host = agreed[0].cpu();
     order.assign(host.data_ptr<int64_t>(), host.data_ptr<int64_t>() + n);
   }
-  auto planned = plan_buckets(params_, order, options_);
+  auto planned = rebuilt_buckets(params_, order, options_);
   std::lock_guard<std::mutex> lock(mutex_);
   TORCH_CHECK(!callback_queued_, "DDPWrapper: cannot rebuild buckets while a backward pass is reducing");
   bool same = planned.size() == buckets_.size();

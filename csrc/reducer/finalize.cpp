@@ -42,8 +42,9 @@ bool Reducer::continued_by_outer_backward_locked() const {
 void Reducer::finalize_locked() {
   expect_sync_ = false;
   nosync_steps_ = 0;  // the micro-steps this reduction sums
-  record_arrival_ = false;  // the first reduced backward's order is the one kept
   const bool static_first = static_graph_ && static_first_iteration_;
+  if (!static_first) record_arrival_ = false;  // one reduced backward's order is the one kept
+  ++reductions_;
   if (static_first) settle_static_first_locked();
   const std::string missing_error = missing_gradients_locked();
   TORCH_CHECK(missing_error.empty() || fingerprint_, missing_error);

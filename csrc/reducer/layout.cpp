@@ -1,15 +1,36 @@
 #include "reducer/layout.h"
 
-#include <map>
-#include <tuple>
+#include <torch/csrc/distributed/c10d/reducer.hpp>
+
+#include <algorithm>
+#include <limits>
 
 namespace fastddp::reducer {
 
 namespace {
 
-constexpr double kMiB = 1024.0 * 1024.0;
+// torch DDP converts MiB to bytes with int(mb * 1024 * 1024): truncation, as here.
+size_t mib_to_bytes(double mib) { return static_cast<size_t>(mib * 1024.0 * 1024.0); }
 
-int64_t mib_to_bytes(double mib) { return static_cast<int64_t>(mib * kMiB); }
+void check_caps(const ReducerOptions& options) {
+  TORCH_CHECK(options.bucket_cap_mb >= 0 && options.first_bucket_mb >= 0, "DDPWrapper: bucket caps must be >= 0, "
+              "got bucket_cap_mb=", options.bucket_cap_mb, ", first_bucket_mb=", options.first_bucket_mb);
+  for (double cap : options.bucket_caps_mb)
+    TORCH_CHECK(cap > 0, "DDPWrapper: every bucket_cap_mb_list entry must be > 0, got ", cap);
+}
+
+std::vector<size_t> listed_caps(const ReducerOptions& options) {
+  std::vector<size_t> limits;
+  for (double cap : options.bucket_caps_mb) limits.push_back(mib_to_bytes(cap));
+  return limits;
+}
+
+std::vector<std::vector<int64_t>> as_int64(const std::vector<std::vector<size_t>>& buckets) {
+  std::vector<std::vector<int64_t>> out;
+  out.reserve(buckets.size());
+  for (const auto& bucket : buckets) out.emplace_back(bucket.begin(), bucket.end());
+  return out;
+}
 
 }  // namespace
 
@@ -19,57 +40,49 @@ int64_t packed_bytes(const std::vector<at::Tensor>& tensors) {
   return bytes;
 }
 
-std::vector<int64_t> registration_order_reversed(int64_t count) {
-  std::vector<int64_t> order;
-  order.reserve(static_cast<size_t>(count));
-  for (int64_t i = count - 1; i >= 0; --i) order.push_back(i);
-  return order;
+bool rebuilds_buckets(const ReducerOptions& options) {
+  return options.static_graph || !options.find_unused_parameters;
 }
 
-std::vector<std::vector<int64_t>> plan_buckets(const std::vector<at::Tensor>& params,
-                                               const std::vector<int64_t>& order, const ReducerOptions& options) {
-  const auto& caps = options.bucket_caps_mb;
-  TORCH_CHECK(options.bucket_cap_mb >= 0 && options.first_bucket_mb >= 0, "DDPWrapper: bucket caps must be >= 0, got "
-              "bucket_cap_mb=", options.bucket_cap_mb, ", first_bucket_mb=", options.first_bucket_mb);
+std::vector<std::vector<int64_t>> initial_buckets(const std::vector<at::Tensor>& params, const ReducerOptions& options) {
+  check_caps(options);
+  if (params.empty()) return {};  // every parameter has a sparse gradient (reduced apart)
+  std::vector<size_t> limits = listed_caps(options);
+  if (limits.empty()) {
+    const size_t cap = mib_to_bytes(options.bucket_cap_mb);
+    const size_t first = mib_to_bytes(options.first_bucket_mb);
+    if (rebuilds_buckets(options)) {
+      // One bucket until the rebuild: the registration order need not be the order gradients
+      // arrive in, and a bucket launched early could meet another collective of the backward.
+      limits = {static_cast<size_t>(std::numeric_limits<int64_t>::max())};
+    } else {
+      limits = first < cap ? std::vector<size_t>{first, cap} : std::vector<size_t>{cap};
+    }
+  }
+  auto buckets = std::get<0>(c10d::compute_bucket_assignment_by_size(params, limits));
+  std::reverse(buckets.begin(), buckets.end());
+  return as_int64(buckets);
+}
+
+std::vector<std::vector<int64_t>> rebuilt_buckets(const std::vector<at::Tensor>& params,
+                                                  const std::vector<int64_t>& order, const ReducerOptions& options) {
+  check_caps(options);
   const int64_t n = static_cast<int64_t>(params.size());
+  TORCH_CHECK(static_cast<int64_t>(order.size()) == n, "DDPWrapper: a bucket order must name each of the ", n,
+              " parameters once, got ", order.size(), " indices");
   std::vector<char> seen(params.size(), 0);
+  std::vector<at::Tensor> ordered;
+  ordered.reserve(params.size());
   for (int64_t i : order) {
     TORCH_CHECK(i >= 0 && i < n, "DDPWrapper: bucket order names parameter ", i, " of ", n);
     TORCH_CHECK(!seen[i], "DDPWrapper: bucket order names parameter ", i, " twice");
     seen[i] = 1;
+    ordered.push_back(params[i]);
   }
-  const int64_t cap = mib_to_bytes(options.bucket_cap_mb);
-  const int64_t cap_first = mib_to_bytes(std::min(options.first_bucket_mb, options.bucket_cap_mb));
-  // Per (device type, device index, dtype): the open bucket, its bytes, and how many opened.
-  using Key = std::tuple<int, int, int>;
-  struct Open {
-    int64_t bucket = -1;
-    int64_t used = 0;
-    int64_t opened = 0;
-  };
-  std::map<Key, Open> open;
-  std::vector<std::vector<int64_t>> buckets;
-  for (int64_t i : order) {
-    const auto& p = params[i];
-    const Key key{static_cast<int>(p.device().type()), p.device().index(), static_cast<int>(p.scalar_type())};
-    const int64_t size = p.numel() * static_cast<int64_t>(p.element_size());
-    auto& slot = open[key];
-    if (slot.bucket >= 0) {
-      const int64_t limit = !caps.empty()
-                                ? mib_to_bytes(caps[std::min<size_t>(slot.opened - 1, caps.size() - 1)])
-                                : (slot.bucket == 0 ? cap_first : cap);
-      if (slot.used + size > limit) slot.bucket = -1;
-    }
-    if (slot.bucket < 0) {
-      slot.bucket = static_cast<int64_t>(buckets.size());
-      slot.used = 0;
-      ++slot.opened;
-      buckets.emplace_back();
-    }
-    buckets[slot.bucket].push_back(i);
-    slot.used += size;
-  }
-  return buckets;
+  if (params.empty()) return {};
+  std::vector<size_t> limits = listed_caps(options);
+  if (limits.empty()) limits = {mib_to_bytes(options.first_bucket_mb), mib_to_bytes(options.bucket_cap_mb)};
+  return as_int64(std::get<0>(c10d::compute_bucket_assignment_by_size(ordered, limits, {}, order)));
 }
 
 }  // namespace fastddp::reducer

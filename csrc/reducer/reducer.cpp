@@ -120,12 +120,18 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
   } else {
     transport_note_ = "not a multi-process CPU model";
   }
-  install_buckets_locked(plan_buckets(params_, registration_order_reversed(n), options_));
+  record_arrival_ = rebuilds_buckets(options_);
+  install_buckets_locked(initial_buckets(params_, options_));
 }
 
 std::vector<int64_t> Reducer::arrival_order() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return arrival_;
+}
+
+int64_t Reducer::reductions() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return reductions_;
 }
 
 bool Reducer::reduce_avg_locked() {
@@ -369,8 +375,9 @@ void Reducer::mark_ready(int64_t index) {
   nosync_forward_pending_ = false;  // a no_sync() forward backwarded with this reduction
   if (static_graph_) {
     if (static_first_iteration_) {
-      // Count the arrivals; everything is reduced at the end of this backward.
-      if (hooks_per_backward_[index]++ == 0 && record_arrival_) arrival_.push_back(index);
+      // Count the arrivals; everything is reduced at the end of this backward. (As in torch
+      // DDP, the order kept for the rebuild is the next backward's, each at its last arrival.)
+      ++hooks_per_backward_[index];
       return;
     }
     TORCH_CHECK(hooks_left_[index] > 0, "DDPWrapper: parameter '", names_[index], "' received more gradients in "

@@ -120,13 +120,18 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // `scale` (world size / ranks still training) before it reaches .grad; once, then 1 again.
   void set_reduction_scale(double scale);
 
-  // Order in which gradients became ready in the first reduced backward (parameters that
-  // were ready before backward, i.e. unused ones, are not in it).
+  // Order in which gradients became ready in the reduced backward the rebuild follows (torch
+  // DDP's: the first one; with static_graph the second, each parameter at its last gradient);
+  // empty before it, and always when the layout is never rebuilt (layout.h). Parameters that
+  // were ready before backward, i.e. unused ones, are not in it.
   std::vector<int64_t> arrival_order() const;
 
-  // torch DDP's rebuild after the first reduced backward: re-plans the buckets in the order the
-  // gradients arrived (group rank 0's order, broadcast over the group so every rank builds
-  // the same buckets; parameters that never arrived follow in reverse registration order).
+  // Reduced backwards finished so far.
+  int64_t reductions() const;
+
+  // torch DDP's rebuild: re-plans the buckets in the order the gradients arrived (group rank
+  // 0's order, broadcast over the group so every rank builds the same buckets; parameters that
+  // never arrived follow in registration order).
   // A collective; every rank calls it in the same iteration. Existing gradients move into the
   // new buffers; not allowed while a backward is reducing. Returns whether the layout changed.
   bool rebuild_buckets_in_arrival_order();
@@ -150,6 +155,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
 
  private:
   void install_buckets_locked(const std::vector<std::vector<int64_t>>& bucket_indices);
+  void move_lent_grads_locked();  // a rebuild's lent .grad aliases that nobody else holds
   // gradient_as_bucket_view=False lends the views as .grad when nobody else can tell (see
   // lend_or_copy_locked) and moves a bucket to new memory before writing it when a lent view,
   // or any tensor into its memory, is still held elsewhere (torch's copies stay intact there).
@@ -305,7 +311,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   std::vector<char> ready_;
   std::vector<char> locally_used_;  // since the last reduction, no_sync() backwards included
   std::vector<int64_t> arrival_;
-  bool record_arrival_ = true;
+  bool record_arrival_ = false;  // layout.h's rebuilds_buckets(); until one reduced backward is recorded
+  int64_t reductions_ = 0;       // reduced backwards finished (join()'s stand-ins not counted)
   double reduction_scale_ = 1.0;  // set_reduction_scale(), for the next reduction only
   bool buckets_hold_grads_ = false;  // see grads_in_buckets()
   int64_t relocations_ = 0;          // buckets moved by ensure_private_locked

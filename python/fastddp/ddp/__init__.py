@@ -7,7 +7,7 @@ diagnostics), ``inputs`` (input moves and output search)."""
 
 from __future__ import annotations
 
-from .buckets import FIRST_BUCKET_MB, assign_buckets
+from .buckets import assign_buckets
 
 # the module's private names from before the split, which code and tests import
 from .checks import env_flag as _env_flag  # noqa: F401
@@ -17,4 +17,4 @@ from .wrapper import DDPWrapper
 # Pickles (torch.save(model), deepcopy) name the class by the package, as before it was split.
 DDPWrapper.__module__ = __name__
 
-__all__ = ["FIRST_BUCKET_MB", "DDPWrapper", "assign_buckets"]
+__all__ = ["DDPWrapper", "assign_buckets"]

@@ -1,6 +1,6 @@
-"""DDPWrapper's gradient buckets. The C++ reducer owns the layout (planning, 64-byte
-alignment in shared memory, the rebuild in arrival order); this module configures it with a
-:class:`fastddp._C.ReducerOptions` and reports on it."""
+"""DDPWrapper's gradient buckets. The C++ reducer owns the layout (torch DDP's bucket
+assignment, 64-byte alignment in shared memory, the rebuild in arrival order); this module
+configures it with a :class:`fastddp._C.ReducerOptions` and reports on it."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import warnings
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
 from .. import diag
@@ -18,7 +19,13 @@ from .comm_hooks import hook_name
 from .fingerprint import fingerprint_setting
 from .sparse import SparseGradients
 
-FIRST_BUCKET_MB = 1.0  # a small first bucket so communication starts early in backward
+_MIB = 1024 * 1024
+
+
+def default_first_bucket_mb() -> float:
+    """torch DDP's first bucket with the default cap: ``dist._DEFAULT_FIRST_BUCKET_BYTES``
+    (1 MiB), read when a wrapper is built, as torch reads it (users may set it to tune)."""
+    return dist._DEFAULT_FIRST_BUCKET_BYTES / _MIB
 
 
 def _bucket_options(bucket_cap_mb: float, first_bucket_mb: float, caps_mb: Optional[list[float]]) -> Any:
@@ -29,17 +36,23 @@ def _bucket_options(bucket_cap_mb: float, first_bucket_mb: float, caps_mb: Optio
     return options
 
 
-def assign_buckets(params: list[torch.Tensor], bucket_cap_mb: float,
-                   first_bucket_mb: float = FIRST_BUCKET_MB,
-                   order: Optional[list[int]] = None,
-                   caps_mb: Optional[list[float]] = None) -> list[list[int]]:
-    """The reducer's bucket plan: indices filled in ``order`` (default: reverse registration
-    order, as gradients of the last layers arrive first), grouped by (device, dtype), at most
-    ``bucket_cap_mb`` each, the first one smaller. With ``caps_mb`` (torch DDP's
-    ``bucket_cap_mb_list``) the k-th bucket of each (device, dtype) holds at most
-    ``caps_mb[k]`` MiB (the last entry for the rest) and there is no smaller first bucket."""
-    order = list(reversed(range(len(params)))) if order is None else list(order)
-    return C.plan_buckets(list(params), order, _bucket_options(bucket_cap_mb, first_bucket_mb, caps_mb))
+def assign_buckets(params: list[torch.Tensor], bucket_cap_mb: Optional[float] = None, *,
+                   order: Optional[list[int]] = None, caps_mb: Optional[list[float]] = None,
+                   find_unused_parameters: bool = False, static_graph: bool = False) -> list[list[int]]:
+    """torch DDP's bucket layout for ``params`` (parameter indices per bucket, in the order
+    each bucket lays them out), as DDPWrapper builds it: at construction, or, with ``order``
+    (gradient arrival order), after the rebuild. ``bucket_cap_mb`` None is torch's default
+    (25 MiB, the rebuilt layout's first bucket ``dist._DEFAULT_FIRST_BUCKET_BYTES``);
+    ``caps_mb`` is torch's ``bucket_cap_mb_list``."""
+    caps = [float(c) for c in caps_mb or ()]
+    cap = max(caps) if caps else 25.0 if bucket_cap_mb is None else float(bucket_cap_mb)
+    first = default_first_bucket_mb() if bucket_cap_mb is None and not caps else cap
+    options = _bucket_options(cap, first, caps)
+    options.find_unused_parameters = find_unused_parameters
+    options.static_graph = static_graph
+    if order is None:
+        return C.initial_buckets(list(params), options)
+    return C.rebuilt_buckets(list(params), list(order), options)
 
 
 class Buckets:
@@ -47,7 +60,7 @@ class Buckets:
     the wrapper's settings and owns ``_reducer``)."""
 
     def _reducer_options(self) -> Any:
-        options = _bucket_options(self._bucket_cap_mb, FIRST_BUCKET_MB, self._bucket_caps_mb)
+        options = _bucket_options(self._bucket_cap_mb, self._first_bucket_mb, self._bucket_caps_mb)
         options.gradient_as_bucket_view = self.gradient_as_bucket_view
         options.find_unused_parameters = self.find_unused_parameters
         options.static_graph = self.static_graph
@@ -125,8 +138,9 @@ class Buckets:
             return default_pg_timeout.total_seconds()
 
     def _rebuild_buckets(self) -> None:
-        """Once, after the first reduced backward: the reducer re-buckets in the order gradients
-        actually arrived (group rank 0's order, so every rank issues the same collectives)."""
+        """Once, after the reduced backward whose arrival order the reducer kept (torch DDP's
+        rule, layout.h): the reducer re-buckets in that order (group rank 0's, so every rank
+        issues the same collectives)."""
         self._buckets_rebuilt = True
         with diag.phase(diag.Phase.REBUILD):
             self._reducer.rebuild_buckets_in_arrival_order()
@@ -193,7 +207,7 @@ class Buckets:
             })
         return {"world_size": self.world_size, "bucket_cap_mb": self._bucket_cap_mb,
                 "transport": self._reducer.transport, "transport_note": self._reducer.transport_note,
-                "first_bucket_mb": FIRST_BUCKET_MB, "comm_dtype": str(self.comm_dtype),
+                "first_bucket_mb": self._first_bucket_mb, "comm_dtype": str(self.comm_dtype),
                 "passthrough": self._reducer.passthrough, "batch_copies": self._reducer.batch_copies,
                 "relocations": self._reducer.relocations,
                 "comm_hook": None if self._comm_hook is None else hook_name(self._comm_hook),

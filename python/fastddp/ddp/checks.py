@@ -264,7 +264,7 @@ def _float(bits: int) -> float:
 
 
 def verify_across_ranks(named: list[tuple[str, nn.Parameter]], group: dist.ProcessGroup, world_size: int,
-                        settings: SharedSettings, bucket_cap_mb: float) -> float:
+                        settings: SharedSettings, bucket_caps_mb: tuple[float, float]) -> tuple[float, float]:
     """torch DDP's check that every rank built the same model: the same number of
     parameters and, for each, the same full shape, strides, dtype and requires_grad (two
     all-gathers: the count, widest rank and settings, then one row per parameter). Strides
@@ -272,17 +272,18 @@ def verify_across_ranks(named: list[tuple[str, nn.Parameter]], group: dist.Proce
     is channels_last on one rank only would be summed element against unrelated element.
 
     The first gather also carries the :class:`SharedSettings`, refused when they differ, and
-    ``bucket_cap_mb``: returns group rank 0's, which every rank lays its buckets out with (torch
-    DDP broadcasts rank 0's bucket assignment, so ranks given other caps still train alike)."""
+    ``bucket_caps_mb`` (the bucket cap and the first bucket's, MiB): returns group rank 0's,
+    which every rank lays its buckets out with (torch DDP broadcasts rank 0's bucket
+    assignment, so ranks given other caps still train alike)."""
     if world_size == 1:
-        return bucket_cap_mb
+        return bucket_caps_mb
     device = named[0][1].device if "nccl" in backend_name(group) else torch.device("cpu")
-    header = torch.tensor([len(named), max(p.dim() for _, p in named), _bits(bucket_cap_mb), *astuple(settings)],
+    header = torch.tensor([len(named), max(p.dim() for _, p in named), *map(_bits, bucket_caps_mb), *astuple(settings)],
                           dtype=torch.int64, device=device)
     headers = [torch.zeros_like(header) for _ in range(world_size)]
     dist.all_gather(headers, header, group=group)
     rows = [h.cpu().tolist() for h in headers]
-    _refuse_other_settings([row[3:] for row in rows])
+    _refuse_other_settings([row[4:] for row in rows])
     counts = [row[0] for row in rows]
     if len(set(counts)) > 1:
         raise RuntimeError(_count_mismatch(named, counts, group, world_size))
@@ -306,7 +307,7 @@ def verify_across_ranks(named: list[tuple[str, nn.Parameter]], group: dist.Proce
                 f"DDPWrapper: parameter {i} ({name!r}) differs between ranks: rank 0 has "
                 f"{_describe(rows[0][i])}, rank {r} has {_describe(rows[r][i])}. Every rank "
                 "must build the same model.")
-    return _float(int(headers[0][2]))
+    return _float(int(headers[0][2])), _float(int(headers[0][3]))
 
 
 def _count_mismatch(named: list[tuple[str, nn.Parameter]], counts: list[int], group: dist.ProcessGroup,

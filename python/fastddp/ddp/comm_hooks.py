@@ -78,7 +78,7 @@ class CommHooks:
         if self._comm_hook is not None:
             raise RuntimeError("DDPWrapper.register_comm_hook can only be called once (as in torch DDP); "
                                f"{hook_name(self._comm_hook)} is registered already.")
-        if self._reducer.arrival_order():
+        if self._reducer.reductions:
             raise RuntimeError("DDPWrapper.register_comm_hook must be called before the first backward "
                                "pass (torch DDP's documentation requires it; torch does not check it and "
                                "switches hooks mid-training); register it right after wrapping the model.")
@@ -118,7 +118,7 @@ class CommHooks:
         if self.static_graph:
             warnings.warn("You've set static_graph to be True, no need to set it again.", stacklevel=2)
             return
-        if self._reducer.arrival_order():
+        if self._reducer.reductions:
             raise RuntimeError("DDPWrapper._set_static_graph() must be called before the first backward pass "
                                "(as in torch DDP); better, pass static_graph=True to the constructor.")
         sparse.refuse(self._sparse_names, "_set_static_graph()")

@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 from .. import diag
 from . import checks, sparse
 from .broadcast import broadcast_coalesced
-from .buckets import Buckets
+from .buckets import Buckets, default_first_bucket_mb
 from .comm_hooks import CommHooks
 from .inputs import OutputSink, TorchInputMethods, find_tensors, to_device
 from .join import UnevenInputs
@@ -172,8 +172,10 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, TorchInputMethods, BufferSync
                                   skip_all_reduce_unused_params)
         checks.check_comm_dtype(comm_dtype)
         caps = checks.bucket_caps(bucket_cap_mb_list)
-        # as torch DDP: the list replaces bucket_cap_mb
+        # as torch DDP: the list replaces bucket_cap_mb; a small first bucket with the default cap only
+        default_cap = bucket_cap_mb is None and not caps
         bucket_cap_mb = max(caps) if caps else 25.0 if bucket_cap_mb is None else checks.bucket_cap(bucket_cap_mb)
+        first_bucket_mb = default_first_bucket_mb() if default_cap else bucket_cap_mb
         self.module = module
         self.dim = dim
         self.forward_sync_buffers, init_sync_buffers = checks.buffer_sync(broadcast_buffers, forward_sync_buffers)
@@ -197,13 +199,14 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, TorchInputMethods, BufferSync
         named = self._select_parameters(module, device_ids, static_graph, comm_dtype)
         checks.refuse_cpu_sync_batchnorm(module, named[0][1].device.type)
         checks.deprecated_arguments(broadcast_buffers, forward_sync_buffers, check_reduction)
-        self._bucket_cap_mb = bucket_cap_mb  # group rank 0's once checked: alike buckets on every rank
+        # group rank 0's once checked: alike buckets on every rank
+        self._bucket_cap_mb, self._first_bucket_mb = bucket_cap_mb, first_bucket_mb
         if init_sync:
             shared = checks.SharedSettings.of(find_unused_parameters, self.static_graph, comm_dtype,
                                               init_sync_buffers, self.forward_sync_buffers, caps)
             with diag.phase(diag.Phase.SETUP):
-                self._bucket_cap_mb = checks.verify_across_ranks(named, self.process_group, self.world_size,
-                                                                 shared, bucket_cap_mb)
+                self._bucket_cap_mb, self._first_bucket_mb = checks.verify_across_ranks(
+                    named, self.process_group, self.world_size, shared, (bucket_cap_mb, first_bucket_mb))
                 self._sync_module_states(init_sync_buffers)
         self._module_buffers = self._synced_buffers()  # broadcast from rank 0 before forwards
         self._buckets_rebuilt = False
@@ -331,8 +334,9 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, TorchInputMethods, BufferSync
         self._reducer.finish_unfinished_reduction()  # before this forward's collectives
         grad_enabled = torch.is_grad_enabled()
         # torch DDP rebuilds the buckets once, before the first forward after a reduced backward
+        # (with static_graph after the second; never under find_unused_parameters alone)
         rebuild = (grad_enabled and not self._buckets_rebuilt and self.require_backward_grad_sync
-                   and not self._reducer.passthrough and bool(self._reducer.arrival_order()))
+                   and bool(self._reducer.arrival_order()))
         buffers_from = 0
         sync_buffers = self._syncs_buffers() and self.require_forward_param_sync
         if self._join_config.enable:
