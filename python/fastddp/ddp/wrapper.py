@@ -316,6 +316,7 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, TorchInputMethods, BufferSync
                                "torch.distributed.init_process_group(...) before torch.load / deepcopy.")
         if "forward_sync_buffers" not in state:  # pickled by a fastddp that stored the old name
             state["forward_sync_buffers"] = state.pop("broadcast_buffers", True)
+        state.setdefault("_first_bucket_mb", default_first_bucket_mb())  # pickled before the setting existed
         nn.Module.__setstate__(self, state)
         self.process_group = dist.group.WORLD
         self.world_size = dist.get_world_size()
