@@ -4,6 +4,8 @@ shared-memory timeout of a group whose backend has none."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -212,3 +214,46 @@ def test_parameters_frozen_on_one_rank_are_named(ranks) -> None:
         assert kind == "RuntimeError", message
         assert ("ranks reduce different numbers of parameters (rank 0: 4, rank 1: 2); parameters that "
                 "require grad on rank 0 only (not on rank 1): 2.bias, 2.weight") in message, message
+
+
+class _TwoAlike(nn.Module):
+    """Two layers alike in shape, registered in the given order (a rank-dependent order is what
+    a model built from a set of names gets: each process has its own string hash seed)."""
+
+    def __init__(self, order: list[str]) -> None:
+        super().__init__()
+        for name in order:
+            self.add_module(name, nn.Linear(4, 4))
+
+
+class _Compiled(nn.Module):
+    """What torch.compile returns: the model kept as ``_orig_mod``, its names prefixed."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self._orig_mod = inner
+
+
+def _names_differ(rank: int, world_size: int, how: str) -> list[str]:
+    if how == "order":
+        model: nn.Module = _TwoAlike(["a", "b"] if rank == 0 else ["b", "a"])
+    else:
+        model = _TwoAlike(["a", "b"])
+        model = _Compiled(model) if rank == 1 else model
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        fastddp.DDPWrapper(model)
+    return [str(w.message) for w in seen if issubclass(w.category, RuntimeWarning)]
+
+
+def test_parameters_named_differently_on_one_rank_are_warned_about(ranks) -> None:
+    """Alike in shape but registered in other orders: torch DDP averages a.weight with b.weight
+    without a word; DDPWrapper trains the same and warns on every rank, naming both."""
+    for messages in ranks.run(_names_differ, world_size=2, args=("order",)):
+        assert len(messages) == 1, messages
+        assert ("parameter 0 is 'a.weight' on rank 0 but 'b.weight' on rank 1, alike in shape and dtype, so "
+                "their gradients are averaged together (3 more positions differ)") in messages[0], messages
+
+
+def test_a_model_compiled_on_one_rank_only_is_not_warned_about(ranks) -> None:
+    assert ranks.run(_names_differ, world_size=2, args=("compiled",)) == [[], []]

@@ -2,8 +2,8 @@
 a C++ reducer (bucketed all-reduce through c10d or shared memory, overlapped with backward).
 
 Its parts: ``wrapper`` (the Module face), ``buckets`` (the reducer's configuration and bucket
-reports), ``comm_hooks``, ``join`` (uneven inputs), ``checks`` (argument checks and cross-rank
-diagnostics), ``inputs`` (input moves and output search)."""
+reports), ``comm_hooks``, ``join`` (uneven inputs), ``checks`` (argument checks), ``rank_check``
+(every rank built the same model), ``inputs`` (input moves and output search)."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from torch.distributed.algorithms.join import Join, Joinable
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import diag
-from . import checks, sparse
+from . import checks, rank_check, sparse
 from .broadcast import broadcast_coalesced
 from .buckets import Buckets, default_first_bucket_mb
 from .comm_hooks import CommHooks
@@ -202,10 +202,10 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, TorchInputMethods, BufferSync
         # group rank 0's once checked: alike buckets on every rank
         self._bucket_cap_mb, self._first_bucket_mb = bucket_cap_mb, first_bucket_mb
         if init_sync:
-            shared = checks.SharedSettings.of(find_unused_parameters, self.static_graph, comm_dtype,
+            shared = rank_check.SharedSettings.of(find_unused_parameters, self.static_graph, comm_dtype,
                                               init_sync_buffers, self.forward_sync_buffers, caps)
             with diag.phase(diag.Phase.SETUP):
-                self._bucket_cap_mb, self._first_bucket_mb = checks.verify_across_ranks(
+                self._bucket_cap_mb, self._first_bucket_mb = rank_check.verify_across_ranks(
                     named, self.process_group, self.world_size, shared, (bucket_cap_mb, first_bucket_mb))
                 self._sync_module_states(init_sync_buffers)
         self._module_buffers = self._synced_buffers()  # broadcast from rank 0 before forwards
