@@ -541,20 +541,23 @@ class _FailsMidway(nn.Module):
         return self.c(torch.tanh(self.b(_FailingBackward.apply(torch.tanh(self.a(x))))))
 
 
-def _failed_backward(rank: int, world_size: int, transport: str, fail_on: tuple[int, ...]) -> list[str]:
+def _failed_backward(rank: int, world_size: int, transport: str, fail_on: tuple[int, ...],
+                     static_graph: bool = False) -> list[str]:
     """A backward that raises after some buckets were launched, caught by the script (the "skip
     the batch on out-of-memory" idiom): torch DDP raises RuntimeError at every later forward.
     DDPWrapper does the same (training on would mix the next step's gradients with the failed
-    step's launched buckets), and a rank whose own backward succeeded is told which rank's did not."""
+    step's launched buckets), and a rank whose own backward succeeded is told which rank's did not.
+    With static_graph the failure comes in the third iteration (after the rebuild)."""
     os.environ["FASTDDP_SHM_ALLREDUCE"] = "1" if transport == "shm" else "0"
     outcome = []
     # torch DDP's healthy rank would wait in its backward for the failed one until the timeout
-    for name in ("torch", "ours") if len(fail_on) == world_size else ("ours",):
+    for name in ("torch", "ours") if len(fail_on) == world_size and not static_graph else ("ours",):
         torch.manual_seed(1)
         cls = TorchDDP if name == "torch" else fastddp.DDPWrapper
-        model = cls(_FailsMidway(), bucket_cap_mb=0.01)
+        model = cls(_FailsMidway(), bucket_cap_mb=0.01, static_graph=static_graph)
         x = torch.randn(6, 8)
-        model(x).sum().backward()
+        for _ in range(2 if static_graph else 1):
+            model(x).sum().backward()
         _FailingBackward.fail = rank in fail_on
         try:
             model(x).sum().backward()
@@ -590,6 +593,23 @@ def test_a_backward_failed_on_one_rank_is_reported_on_every_rank(ranks, transpor
     assert len(healthy) == 1 and "rank 1 produced no gradient for a.weight, a.bias" in healthy[0], healthy
     assert failed[0] == "ours backward: simulated out of memory in backward"
     assert all(_REFUSED in line for line in failed[1:]) and len(failed) == 3, failed
+
+
+_REFUSED_STATIC = "DDPWrapper: the previous backward pass did not reduce all gradients (static_graph=True)"
+
+
+@pytest.mark.parametrize("fail_on", [(1,), (0, 1)], ids=["one_rank", "both_ranks"])
+def test_a_static_graph_backward_that_failed_is_reported_and_refused(ranks, fail_on) -> None:
+    """static_graph: the reduction waits for every gradient the first iteration brought, so a
+    backward that raised midway leaves it open; the next forward issues the rest (the healthy
+    rank is told instead of waiting) and this and every later forward are refused."""
+    outcomes = ranks.run(_failed_backward, world_size=2, args=("shm", fail_on, True))
+    for rank, outcome in enumerate(outcomes):
+        if rank not in fail_on:
+            assert len(outcome) == 1 and "rank 1 produced no gradient for a.weight, a.bias" in outcome[0], outcome
+            continue
+        assert outcome[0] == "ours backward: simulated out of memory in backward"
+        assert all(_REFUSED_STATIC in line for line in outcome[1:]) and len(outcome) == 3, outcome
 
 
 class _Scaled(nn.Module):

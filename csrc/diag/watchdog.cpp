@@ -1,5 +1,7 @@
 #include "diag/watchdog.h"
 
+#include "common/checks.h"
+
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -19,10 +21,6 @@ using Seconds = std::chrono::duration<double>;
 std::vector<uint8_t> bytes(const std::string& s) { return {s.begin(), s.end()}; }
 
 // An error's message without the C++ stack trace c10::Error appends.
-std::string message_of(const std::exception& e) {
-  const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
-  return c10_error ? c10_error->what_without_backtrace() : e.what();
-}
 std::string text(const std::vector<uint8_t>& b) { return {b.begin(), b.end()}; }
 
 // One rank's answer: "phase detail step steps_done seconds\n<python stack>".
@@ -96,7 +94,7 @@ std::string collective_failed(const std::string& headline) {
       dog->post_abort(report);
       done->set_value(std::move(report));
     } catch (const std::exception& e) {
-      done->set_value(std::string("(no report: the c10d store failed: ") + message_of(e) + ")");
+      done->set_value(std::string("(no report: the c10d store failed: ") + error_message(e) + ")");
     }
   }).detach();
   const auto& o = dog->options();
@@ -181,7 +179,7 @@ void Watchdog::run() {
       // steps that is how a job ends (the host rank finished first): nothing to say then.
       if (status().snapshot().phase != Phase::kOutside) {
         std::fprintf(stderr, "fastddp watchdog (rank %lld): the c10d store failed (%s); stall reports are off\n",
-                     static_cast<long long>(options_.rank), message_of(e).c_str());
+                     static_cast<long long>(options_.rank), error_message(e).c_str());
       }
       return;
     }
@@ -275,7 +273,7 @@ std::string Watchdog::python_stack() {
     try {
       done->set_value(stack());
     } catch (const std::exception& e) {
-      done->set_value(std::string("Python stack not available: ") + message_of(e));
+      done->set_value(std::string("Python stack not available: ") + error_message(e));
     }
   }).detach();
   if (answer.wait_for(Seconds(options_.stack_timeout_s)) != std::future_status::ready)

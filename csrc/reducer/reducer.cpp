@@ -1,5 +1,6 @@
 #include "reducer/reducer.h"
 
+#include "common/checks.h"
 #include "diag/status.h"
 #include "diag/watchdog.h"
 
@@ -177,7 +178,8 @@ void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs, bool 
     nosync_forward_pending_ = true;
     return;
   }
-  if (static_graph_ && expect_sync_ && hooks_seen_ && !callback_queued_) refuse_incomplete_static_locked();
+  if (static_graph_ && static_first_iteration_ && expect_sync_ && hooks_seen_ && !callback_queued_)
+    refuse_incomplete_static_locked();
   reset_for_backward_locked();
   note_reducing_forward_locked();
   if (static_graph_) {
@@ -196,7 +198,25 @@ void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs, bool 
 void Reducer::finish_unfinished_reduction() {
   std::lock_guard<std::mutex> lock(mutex_);
   TORCH_CHECK(failed_backward_.empty(), failed_backward_);
-  if (static_graph_ || !expect_sync_ || !hooks_seen_) return;
+  if (!expect_sync_ || !hooks_seen_) return;
+  if (static_graph_ && !static_first_iteration_ && !callback_queued_) {
+    // static_graph finalises a reduction once every expected gradient arrived: this backward
+    // stopped short of that, because it raised or because the graph changed. As below, the rest
+    // of the reduction is issued (the other ranks are told which parameters this rank lacks
+    // instead of waiting) and every later forward is refused.
+    std::string missing;
+    for (int64_t i = 0; i < static_cast<int64_t>(params_.size()); ++i)
+      if (!ready_[i]) missing += (missing.empty() ? "" : ", ") + names_[i];
+    failed_backward_ = "DDPWrapper: the previous backward pass did not reduce all gradients (static_graph=True): "
+                       "these parameters received fewer gradients than in the first iteration: " + missing +
+                       ". That backward raised (e.g. out of memory inside backward), or the graph changed: "
+                       "static_graph=True needs the same used parameters, each reached the same number of times, "
+                       "in every iteration (else use find_unused_parameters=True). The reduction cannot finish, so "
+                       "this wrapper cannot go on; after a failed backward, build a new wrapper (from the model's "
+                       "state, on every rank).";
+    finish_failed_reduction_locked();
+  }
+  if (static_graph_) return;
   if (!callback_queued_) {
     finalize_locked();  // left to an outer backward that brought no more gradients: reports them
     return;
@@ -208,6 +228,10 @@ void Reducer::finish_unfinished_reduction() {
                      "inside backward), so this wrapper's buckets hold part of that reduction and it cannot go on; "
                      "torch's DistributedDataParallel refuses every forward after this too. Build a new wrapper "
                      "to go on (from the model's state, on every rank).";
+  finish_failed_reduction_locked();
+}
+
+void Reducer::finish_failed_reduction_locked() {
   callback_queued_ = false;
   try {
     finalize_locked();
@@ -218,18 +242,11 @@ void Reducer::finish_unfinished_reduction() {
 }
 
 void Reducer::refuse_incomplete_static_locked() const {
-  // With static_graph the reduction is finalised only once every expected gradient arrived
-  // (first iteration: once backward reached an output's grad_fn).
-  TORCH_CHECK(!static_first_iteration_, "DDPWrapper: the first backward pass with static_graph=True ran "
-              "without passing through the outputs of the preceding forward, so its gradients were not "
-              "reduced. Compute the loss from the tensors DDPWrapper's forward returned.");
-  std::string missing;
-  for (int64_t i = 0; i < static_cast<int64_t>(params_.size()); ++i)
-    if (!ready_[i]) missing += (missing.empty() ? "" : ", ") + names_[i];
-  TORCH_CHECK(false, "DDPWrapper: the previous backward pass did not reduce all gradients (static_graph=True): "
-              "these parameters received fewer gradients than in the first iteration: ", missing,
-              ". static_graph=True needs the same set of used parameters, each reached the same number of "
-              "times, in every iteration; use find_unused_parameters=True instead of static_graph=True.");
+  // The first iteration with static_graph is finalised once backward reaches an output's
+  // grad_fn (later ones: finish_unfinished_reduction, at the start of the forward).
+  TORCH_CHECK(false, "DDPWrapper: the first backward pass with static_graph=True ran without passing through "
+              "the outputs of the preceding forward, so its gradients were not reduced. Compute the loss from "
+              "the tensors DDPWrapper's forward returned.");
 }
 
 void Reducer::reset_for_backward_locked() {
@@ -554,6 +571,10 @@ std::string Reducer::missing_gradients_locked() {
                    ? "These now have requires_grad=False but required grad when the wrapper was built: " + frozen +
                          ". Freeze parameters before wrapping the model (or wrap it again after changing them), "
                          "or pass find_unused_parameters=True."
+                   : static_graph_
+                   ? std::string("With static_graph=True these received fewer gradients than in the first "
+                                 "iteration: that backward raised, or the graph changed (use "
+                                 "find_unused_parameters=True instead of static_graph=True).")
                    : find_unused_
                    ? std::string("find_unused_parameters=True is on, so the forward's outputs reach these "
                                  "parameters but this backward did not: make sure the loss uses every forward "
@@ -566,9 +587,8 @@ std::string Reducer::missing_gradients_locked() {
 }
 
 void Reducer::fail_collective(const std::string& what, const std::exception& error) const {
-  const auto* c10_error = dynamic_cast<const c10::Error*>(&error);
   std::string message = "DDPWrapper: " + what + " failed on rank " + std::to_string(process_group_->getRank()) +
-                        ": " + (c10_error ? c10_error->what_without_backtrace() : error.what());
+                        ": " + error_message(error);
   // The same headline as fastddp.diag.phase's, which recognises a reported error by it.
   const std::string report = diag::collective_failed("What every rank was doing when it failed:");
   if (!report.empty()) message += "\n" + report;

@@ -105,7 +105,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // Called at the start of every forward, before its collectives: a reduction left to an
   // outer backward that brought no more gradients (see finalize.cpp) is finished here, which
   // reports the parameters that got none (torch DDP reports them at the next forward too); one
-  // whose backward raised is finished for the other ranks' sake and refused, now and after.
+  // whose backward raised (with static_graph: one that stopped short of the first iteration's
+  // gradients) is finished for the other ranks' sake and refused, now and after.
   void finish_unfinished_reduction();
 
   std::vector<at::Tensor> bucket_buffers() const;
@@ -177,9 +178,12 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // plain, plus the compressed wire copy with comm_dtype.
   void allocate_bucket_locked(Bucket& bucket, const at::Tensor& first, int64_t total, bool last);
   void make_views_locked(int64_t bucket_index);  // its parameters' gradient views into it
-  // Start of a backward (prepare_for_backward): with static_graph, an earlier reduction that
-  // never completed is refused, naming the parameters that fell short.
+  // Start of a backward (prepare_for_backward): static_graph's first reduction never finalised
+  // (its backward did not pass through the forward's outputs) is refused.
   void refuse_incomplete_static_locked() const;
+  // failed_backward_ is set: issue the rest of the reduction (the other ranks' fingerprint
+  // check names what this rank lacks), then raise failed_backward_.
+  void finish_failed_reduction_locked();
   void reset_for_backward_locked();  // a reducing forward: buckets pending, no collective in flight
   // static_graph: the first iteration hooks the outputs' grad_fn to finalize; later ones mark
   // the parameters the first found unused and count down each one's hooks.
