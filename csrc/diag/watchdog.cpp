@@ -20,7 +20,6 @@ using Seconds = std::chrono::duration<double>;
 
 std::vector<uint8_t> bytes(const std::string& s) { return {s.begin(), s.end()}; }
 
-// An error's message without the C++ stack trace c10::Error appends.
 std::string text(const std::vector<uint8_t>& b) { return {b.begin(), b.end()}; }
 
 // One rank's answer: "phase detail step steps_done seconds\n<python stack>".

@@ -28,6 +28,17 @@ def default_first_bucket_mb() -> float:
     return dist._DEFAULT_FIRST_BUCKET_BYTES / _MIB
 
 
+def bucket_limits_mb(bucket_cap_mb: Optional[float], caps_mb: Optional[list[float]]) -> tuple[float, float]:
+    """torch DDP's bucket cap and first-bucket cap, in MiB: ``bucket_cap_mb_list`` replaces
+    ``bucket_cap_mb`` (its largest entry); the default (None) is 25 MiB with a first bucket of
+    ``dist._DEFAULT_FIRST_BUCKET_BYTES``; an explicit cap is the first bucket's too."""
+    if caps_mb:
+        return max(caps_mb), max(caps_mb)
+    if bucket_cap_mb is None:
+        return 25.0, default_first_bucket_mb()
+    return float(bucket_cap_mb), float(bucket_cap_mb)
+
+
 def _bucket_options(bucket_cap_mb: float, first_bucket_mb: float, caps_mb: Optional[list[float]]) -> Any:
     options = C.ReducerOptions()
     options.bucket_cap_mb = float(bucket_cap_mb)
@@ -45,9 +56,7 @@ def assign_buckets(params: list[torch.Tensor], bucket_cap_mb: Optional[float] = 
     (25 MiB, the rebuilt layout's first bucket ``dist._DEFAULT_FIRST_BUCKET_BYTES``);
     ``caps_mb`` is torch's ``bucket_cap_mb_list``."""
     caps = [float(c) for c in caps_mb or ()]
-    cap = max(caps) if caps else 25.0 if bucket_cap_mb is None else float(bucket_cap_mb)
-    first = default_first_bucket_mb() if bucket_cap_mb is None and not caps else cap
-    options = _bucket_options(cap, first, caps)
+    options = _bucket_options(*bucket_limits_mb(bucket_cap_mb, caps), caps)
     options.find_unused_parameters = find_unused_parameters
     options.static_graph = static_graph
     if order is None:

@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 from .. import diag
 from . import checks, rank_check, sparse
 from .broadcast import broadcast_coalesced
-from .buckets import Buckets, default_first_bucket_mb
+from .buckets import Buckets, bucket_limits_mb, default_first_bucket_mb
 from .comm_hooks import CommHooks
 from .inputs import OutputSink, TorchInputMethods, find_tensors, to_device
 from .join import UnevenInputs
@@ -172,10 +172,8 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, TorchInputMethods, BufferSync
                                   skip_all_reduce_unused_params)
         checks.check_comm_dtype(comm_dtype)
         caps = checks.bucket_caps(bucket_cap_mb_list)
-        # as torch DDP: the list replaces bucket_cap_mb; a small first bucket with the default cap only
-        default_cap = bucket_cap_mb is None and not caps
-        bucket_cap_mb = max(caps) if caps else 25.0 if bucket_cap_mb is None else checks.bucket_cap(bucket_cap_mb)
-        first_bucket_mb = default_first_bucket_mb() if default_cap else bucket_cap_mb
+        explicit_cap = None if caps or bucket_cap_mb is None else checks.bucket_cap(bucket_cap_mb)
+        bucket_cap_mb, first_bucket_mb = bucket_limits_mb(explicit_cap, caps)
         self.module = module
         self.dim = dim
         self.forward_sync_buffers, init_sync_buffers = checks.buffer_sync(broadcast_buffers, forward_sync_buffers)
