@@ -1,6 +1,6 @@
 """Shared by tests/ and benchmarks/: the ``cuda`` marker auto-skips without a GPU, and
 ``slow`` tests (the 10,000-step soaks) run only with ``--run-slow``, the one switch for them:
-``pytest tests --run-slow`` (CI passes it through scripts/test.sh)."""
+``pytest tests --run-slow``, or ``bash scripts/test.sh --run-slow`` (CI leaves them out for time)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Soak: 10,000 training steps keep resident memory flat, and loaders leave no threads (or
 device memory) behind over 100 epochs of create/iterate/break. The 10,000-step runs are marked
-``slow``: ``pytest tests/test_soak.py --run-slow`` runs them (CI does)."""
+``slow``: ``pytest tests/test_soak.py --run-slow`` runs them (CI leaves them out for time)."""
 
 from __future__ import annotations
 
