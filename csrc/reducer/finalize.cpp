@@ -1,7 +1,8 @@
 // The end of a reduced backward (the autograd engine's final callback): the last buckets are
 // launched, the used-parameter map and the fingerprints are settled, every bucket's collective
 // is waited for in index order (visitors read each one as it completes) and the reduced values
-// reach .grad.
+// reach .grad. Also a reduction no backward finished: reported (missing gradients) at the next
+// forward, or, after a backward that raised, issued for the other ranks and refused.
 #include "reducer/reducer.h"
 
 #include "diag/status.h"
@@ -195,6 +196,97 @@ void Reducer::wait_bucket_locked(c10d::Work& work, int64_t index) const {
   } catch (const std::exception& e) {
     fail_collective("the all-reduce of bucket " + std::to_string(index), e);
   }
+}
+
+void Reducer::finish_unfinished_reduction() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(failed_backward_.empty(), failed_backward_);
+  if (!expect_sync_ || !hooks_seen_) return;
+  if (static_graph_ && !static_first_iteration_ && !callback_queued_) {
+    // static_graph finalises a reduction once every expected gradient arrived: this backward
+    // stopped short of that, because it raised or because the graph changed. As below, the rest
+    // of the reduction is issued (the other ranks are told which parameters this rank lacks
+    // instead of waiting) and every later forward is refused.
+    std::string missing;
+    for (int64_t i = 0; i < static_cast<int64_t>(params_.size()); ++i)
+      if (!ready_[i]) missing += (missing.empty() ? "" : ", ") + names_[i];
+    failed_backward_ = "DDPWrapper: the previous backward pass did not reduce all gradients (static_graph=True): "
+                       "these parameters received fewer gradients than in the first iteration: " + missing +
+                       ". That backward raised (e.g. out of memory inside backward), or the graph changed: "
+                       "static_graph=True needs the same used parameters, each reached the same number of times, "
+                       "in every iteration (else use find_unused_parameters=True). The reduction cannot finish, so "
+                       "this wrapper cannot go on; after a failed backward, build a new wrapper (from the model's "
+                       "state, on every rank).";
+    finish_failed_reduction_locked();
+  }
+  if (static_graph_) return;
+  if (!callback_queued_) {
+    finalize_locked();  // left to an outer backward that brought no more gradients: reports them
+    return;
+  }
+  // Queued but never run: that backward raised (autograd drops a failed backward's callbacks),
+  // with part of its buckets launched. The rest are issued, so that the other ranks are told
+  // instead of waiting; this wrapper then refuses every forward, as torch DDP does after it.
+  failed_backward_ = "DDPWrapper: a backward pass raised before its gradients were reduced (e.g. out of memory "
+                     "inside backward), so this wrapper's buckets hold part of that reduction and it cannot go on; "
+                     "torch's DistributedDataParallel refuses every forward after this too. Build a new wrapper "
+                     "to go on (from the model's state, on every rank).";
+  finish_failed_reduction_locked();
+}
+
+void Reducer::finish_failed_reduction_locked() {
+  callback_queued_ = false;
+  try {
+    finalize_locked();
+  } catch (const std::exception&) {
+    // The missing gradients' report: the other ranks raise theirs; this one raises the cause.
+  }
+  TORCH_CHECK(false, failed_backward_);
+}
+
+void Reducer::refuse_incomplete_static_locked() const {
+  // The first iteration with static_graph is finalised once backward reaches an output's
+  // grad_fn (later ones: finish_unfinished_reduction, at the start of the forward).
+  TORCH_CHECK(false, "DDPWrapper: the first backward pass with static_graph=True ran without passing through "
+              "the outputs of the preceding forward, so its gradients were not reduced. Compute the loss from "
+              "the tensors DDPWrapper's forward returned.");
+}
+
+std::string Reducer::missing_gradients_locked() {
+  std::string missing;
+  int64_t missing_count = 0;
+  std::string frozen;  // parameters whose requires_grad was turned off after wrapping
+  uint64_t missing_hash = kFpSeed;
+  for (int64_t i = 0; i < static_cast<int64_t>(params_.size()); ++i) {
+    if (!ready_[i]) {
+      if (missing_count++ < 20) missing += (missing.empty() ? "" : ", ") + names_[i];
+      const bool requires_grad = params_[i].requires_grad();
+      if (!requires_grad) frozen += (frozen.empty() ? "" : ", ") + names_[i];
+      missing_now_[i] = requires_grad;  // a frozen one is reported as such, not as unused
+      missing_hash = fp_mix(missing_hash, i);
+    }
+  }
+  if (missing_count == 0) return std::string();
+  fp_missing_ = fp_finish(missing_hash) | 1;
+  return c10::str("DDPWrapper: ", missing_count, " parameter(s) received no gradient in the last backward pass: ", missing,
+              (missing_count > 20 ? ", ..." : ""), ". Their reduction cannot finish. ",
+              (!frozen.empty()
+                   ? "These now have requires_grad=False but required grad when the wrapper was built: " + frozen +
+                         ". Freeze parameters before wrapping the model (or wrap it again after changing them), "
+                         "or pass find_unused_parameters=True."
+                   : static_graph_
+                   ? std::string("With static_graph=True these received fewer gradients than in the first "
+                                 "iteration: that backward raised, or the graph changed (use "
+                                 "find_unused_parameters=True instead of static_graph=True).")
+                   : find_unused_
+                   ? std::string("find_unused_parameters=True is on, so the forward's outputs reach these "
+                                 "parameters but this backward did not: make sure the loss uses every forward "
+                                 "output that depends on parameters (a backward through gradients taken with "
+                                 "torch.autograd.grad(create_graph=True), e.g. a gradient penalty, can skip "
+                                 "some; add the forward's loss to it).")
+                   : std::string("If some parameters are legitimately unused in some iterations, pass "
+                                 "find_unused_parameters=True; also make sure every forward output that depends "
+                                 "on parameters takes part in the loss.")));
 }
 
 }  // namespace fastddp::reducer
