@@ -19,9 +19,13 @@ fixture of tests/conftest.py): ``ranks.run(fn, world_size=2, args=(3.0,))`` runs
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import pickle
 import queue
+import shutil
+import signal
+import subprocess
 import tempfile
 import time
 import traceback
@@ -144,9 +148,38 @@ def run_distributed(
 # not pay the start-up (spawn, import torch, rendezvous) once per case.
 
 
+def _stack_file(init_file: str, rank: int) -> str:
+    return os.path.join(os.path.dirname(init_file), f"stacks-rank{rank}.txt")
+
+
+def _stacks_of_stuck_rank(pid: int, stack_file: str) -> str:
+    """What a rank that did not finish is doing: its Python threads (faulthandler, on
+    SIGUSR1) and, where gdb is installed, every thread's native stack (C++ waits)."""
+    parts = []
+    try:
+        os.kill(pid, signal.SIGUSR1)
+        time.sleep(1.0)
+        with open(stack_file) as f:
+            parts.append("Python threads:\n" + f.read())
+    except OSError as e:
+        parts.append(f"Python threads: unavailable ({e})")
+    if shutil.which("gdb"):
+        try:
+            out = subprocess.run(["gdb", "-p", str(pid), "-batch", "-nx", "-ex", "thread apply all bt 30"],
+                                 capture_output=True, text=True, timeout=60).stdout
+            parts.append("native threads:\n" + "\n".join(
+                line[:240] for line in out.splitlines() if line.startswith(("Thread ", "#"))))
+        except (OSError, subprocess.TimeoutExpired) as e:
+            parts.append(f"native threads: unavailable ({e})")
+    return "\n".join(parts)
+
+
 def _pool_worker(rank: int, world_size: int, init_file: str, backend: str, tasks: Any,
                  results: Any) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # A case that does not finish gets this rank's stacks in its failure (RankPool._collect).
+    stack_file = open(_stack_file(init_file, rank), "w")  # open for the process's life
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     import gc
     import random
 
@@ -273,7 +306,8 @@ class RankPool:
             if grace is not None and now > grace:
                 break
             if now > deadline:
-                failures.update({r: f"did not finish within {timeout:.0f} s"
+                failures.update({r: f"did not finish within {timeout:.0f} s; where it was:\n"
+                                    + _stacks_of_stuck_rank(self._procs[r].pid, self._stack_file(r))
                                  for r in self._missing(collected, failures)})
                 break
             try:
@@ -301,6 +335,10 @@ class RankPool:
             raise RankFailure("\n".join(f"case {name}: rank {r} of {self.world_size} failed:\n{tb}"
                                         for r, tb in sorted(failures.items())))
         return [collected[r] for r in range(self.world_size)]
+
+    def _stack_file(self, rank: int) -> str:
+        assert self._tmp is not None
+        return _stack_file(os.path.join(self._tmp.name, "rendezvous"), rank)
 
     def _missing(self, collected: dict, failures: dict) -> list[int]:
         return [r for r in range(self.world_size) if r not in collected and r not in failures]

@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -61,6 +62,11 @@ def _fail_on_rank_one(rank: int, world_size: int) -> None:
     dist.barrier()
 
 
+def _rank_one_sleeps_in_here(rank: int, world_size: int) -> None:
+    if rank == 1:
+        time.sleep(120)
+
+
 def _set_env_and_pid(rank: int, world_size: int) -> tuple[int, str | None]:
     seen = os.environ.get("FASTDDP_TEST_POOL")
     os.environ["FASTDDP_TEST_POOL"] = "set by an earlier case"
@@ -100,6 +106,22 @@ def test_rank_pool_names_the_failing_case_and_restarts(ranks) -> None:
     after = ranks.run(_set_env_and_pid, world_size=2)
     assert not {pid for pid, _ in before} & {pid for pid, _ in after}
     assert ranks.run(_sum_ranks, world_size=2, args=(1.0,)) == [1.0, 1.0]
+
+
+def test_rank_pool_shows_where_a_stuck_rank_is(ranks, monkeypatch) -> None:
+    """A case that does not finish fails with the stuck rank's Python stack (and its native
+    threads' where gdb is installed: left out here, gdb takes half a minute to attach), so a
+    hang in CI says where it was."""
+    from . import distributed
+
+    monkeypatch.setattr(distributed.shutil, "which", lambda name: None)
+    ranks.run(_set_env_and_pid, world_size=2)  # the ranks are up: the timeout is the case's own
+    with pytest.raises(RankFailure) as info:
+        ranks.run(_rank_one_sleeps_in_here, world_size=2, timeout=5)
+    message = str(info.value)
+    assert "rank 1 of 2 failed" in message and "did not finish within 5 s" in message, message
+    assert "_rank_one_sleeps_in_here" in message.split("rank 1 of 2 failed")[1], message
+    assert "rank 0 of 2" not in message
 
 
 def test_distributed_helper_returns_results() -> None:
