@@ -3,6 +3,7 @@ samplers and dataset forms, errors while a pass starts, the iterator protocol an
 
 from __future__ import annotations
 
+import gc
 import math
 import pickle
 import warnings
@@ -259,10 +260,15 @@ def _failing_init(worker_id: int) -> None:
     (FailingStream, {"num_workers": 0}),
     (tensors, {"num_workers": 2, "worker_init_fn": _failing_init}),
 ])
-def test_errors_while_a_pass_starts(make: Callable[[], Any], kwargs: dict) -> None:
+def test_errors_while_a_pass_starts(make: Callable[[], Any], kwargs: dict, monkeypatch) -> None:
+    # A worker whose worker_init_fn raised stays alive until DataLoader's shutdown gives up
+    # joining it: MP_STATUS_CHECK_INTERVAL (5 s) per worker, for both loaders (both shut down
+    # through torch's iterator), once the failed iterator is collected. Shorter here.
+    monkeypatch.setattr(torch.utils.data._utils, "MP_STATUS_CHECK_INTERVAL", 0.2)
     for cls in (DataLoader, fastddp.PrefetchLoader):
         with pytest.raises(RuntimeError, match="Error in"):
             list(cls(make(), **kwargs))
+        gc.collect()  # the failed iterator shuts its workers down now, with the short interval
 
 
 class Bulk(Dataset):
