@@ -83,6 +83,9 @@ std::string collective_failed(const std::string& headline) {
     dog = registered.lock();
   }
   if (!dog) return "";
+  // Before the collection: the other ranks fail too and post their aborts meanwhile; two ranks
+  // that both raise (one naming the cause, the other that it stopped) must not end each other.
+  dog->ends_with_own_error();
   // On its own thread, with a deadline: a store cut off from this host answers nothing for
   // its whole timeout on every call, and the error must not wait for that.
   auto done = std::make_shared<std::promise<std::string>>();

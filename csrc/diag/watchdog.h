@@ -76,6 +76,9 @@ class Watchdog : public std::enable_shared_from_this<Watchdog> {
   std::string collect_report(const std::string& headline);
   // Posts `report` for every other rank to end with (see collective_failed).
   void post_abort(const std::string& report);
+  // This rank ends with its own error (a collective failed here): an abort another rank posts
+  // meanwhile does not end this process, so that the error that names the cause is raised.
+  void ends_with_own_error() { posted_abort_ = true; }
 
  private:
   void run();
@@ -99,7 +102,7 @@ class Watchdog : public std::enable_shared_from_this<Watchdog> {
   std::string last_report_;
   std::mutex report_mutex_;
   std::atomic<int64_t> answered_{0};
-  std::atomic<bool> posted_abort_{false};
+  std::atomic<bool> posted_abort_{false};  // this rank ends with its own error (see ends_with_own_error)
   int64_t reports_seen_ = 0;  // stall reports (any rank's) taken from the store  // the last request generation this rank answered
   int64_t reported_since_ = -1;   // phase_since_ns of the wait last reported (one report a wait)
   std::thread thread_;

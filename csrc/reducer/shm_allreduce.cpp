@@ -47,6 +47,8 @@ constexpr auto kSpinTime = std::chrono::microseconds(100);
 constexpr auto kMinSpin = std::chrono::microseconds(3);
 constexpr auto kLivenessPeriod = std::chrono::milliseconds(200);
 
+enum OpKind : int32_t { kNoOp = 0, kAllreduceOp = 1, kBroadcastOp = 2 };
+
 struct RankSlot {
   std::atomic<uint32_t> counter[3];  // last collective (sequence number) that reached each phase
   int32_t pid;
@@ -55,9 +57,30 @@ struct RankSlot {
   // fingerprint_seq), written before the rank publishes `ready` for it; a peer reads it after
   // seeing that `ready`, and the rank cannot overwrite it before every peer published `done`.
   uint32_t fingerprint_seq;
+  // The collective the rank runs: first sequence number, kind, bytes and dtype, written before
+  // it publishes anything for it. A peer that reached the same sequence number in another
+  // collective issued different collectives: each all-reduce compares them (check_peers_run).
+  uint32_t op_seq;
   int64_t fingerprint[kFingerprintWords];
+  int64_t op_bytes;
+  int32_t op_kind;
+  int32_t op_dtype;
+  // Set when a collective failed on this rank: a peer waiting for it fails at once instead of
+  // at the timeout (its error points at this rank's).
+  std::atomic<uint32_t> failed;
 };
 static_assert(sizeof(RankSlot) <= kSlotBytes);
+
+constexpr int64_t kBroadcastHeaderBytes = 64;  // BroadcastHeader's room, in front of the region
+
+std::string describe_op(int32_t kind, int64_t bytes, int32_t dtype) {
+  if (kind == kAllreduceOp)
+    return "an all-reduce of " + std::to_string(bytes) + " bytes of " +
+           c10::toString(static_cast<c10::ScalarType>(dtype)) + " (a gradient bucket, in a backward)";
+  if (kind == kBroadcastOp)
+    return "a broadcast of " + std::to_string(bytes) + " bytes of module buffers from rank 0 (in a forward)";
+  return "no collective yet";
+}
 static_assert(std::atomic<uint32_t>::is_always_lock_free);
 
 int64_t round_up(int64_t v, int64_t to) { return (v + to - 1) / to * to; }
@@ -222,6 +245,15 @@ double copy_slice(at::ScalarType dtype, char* dst, const char* src, int64_t n, b
 
 }  // namespace
 
+// In front of rank 0's broadcast region: which broadcast the region holds. A rank's slot
+// cannot say it: rank 0 does not wait for its peers after a broadcast, so its slot may already
+// describe its next collective when a peer reads the broadcast.
+struct BroadcastHeader {
+  uint32_t seq;
+  int64_t bytes;
+};
+static_assert(sizeof(BroadcastHeader) <= kBroadcastHeaderBytes);
+
 struct ShmSegment {
   char* base = nullptr;
   int64_t size = 0;
@@ -291,7 +323,7 @@ std::shared_ptr<ShmAllreduce> ShmAllreduce::create(const c10::intrusive_ptr<c10d
   const int64_t header_bytes = round_up(64 + world * kSlotBytes, kPage);
   const int64_t chunk_bytes = chunk_bytes_for(gradient_bytes, world);
   const int64_t broadcast_offset = 2 * chunk_bytes;
-  const int64_t stride = round_up(broadcast_offset + broadcast_bytes, kPage);
+  const int64_t stride = round_up(broadcast_offset + kBroadcastHeaderBytes + broadcast_bytes, kPage);
   const int64_t size = header_bytes + world * stride;
   std::string error;
   std::string name;
@@ -478,15 +510,70 @@ void ShmAllreduce::run() {
         execute_broadcast(task);
       }
     } catch (const std::exception& e) {
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (broken_.empty()) broken_ = e.what();
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (broken_.empty()) broken_ = e.what();
+      }
       error = std::current_exception();
+      announce_failure();
     }
     task.work->complete(error);
   }
 }
 
 void ShmAllreduce::fail(const std::string& what) const { C10_THROW_ERROR(DistBackendError, what); }
+
+BroadcastHeader* ShmAllreduce::broadcast_header() const {
+  return reinterpret_cast<BroadcastHeader*>(segment_->region(0) + broadcast_offset_);
+}
+
+void ShmAllreduce::announce_failure() const {
+  auto& slot = segment_->slot(rank_);
+  if (slot.failed.exchange(1, std::memory_order_acq_rel) != 0) return;
+  for (auto& word : slot.counter) futex_wake(&word);  // peers asleep on this rank look now
+}
+
+void ShmAllreduce::describe_own_op(int32_t kind, uint32_t seq, int64_t bytes, int32_t dtype) const {
+  auto& slot = segment_->slot(rank_);
+  slot.op_seq = seq;  // made visible by the release store of the collective's first publish
+  slot.op_kind = kind;
+  slot.op_bytes = bytes;
+  slot.op_dtype = dtype;
+}
+
+[[noreturn]] void ShmAllreduce::fail_mismatch(uint32_t seq, const std::string& mine, int peer,
+                                              const std::string& theirs) const {
+  fail("fastddp shared-memory collectives: the ranks issued different collectives. Collective " +
+       std::to_string(seq) + " is " + mine + " on rank " + std::to_string(rank_) + ", but " + theirs + " on rank " +
+       std::to_string(peer) + ". Every rank must run the same forwards (with grad enabled) and backwards: a forward "
+       "that some ranks run and others do not (one whose loss is never backwarded, or an evaluation on one rank "
+       "only) broadcasts the module's buffers on those ranks alone. Run such forwards on every rank, or on the "
+       "wrapped module itself (ddp.module) under torch.no_grad().");
+}
+
+void ShmAllreduce::check_peers_run(const Task& task) const {
+  // Called once every peer published `ready` for the collective's first chunk: each must have
+  // described the same all-reduce (it cannot have moved on, that needs this rank's `done`).
+  const int64_t bytes = task.tensor.numel() * static_cast<int64_t>(task.tensor.element_size());
+  const auto dtype = static_cast<int32_t>(task.tensor.scalar_type());
+  for (int j = 0; j < world_; ++j) {
+    if (j == rank_) continue;
+    const auto& slot = segment_->slot(j);
+    if (slot.op_seq == task.seq && slot.op_kind == kAllreduceOp && slot.op_bytes == bytes && slot.op_dtype == dtype)
+      continue;
+    const auto* header = broadcast_header();
+    std::string theirs;
+    if (j == 0 && header->seq == task.seq) {  // rank 0 broadcast there and went on without waiting
+      theirs = describe_op(kBroadcastOp, header->bytes, 0);
+    } else if (slot.op_seq == task.seq) {
+      theirs = describe_op(slot.op_kind, slot.op_bytes, slot.op_dtype);
+    } else {
+      theirs = "part of another collective (" + describe_op(slot.op_kind, slot.op_bytes, slot.op_dtype) +
+               ", from collective " + std::to_string(slot.op_seq) + " on)";
+    }
+    fail_mismatch(task.seq, describe_op(kAllreduceOp, bytes, dtype), j, theirs);
+  }
+}
 
 void ShmAllreduce::publish(int which, uint32_t seq) const {
   auto* word = &segment_->slot(rank_).counter[which];
@@ -527,6 +614,10 @@ void ShmAllreduce::sleep_until_reached(int peer, int which, uint32_t seq) const 
   while (true) {
     const uint32_t value = word->load(std::memory_order_acquire);
     if (reached(value, seq)) return;
+    if (slot.failed.load(std::memory_order_acquire)) {
+      fail("fastddp shared-memory all-reduce: rank " + std::to_string(peer) + " stopped in collective " +
+           std::to_string(seq) + ": a collective failed there (its error says why)");
+    }
     futex_wait(word, value, std::chrono::milliseconds(20));
     const auto now = std::chrono::steady_clock::now();
     if (now < next_check) continue;
@@ -551,13 +642,19 @@ void ShmAllreduce::execute_broadcast(const Task& task) {
   // again only after every rank is done with the previous broadcast, so a forward on rank 0
   // never waits for a slower peer here. The counters stay monotonic: the next collective's
   // sequence number is higher.
-  char* region = segment_->region(0) + broadcast_offset_;
+  auto* header = broadcast_header();
+  char* region = segment_->region(0) + broadcast_offset_ + kBroadcastHeaderBytes;
   int64_t pos = 0;
+  int64_t bytes = 0;
+  for (const auto& t : task.broadcast) bytes += aligned_bytes(t.numel() * static_cast<int64_t>(t.element_size()));
+  describe_own_op(kBroadcastOp, task.seq, bytes, 0);
   if (rank_ == 0) {
     if (last_broadcast_seq_ != 0) {
       for (int j = 1; j < world_; ++j) wait_for(j, kDone, last_broadcast_seq_);
     }
     last_broadcast_seq_ = task.seq;
+    header->seq = task.seq;  // made visible by publish's release store
+    header->bytes = bytes;
     for (const auto& t : task.broadcast) {
       const int64_t n = t.numel() * static_cast<int64_t>(t.element_size());
       if (n == 0) continue;  // an empty buffer's data pointer may be null
@@ -572,6 +669,13 @@ void ShmAllreduce::execute_broadcast(const Task& task) {
     return;
   }
   wait_for(0, kReady, task.seq);
+  if (header->seq != task.seq || header->bytes != bytes) {
+    const auto& root = segment_->slot(0);
+    fail_mismatch(task.seq, describe_op(kBroadcastOp, bytes, 0), 0,
+                  header->seq == task.seq ? describe_op(kBroadcastOp, header->bytes, 0)
+                                          : describe_op(root.op_kind, root.op_bytes, root.op_dtype) +
+                                                " (from collective " + std::to_string(root.op_seq) + " on)");
+  }
   for (const auto& t : task.broadcast) {
     const int64_t n = t.numel() * static_cast<int64_t>(t.element_size());
     if (n == 0) continue;
@@ -605,6 +709,8 @@ void ShmAllreduce::exchange_fingerprint(const Task& task) {
 }
 
 void ShmAllreduce::execute(const Task& task) {
+  describe_own_op(kAllreduceOp, task.seq, task.tensor.numel() * static_cast<int64_t>(task.tensor.element_size()),
+                  static_cast<int32_t>(task.tensor.scalar_type()));
   double sumsq = 0.0;
   for (int64_t c = 0; c < task.chunks; ++c) sumsq += execute_chunk(task, c, task.seq + static_cast<uint32_t>(c));
   task.work->set_sum_of_squares(sumsq);
@@ -641,6 +747,7 @@ double ShmAllreduce::execute_chunk(const Task& task, int64_t chunk, uint32_t seq
   }
   publish(kReady, seq);
   wait_peers(kReady, seq);
+  if (chunk == 0) check_peers_run(task);
   if (chunk == 0 && task.fingerprint) exchange_fingerprint(task);
   // Reduce my slice from every peer's slot and my own gradients into my gradients, and into my
   // slot for the peers (they read only their own slices of my slot until I publish `reduced`).

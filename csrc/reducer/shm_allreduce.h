@@ -15,7 +15,11 @@
 // that is not a bucket all-reduce. Synchronisation is three monotonic per-rank counters in the
 // mapping (one sequence number per chunk), waited on with futexes; a waiting rank checks its
 // peers' processes so a dead peer fails the collective within a second with a DistBackendError
-// naming it.
+// naming it. Each rank also describes the collective it runs (kind, size, dtype) in its slot, and
+// rank 0 which broadcast its broadcast region holds: ranks that issued different collectives at
+// one sequence number (a forward, and so a buffer broadcast, on some ranks only) fail with an
+// error naming both instead of reading each other's data or waiting for ever, and a rank whose
+// collective failed flags its slot so that its peers fail at once.
 #pragma once
 
 #include "reducer/fingerprint.h"
@@ -37,7 +41,8 @@
 
 namespace fastddp::reducer {
 
-struct ShmSegment;  // the mapping
+struct ShmSegment;       // the mapping
+struct BroadcastHeader;  // which broadcast rank 0's broadcast region holds
 
 // The handle of one shared-memory collective. With `sum_of_squares` requested, the rank's comm
 // thread also adds up the squares of the reduced values as it writes them (its own slice) and
@@ -110,6 +115,11 @@ class ShmAllreduce {
   void sleep_until_reached(int peer, int which, uint32_t seq) const;
   void adapt_spin(std::chrono::steady_clock::duration waited) const;
   void publish(int which, uint32_t seq) const;
+  void describe_own_op(int32_t kind, uint32_t seq, int64_t bytes, int32_t dtype) const;
+  void check_peers_run(const Task& task) const;
+  void announce_failure() const;
+  BroadcastHeader* broadcast_header() const;
+  [[noreturn]] void fail_mismatch(uint32_t seq, const std::string& mine, int peer, const std::string& theirs) const;
   [[noreturn]] void fail(const std::string& what) const;
 
   std::shared_ptr<ShmSegment> segment_;
