@@ -541,14 +541,32 @@ void ShmAllreduce::describe_own_op(int32_t kind, uint32_t seq, int64_t bytes, in
   slot.op_dtype = dtype;
 }
 
-[[noreturn]] void ShmAllreduce::fail_mismatch(uint32_t seq, const std::string& mine, int peer,
-                                              const std::string& theirs) const {
+[[noreturn]] void ShmAllreduce::fail_mismatch(uint32_t seq, int32_t my_kind, const std::string& mine, int peer,
+                                              int32_t their_kind, const std::string& theirs) const {
+  std::string which;  // a forward (its broadcast) facing a backward (its buckets): who is ahead
+  if (my_kind != their_kind && (my_kind == kBroadcastOp || their_kind == kBroadcastOp) &&
+      (my_kind == kAllreduceOp || their_kind == kAllreduceOp)) {
+    const int ahead = my_kind == kBroadcastOp ? rank_ : peer;
+    which = " Rank " + std::to_string(ahead) + " is in a forward where rank " +
+            std::to_string(ahead == rank_ ? peer : rank_) + " reduces a backward: rank " + std::to_string(ahead) +
+            " ran a forward (gradients on) whose backward did not run, or one forward more.";
+  }
   fail("fastddp shared-memory collectives: the ranks issued different collectives. Collective " +
        std::to_string(seq) + " is " + mine + " on rank " + std::to_string(rank_) + ", but " + theirs + " on rank " +
-       std::to_string(peer) + ". Every rank must run the same forwards (with grad enabled) and backwards: a forward "
-       "that some ranks run and others do not (one whose loss is never backwarded, or an evaluation on one rank "
-       "only) broadcasts the module's buffers on those ranks alone. Run such forwards on every rank, or on the "
-       "wrapped module itself (ddp.module) under torch.no_grad().");
+       std::to_string(peer) + "." + which + " Every rank must run the same forwards (with gradients on) and "
+       "backwards: a forward that some ranks run and others do not (one whose loss is never backwarded, or an "
+       "evaluation on one rank only) broadcasts the module's buffers on those ranks alone. Run such forwards on "
+       "every rank, or on the wrapped module itself (ddp.module) under torch.no_grad().");
+}
+
+void ShmAllreduce::fail_if_peer_differs(int peer) const {
+  // A failed peer that had described another collective at this rank's sequence number.
+  const auto& mine = segment_->slot(rank_);
+  const auto& theirs = segment_->slot(peer);
+  if (theirs.op_seq != mine.op_seq) return;
+  if (theirs.op_kind == mine.op_kind && theirs.op_bytes == mine.op_bytes && theirs.op_dtype == mine.op_dtype) return;
+  fail_mismatch(mine.op_seq, mine.op_kind, describe_op(mine.op_kind, mine.op_bytes, mine.op_dtype), peer,
+                theirs.op_kind, describe_op(theirs.op_kind, theirs.op_bytes, theirs.op_dtype));
 }
 
 void ShmAllreduce::check_peers_run(const Task& task) const {
@@ -562,16 +580,19 @@ void ShmAllreduce::check_peers_run(const Task& task) const {
     if (slot.op_seq == task.seq && slot.op_kind == kAllreduceOp && slot.op_bytes == bytes && slot.op_dtype == dtype)
       continue;
     const auto* header = broadcast_header();
+    int32_t their_kind = slot.op_kind;
     std::string theirs;
     if (j == 0 && header->seq == task.seq) {  // rank 0 broadcast there and went on without waiting
+      their_kind = kBroadcastOp;
       theirs = describe_op(kBroadcastOp, header->bytes, 0);
     } else if (slot.op_seq == task.seq) {
       theirs = describe_op(slot.op_kind, slot.op_bytes, slot.op_dtype);
     } else {
+      their_kind = kNoOp;
       theirs = "part of another collective (" + describe_op(slot.op_kind, slot.op_bytes, slot.op_dtype) +
                ", from collective " + std::to_string(slot.op_seq) + " on)";
     }
-    fail_mismatch(task.seq, describe_op(kAllreduceOp, bytes, dtype), j, theirs);
+    fail_mismatch(task.seq, kAllreduceOp, describe_op(kAllreduceOp, bytes, dtype), j, their_kind, theirs);
   }
 }
 
@@ -615,6 +636,7 @@ void ShmAllreduce::sleep_until_reached(int peer, int which, uint32_t seq) const 
     const uint32_t value = word->load(std::memory_order_acquire);
     if (reached(value, seq)) return;
     if (slot.failed.load(std::memory_order_acquire)) {
+      fail_if_peer_differs(peer);
       fail("fastddp shared-memory all-reduce: rank " + std::to_string(peer) + " stopped in collective " +
            std::to_string(seq) + ": a collective failed there (its error says why)");
     }
@@ -671,10 +693,11 @@ void ShmAllreduce::execute_broadcast(const Task& task) {
   wait_for(0, kReady, task.seq);
   if (header->seq != task.seq || header->bytes != bytes) {
     const auto& root = segment_->slot(0);
-    fail_mismatch(task.seq, describe_op(kBroadcastOp, bytes, 0), 0,
-                  header->seq == task.seq ? describe_op(kBroadcastOp, header->bytes, 0)
-                                          : describe_op(root.op_kind, root.op_bytes, root.op_dtype) +
-                                                " (from collective " + std::to_string(root.op_seq) + " on)");
+    const bool same = header->seq == task.seq;  // then only the size differs
+    fail_mismatch(task.seq, kBroadcastOp, describe_op(kBroadcastOp, bytes, 0), 0, same ? kBroadcastOp : root.op_kind,
+                  same ? describe_op(kBroadcastOp, header->bytes, 0)
+                       : describe_op(root.op_kind, root.op_bytes, root.op_dtype) + " (from collective " +
+                             std::to_string(root.op_seq) + " on)");
   }
   for (const auto& t : task.broadcast) {
     const int64_t n = t.numel() * static_cast<int64_t>(t.element_size());

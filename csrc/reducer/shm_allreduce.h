@@ -119,7 +119,9 @@ class ShmAllreduce {
   void check_peers_run(const Task& task) const;
   void announce_failure() const;
   BroadcastHeader* broadcast_header() const;
-  [[noreturn]] void fail_mismatch(uint32_t seq, const std::string& mine, int peer, const std::string& theirs) const;
+  [[noreturn]] void fail_mismatch(uint32_t seq, int32_t my_kind, const std::string& mine, int peer,
+                                  int32_t their_kind, const std::string& theirs) const;
+  void fail_if_peer_differs(int peer) const;
   [[noreturn]] void fail(const std::string& what) const;
 
   std::shared_ptr<ShmSegment> segment_;
