@@ -1,39 +1,26 @@
 #include "reducer/shm_allreduce.h"
 #include "reducer/layout.h"
-
-#include "common/cpu_kernels.h"
+#include "reducer/shm_kernels.h"
+#include "reducer/shm_segment.h"
 
 #include <ATen/ops/from_blob.h>
-#include <ATen/ops/zeros.h>
-#include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
-#include <c10/util/Half.h>
 
-#include <fcntl.h>
 #include <linux/futex.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
-#include <cerrno>
 #include <climits>
 #include <cstring>
-#include <fstream>
-#include <functional>
 #include <optional>
-#include <random>
-#include <sstream>
 #include <vector>
 
 namespace fastddp::reducer {
 
 namespace {
 
-constexpr int64_t kSlotBytes = 128;              // one rank's counters, on their own cache lines
-constexpr int64_t kPage = 4096;
 constexpr int kReady = 0, kReduced = 1, kDone = 2;
 // How long a wait busy-checks its counter before sleeping on the futex. A peer usually arrives
 // within this on a latency-bound model, and a sleeping thread lets its (virtual) CPU idle, which
@@ -47,30 +34,6 @@ constexpr auto kSpinTime = std::chrono::microseconds(100);
 constexpr auto kMinSpin = std::chrono::microseconds(3);
 constexpr auto kLivenessPeriod = std::chrono::milliseconds(200);
 
-enum OpKind : int32_t { kNoOp = 0, kAllreduceOp = 1, kBroadcastOp = 2 };
-
-struct RankSlot {
-  std::atomic<uint32_t> counter[3];  // last collective (sequence number) that reached each phase
-  int32_t pid;
-  uint64_t start_time;  // /proc/<pid>/stat field 22: tells a live peer from a reused pid
-  // The fingerprint of the rank's latest fingerprinted collective (its sequence number in
-  // fingerprint_seq), written before the rank publishes `ready` for it; a peer reads it after
-  // seeing that `ready`, and the rank cannot overwrite it before every peer published `done`.
-  uint32_t fingerprint_seq;
-  // The collective the rank runs: first sequence number, kind, bytes and dtype, written before
-  // it publishes anything for it. A peer that reached the same sequence number in another
-  // collective issued different collectives: each all-reduce compares them (check_peers_run).
-  uint32_t op_seq;
-  int64_t fingerprint[kFingerprintWords];
-  int64_t op_bytes;
-  int32_t op_kind;
-  int32_t op_dtype;
-  // Set when a collective failed on this rank: a peer waiting for it fails at once instead of
-  // at the timeout (its error points at this rank's).
-  std::atomic<uint32_t> failed;
-};
-static_assert(sizeof(RankSlot) <= kSlotBytes);
-
 constexpr int64_t kBroadcastHeaderBytes = 64;  // BroadcastHeader's room, in front of the region
 
 std::string describe_op(int32_t kind, int64_t bytes, int32_t dtype) {
@@ -80,61 +43,6 @@ std::string describe_op(int32_t kind, int64_t bytes, int32_t dtype) {
   if (kind == kBroadcastOp)
     return "a broadcast of " + std::to_string(bytes) + " bytes of module buffers from rank 0 (in a forward)";
   return "no collective yet";
-}
-static_assert(std::atomic<uint32_t>::is_always_lock_free);
-
-int64_t round_up(int64_t v, int64_t to) { return (v + to - 1) / to * to; }
-
-// Field 22 (start time) and the state of a process, from /proc/<pid>/stat; false if it is gone.
-bool read_proc_stat(int pid, char* state, uint64_t* start_time) {
-  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
-  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  const auto close = text.rfind(')');
-  if (!in.good() && text.empty()) return false;
-  if (close == std::string::npos || close + 2 >= text.size()) return false;
-  std::istringstream fields(text.substr(close + 2));
-  std::string field;
-  fields >> field;  // field 3: state
-  *state = field.empty() ? '?' : field[0];
-  for (int i = 4; i <= 22 && fields >> field; ++i) {
-    if (i == 22) {
-      *start_time = std::stoull(field);
-      return true;
-    }
-  }
-  return false;
-}
-
-bool peer_alive(int pid, uint64_t start_time) {
-  char state = '?';
-  uint64_t start = 0;
-  if (!read_proc_stat(pid, &state, &start)) return false;
-  return state != 'Z' && state != 'X' && start == start_time;
-}
-
-uint64_t fnv1a(const std::string& s, uint64_t h = 1469598103934665603ULL) {
-  for (unsigned char c : s) h = (h ^ c) * 1099511628211ULL;
-  return h;
-}
-
-std::string read_file(const char* path) {
-  std::ifstream in(path);
-  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-}
-
-// What must be equal on every rank for one mapping to reach them all: the same running kernel
-// (boot id), the same /dev/shm (device + inode, so containers with private ones differ) and the
-// same pid namespace (the liveness check reads peers' /proc entries). 0 when unknown.
-std::vector<int64_t> host_identity() {
-  struct stat shm_dir {}, pid_ns {};
-  const std::string boot = read_file("/proc/sys/kernel/random/boot_id");
-  char host[256] = {0};
-  gethostname(host, sizeof(host) - 1);
-  if (boot.empty() || stat("/dev/shm", &shm_dir) != 0 || stat("/proc/self/ns/pid", &pid_ns) != 0) return {0, 0, 0};
-  constexpr uint64_t kMask = (1ULL << 62) - 1;  // keeps -x representable for the MIN-by-MAX trick
-  return {static_cast<int64_t>(fnv1a(host, fnv1a(boot)) & kMask),
-          static_cast<int64_t>(fnv1a(std::to_string(shm_dir.st_dev) + ":" + std::to_string(shm_dir.st_ino)) & kMask),
-          static_cast<int64_t>(static_cast<uint64_t>(pid_ns.st_ino) & kMask)};
 }
 
 int futex_wait(std::atomic<uint32_t>* word, uint32_t expected, std::chrono::milliseconds timeout) {
@@ -154,95 +62,6 @@ inline void cpu_relax() {
 
 inline bool reached(uint32_t value, uint32_t seq) { return static_cast<int32_t>(value - seq) >= 0; }
 
-// Elements per block of the reduction and the copy. The squares of a slice are summed block by
-// block, by its owner as it reduces the slice and by every other rank as it copies it: the same
-// blocking on both sides gives the same bits on every rank.
-constexpr int64_t kBlock = 2048;
-
-// dst[i] = sum over src of scale * src[k][i], accumulated in Acc in rank order, and the same
-// values into `copy` when it is not null. Each rank's value is scaled before the sum, as torch
-// DDP divides each gradient before its all-reduce: at world size 2 the result has torch's bits
-// also where the sum itself would overflow or the halves are subnormal. dst may be one of the
-// sources: each block is read completely before it is written. Returns the sum of squares of
-// the written values when `squares` (each block is squared, and copied, while it is in L1).
-template <typename T, typename Acc>
-double sum_slices(T* dst, T* copy, const std::vector<const T*>& src, int64_t n, Acc scale, bool squares) {
-  Acc acc[kBlock];
-  double sumsq = 0.0;
-  const bool scaled = scale != Acc(1);
-  for (int64_t base = 0; base < n; base += kBlock) {
-    const int64_t m = std::min(kBlock, n - base);
-    const T* s0 = src[0] + base;
-    if (scaled) {
-      for (int64_t i = 0; i < m; ++i) acc[i] = static_cast<Acc>(s0[i]) * scale;
-    } else {
-      for (int64_t i = 0; i < m; ++i) acc[i] = static_cast<Acc>(s0[i]);
-    }
-    for (size_t k = 1; k < src.size(); ++k) {
-      const T* s = src[k] + base;
-      if (scaled) {
-        for (int64_t i = 0; i < m; ++i) acc[i] += static_cast<Acc>(s[i]) * scale;
-      } else {
-        for (int64_t i = 0; i < m; ++i) acc[i] += static_cast<Acc>(s[i]);
-      }
-    }
-    T* d = dst + base;
-    for (int64_t i = 0; i < m; ++i) d[i] = static_cast<T>(acc[i]);
-    if (copy) std::memcpy(copy + base, d, static_cast<size_t>(m) * sizeof(T));
-    if (squares) sumsq += sum_squares(d, m);
-  }
-  return sumsq;
-}
-
-template <typename T, typename Acc>
-double sum_bytes(char* dst, char* copy, const std::vector<const char*>& src, int64_t n, double scale, bool squares) {
-  std::vector<const T*> typed;
-  typed.reserve(src.size());
-  for (const char* s : src) typed.push_back(reinterpret_cast<const T*>(s));
-  return sum_slices<T, Acc>(reinterpret_cast<T*>(dst), reinterpret_cast<T*>(copy), typed, n,
-                            static_cast<Acc>(scale), squares);
-}
-
-// The reduction of one slice per dtype, each compiled for AVX2 + FMA and the baseline.
-FASTDDP_CPU_CLONES double reduce_slice(at::ScalarType dtype, char* dst, char* copy, const std::vector<const char*>& src,
-                                       int64_t n, double scale, bool squares) {
-  switch (dtype) {
-    case at::kFloat: return sum_bytes<float, float>(dst, copy, src, n, scale, squares);
-    case at::kDouble: return sum_bytes<double, double>(dst, copy, src, n, scale, squares);
-    case at::kBFloat16: return sum_bytes<c10::BFloat16, float>(dst, copy, src, n, scale, squares);
-    case at::kHalf: return sum_bytes<c10::Half, float>(dst, copy, src, n, scale, squares);
-    default: TORCH_CHECK(false, "DDPWrapper: shared-memory all-reduce does not support ", dtype);
-  }
-}
-
-// memcpy of `n` elements, returning the sum of squares of the copied values when `squares`
-// (block by block, so each block is squared from L1 right after it was copied).
-template <typename T>
-double copy_elements(char* dst, const char* src, int64_t n, bool squares) {
-  if (!squares) {
-    std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(T));
-    return 0.0;
-  }
-  double sumsq = 0.0;
-  for (int64_t base = 0; base < n; base += kBlock) {
-    const int64_t m = std::min(kBlock, n - base);
-    T* d = reinterpret_cast<T*>(dst) + base;
-    std::memcpy(d, reinterpret_cast<const T*>(src) + base, static_cast<size_t>(m) * sizeof(T));
-    sumsq += sum_squares(d, m);
-  }
-  return sumsq;
-}
-
-double copy_slice(at::ScalarType dtype, char* dst, const char* src, int64_t n, bool squares) {
-  switch (dtype) {
-    case at::kFloat: return copy_elements<float>(dst, src, n, squares);
-    case at::kDouble: return copy_elements<double>(dst, src, n, squares);
-    case at::kBFloat16: return copy_elements<c10::BFloat16>(dst, src, n, squares);
-    case at::kHalf: return copy_elements<c10::Half>(dst, src, n, squares);
-    default: TORCH_CHECK(false, "DDPWrapper: shared-memory all-reduce does not support ", dtype);
-  }
-}
-
 }  // namespace
 
 // In front of rank 0's broadcast region: which broadcast the region holds. A rank's slot
@@ -253,21 +72,6 @@ struct BroadcastHeader {
   int64_t bytes;
 };
 static_assert(sizeof(BroadcastHeader) <= kBroadcastHeaderBytes);
-
-struct ShmSegment {
-  char* base = nullptr;
-  int64_t size = 0;
-  int64_t header_bytes = 0;
-  int64_t stride = 0;  // bytes from one rank's region (two staging slots, broadcast) to the next
-  ShmSegment() = default;
-  ShmSegment(const ShmSegment&) = delete;
-  ShmSegment& operator=(const ShmSegment&) = delete;
-  ~ShmSegment() {
-    if (base) munmap(base, static_cast<size_t>(size));
-  }
-  RankSlot& slot(int rank) const { return *reinterpret_cast<RankSlot*>(base + 64 + rank * kSlotBytes); }
-  char* region(int rank) const { return base + header_bytes + rank * stride; }
-};
 
 struct ShmAllreduce::Task {
   c10::intrusive_ptr<ShmWork> work;
@@ -286,130 +90,12 @@ std::shared_ptr<ShmAllreduce> ShmAllreduce::create(const c10::intrusive_ptr<c10d
   TORCH_CHECK(pg, "DDPWrapper: process group is null");
   TORCH_CHECK(gradient_bytes >= 0 && broadcast_bytes >= 0, "DDPWrapper: shared-memory all-reduce of ",
               gradient_bytes, " gradient bytes and a broadcast region of ", broadcast_bytes, " bytes");
-  const int rank = pg->getRank();
-  const int world = pg->getSize();
-  auto cpu_long = at::TensorOptions().dtype(at::kLong);
-
-  // 1. Wanted by every rank; same host, same /dev/shm, same pid namespace on every rank? One
-  //    MAX over (x, -x) gives both the maximum and the minimum of each value.
-  const auto id = host_identity();
-  auto agree = at::empty({8}, cpu_long);
-  auto* a = agree.data_ptr<int64_t>();
-  for (int i = 0; i < 3; ++i) {
-    a[i] = id[i];
-    a[3 + i] = -id[i];
-  }
-  a[6] = wanted ? 1 : 0;
-  a[7] = wanted ? -1 : 0;
-  {
-    std::vector<at::Tensor> t{agree};
-    c10d::AllreduceOptions opts;
-    opts.reduceOp = c10d::ReduceOp::MAX;
-    pg->allreduce(t, opts)->wait();
-  }
-  if (a[7] == 0) {  // min(wanted) == 0
-    if (why) *why = a[6] ? "disabled on some rank (shm_allreduce=False or FASTDDP_SHM_ALLREDUCE=0)" : "disabled";
-    return nullptr;
-  }
-  for (int i = 0; i < 3; ++i) {
-    if (a[i] == 0 || a[i] != -a[3 + i]) {
-      if (why) *why = "the ranks do not share one host's /dev/shm (different machines or containers)";
-      return nullptr;
-    }
-  }
-
-  // 2. Rank 0 creates and sizes the segment (fallocate: a too small /dev/shm fails here, not
-  //    later with SIGBUS) and broadcasts its name; every rank maps it and registers itself.
-  const int64_t header_bytes = round_up(64 + world * kSlotBytes, kPage);
-  const int64_t chunk_bytes = chunk_bytes_for(gradient_bytes, world);
-  const int64_t broadcast_offset = 2 * chunk_bytes;
-  const int64_t stride = round_up(broadcast_offset + kBroadcastHeaderBytes + broadcast_bytes, kPage);
-  const int64_t size = header_bytes + world * stride;
-  std::string error;
-  std::string name;
-  std::string created;  // rank 0: the name to unlink, whether or not set-up succeeds
-  auto name_buf = at::zeros({64}, at::TensorOptions().dtype(at::kByte));
-  if (rank == 0) {
-    std::random_device rd;
-    std::ostringstream s;
-    s << "/fastddp-" << getpid() << "-" << std::hex << ((static_cast<uint64_t>(rd()) << 32) ^ rd());
-    name = s.str();
-    const int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-    if (fd < 0) {
-      error = "shm_open(" + name + "): " + std::strerror(errno);
-    } else {
-      created = name;
-      const int rc = posix_fallocate(fd, 0, size);
-      if (rc != 0) {
-        error = "reserving " + std::to_string(size >> 20) + " MiB in /dev/shm: " + std::strerror(rc) +
-                " (a container's /dev/shm may be too small: docker run --shm-size)";
-      }
-      close(fd);
-    }
-    if (error.empty()) std::memcpy(name_buf.data_ptr<uint8_t>(), name.data(), name.size());
-  }
-  {
-    std::vector<at::Tensor> t{name_buf};
-    c10d::BroadcastOptions opts;
-    opts.rootRank = 0;
-    pg->broadcast(t, opts)->wait();
-  }
-  name.assign(reinterpret_cast<const char*>(name_buf.data_ptr<uint8_t>()));
-  auto segment = std::make_shared<ShmSegment>();
-  if (!name.empty() && error.empty()) {
-    const int fd = shm_open(name.c_str(), O_RDWR, 0600);
-    struct stat st {};
-    if (fd < 0) {
-      error = "shm_open(" + name + "): " + std::strerror(errno);
-    } else if (fstat(fd, &st) != 0 || st.st_size != size) {
-      error = "segment " + name + " has " + std::to_string(st.st_size) + " bytes, expected " + std::to_string(size);
-    } else {
-      void* p = mmap(nullptr, static_cast<size_t>(size), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-      if (p == MAP_FAILED) {
-        error = std::string("mmap: ") + std::strerror(errno);
-      } else {
-        segment->base = static_cast<char*>(p);
-        segment->size = size;
-        segment->header_bytes = header_bytes;
-        segment->stride = stride;
-      }
-    }
-    if (fd >= 0) close(fd);
-  } else if (error.empty()) {
-    error = "rank 0 could not create the segment";
-  }
-  if (segment->base) {
-    char state = '?';
-    uint64_t start = 0;
-    if (read_proc_stat(getpid(), &state, &start)) {
-      auto& slot = segment->slot(rank);
-      slot.pid = getpid();
-      slot.start_time = start;
-    } else {
-      error = "cannot read /proc/self/stat";
-    }
-  }
-  // 3. Everyone mapped it (or someone failed): agree, then rank 0 unlinks the name so nothing
-  //    is left in /dev/shm whatever happens to the processes later.
-  auto ok = at::full({2}, error.empty() ? 1 : 0, cpu_long);
-  ok.data_ptr<int64_t>()[1] = error.empty() ? world : rank;  // MIN: the first rank that failed
-  {
-    std::vector<at::Tensor> t{ok};
-    c10d::AllreduceOptions opts;
-    opts.reduceOp = c10d::ReduceOp::MIN;
-    pg->allreduce(t, opts)->wait();
-  }
-  if (!created.empty()) shm_unlink(created.c_str());
-  if (ok.data_ptr<int64_t>()[0] == 0) {
-    if (why) {
-      *why = error.empty() ? "rank " + std::to_string(ok.data_ptr<int64_t>()[1]) +
-                                 " could not set up the shared-memory segment (see its warning)"
-                           : error;
-    }
-    return nullptr;
-  }
+  const int64_t chunk_bytes = chunk_bytes_for(gradient_bytes, pg->getSize());
+  const int64_t broadcast_offset = 2 * chunk_bytes;  // after the two staging slots
+  auto segment = map_shared_segment(pg, wanted, broadcast_offset + kBroadcastHeaderBytes + broadcast_bytes, why);
+  if (!segment) return nullptr;
   return std::shared_ptr<ShmAllreduce>(
-      new ShmAllreduce(std::move(segment), rank, world, chunk_bytes, broadcast_offset, broadcast_bytes, timeout));
+      new ShmAllreduce(std::move(segment), pg->getRank(), pg->getSize(), chunk_bytes, broadcast_offset, broadcast_bytes, timeout));
 }
 
 int64_t ShmAllreduce::chunk_bytes_for(int64_t gradient_bytes, int world) {

@@ -1,0 +1,108 @@
+// The arithmetic of the shared-memory all-reduce (shm_kernels.h).
+#include "reducer/shm_kernels.h"
+
+#include "common/cpu_kernels.h"
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cstring>
+
+namespace fastddp::reducer {
+
+namespace {
+
+// Elements per block of the reduction and the copy. The squares of a slice are summed block by
+// block, by its owner as it reduces the slice and by every other rank as it copies it: the same
+// blocking on both sides gives the same bits on every rank.
+constexpr int64_t kBlock = 2048;
+
+// dst[i] = sum over src of scale * src[k][i], accumulated in Acc in rank order, and the same
+// values into `copy` when it is not null. Each rank's value is scaled before the sum, as torch
+// DDP divides each gradient before its all-reduce: at world size 2 the result has torch's bits
+// also where the sum itself would overflow or the halves are subnormal. dst may be one of the
+// sources: each block is read completely before it is written. Returns the sum of squares of
+// the written values when `squares` (each block is squared, and copied, while it is in L1).
+template <typename T, typename Acc>
+double sum_slices(T* dst, T* copy, const std::vector<const T*>& src, int64_t n, Acc scale, bool squares) {
+  Acc acc[kBlock];
+  double sumsq = 0.0;
+  const bool scaled = scale != Acc(1);
+  for (int64_t base = 0; base < n; base += kBlock) {
+    const int64_t m = std::min(kBlock, n - base);
+    const T* s0 = src[0] + base;
+    if (scaled) {
+      for (int64_t i = 0; i < m; ++i) acc[i] = static_cast<Acc>(s0[i]) * scale;
+    } else {
+      for (int64_t i = 0; i < m; ++i) acc[i] = static_cast<Acc>(s0[i]);
+    }
+    for (size_t k = 1; k < src.size(); ++k) {
+      const T* s = src[k] + base;
+      if (scaled) {
+        for (int64_t i = 0; i < m; ++i) acc[i] += static_cast<Acc>(s[i]) * scale;
+      } else {
+        for (int64_t i = 0; i < m; ++i) acc[i] += static_cast<Acc>(s[i]);
+      }
+    }
+    T* d = dst + base;
+    for (int64_t i = 0; i < m; ++i) d[i] = static_cast<T>(acc[i]);
+    if (copy) std::memcpy(copy + base, d, static_cast<size_t>(m) * sizeof(T));
+    if (squares) sumsq += sum_squares(d, m);
+  }
+  return sumsq;
+}
+
+template <typename T, typename Acc>
+double sum_bytes(char* dst, char* copy, const std::vector<const char*>& src, int64_t n, double scale, bool squares) {
+  std::vector<const T*> typed;
+  typed.reserve(src.size());
+  for (const char* s : src) typed.push_back(reinterpret_cast<const T*>(s));
+  return sum_slices<T, Acc>(reinterpret_cast<T*>(dst), reinterpret_cast<T*>(copy), typed, n,
+                            static_cast<Acc>(scale), squares);
+}
+
+// memcpy of `n` elements, returning the sum of squares of the copied values when `squares`
+// (block by block, so each block is squared from L1 right after it was copied).
+template <typename T>
+double copy_elements(char* dst, const char* src, int64_t n, bool squares) {
+  if (!squares) {
+    std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(T));
+    return 0.0;
+  }
+  double sumsq = 0.0;
+  for (int64_t base = 0; base < n; base += kBlock) {
+    const int64_t m = std::min(kBlock, n - base);
+    T* d = reinterpret_cast<T*>(dst) + base;
+    std::memcpy(d, reinterpret_cast<const T*>(src) + base, static_cast<size_t>(m) * sizeof(T));
+    sumsq += sum_squares(d, m);
+  }
+  return sumsq;
+}
+
+}  // namespace
+
+// The reduction of one slice per dtype, each compiled for AVX2 + FMA and the baseline.
+FASTDDP_CPU_CLONES double reduce_slice(at::ScalarType dtype, char* dst, char* copy, const std::vector<const char*>& src,
+                                       int64_t n, double scale, bool squares) {
+  switch (dtype) {
+    case at::kFloat: return sum_bytes<float, float>(dst, copy, src, n, scale, squares);
+    case at::kDouble: return sum_bytes<double, double>(dst, copy, src, n, scale, squares);
+    case at::kBFloat16: return sum_bytes<c10::BFloat16, float>(dst, copy, src, n, scale, squares);
+    case at::kHalf: return sum_bytes<c10::Half, float>(dst, copy, src, n, scale, squares);
+    default: TORCH_CHECK(false, "DDPWrapper: shared-memory all-reduce does not support ", dtype);
+  }
+}
+
+double copy_slice(at::ScalarType dtype, char* dst, const char* src, int64_t n, bool squares) {
+  switch (dtype) {
+    case at::kFloat: return copy_elements<float>(dst, src, n, squares);
+    case at::kDouble: return copy_elements<double>(dst, src, n, squares);
+    case at::kBFloat16: return copy_elements<c10::BFloat16>(dst, src, n, squares);
+    case at::kHalf: return copy_elements<c10::Half>(dst, src, n, squares);
+    default: TORCH_CHECK(false, "DDPWrapper: shared-memory all-reduce does not support ", dtype);
+  }
+}
+
+}  // namespace fastddp::reducer

@@ -1,0 +1,26 @@
+// The arithmetic of the shared-memory all-reduce (shm_allreduce.h): each rank sums its slice of
+// a chunk from every rank's copy, then copies the peers' reduced slices back. Both can sum the
+// squares of what they write (the AMP statistics, ShmWork::sum_of_squares) block by block, the
+// same blocking on every rank, so every rank arrives at the same bits. Compiled for AVX2 + FMA
+// and the baseline (common/cpu_kernels.h).
+#pragma once
+
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace fastddp::reducer {
+
+// dst[i] = sum over k of scale * src[k][i] for n elements of `dtype` (float32, float64, bfloat16
+// or float16; the half types accumulate in float), in rank order, also written to `copy`
+// unless it is null. dst may be one of the sources. Returns the sum of squares of the written
+// values when `squares`, else 0.
+double reduce_slice(at::ScalarType dtype, char* dst, char* copy, const std::vector<const char*>& src, int64_t n,
+                    double scale, bool squares);
+
+// memcpy of n elements of `dtype`; returns the sum of squares of the copied values when
+// `squares`, else 0.
+double copy_slice(at::ScalarType dtype, char* dst, const char* src, int64_t n, bool squares);
+
+}  // namespace fastddp::reducer
