@@ -239,12 +239,13 @@ class RankPool:
         self._tasks: list = []
         self._results: Any = None
         self._tmp: tempfile.TemporaryDirectory | None = None
+        self._init_file = ""  # the rendezvous file of the running ranks (their stack files beside it)
         self._next_case = 0
 
     def _start(self) -> None:
         ctx = mp.get_context("spawn")
         self._tmp = tempfile.TemporaryDirectory(prefix="fastddp-pool-")
-        init_file = os.path.join(self._tmp.name, "rendezvous")
+        init_file = self._init_file = os.path.join(self._tmp.name, "rendezvous")
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         self._procs = [
@@ -337,8 +338,7 @@ class RankPool:
         return [collected[r] for r in range(self.world_size)]
 
     def _stack_file(self, rank: int) -> str:
-        assert self._tmp is not None
-        return _stack_file(os.path.join(self._tmp.name, "rendezvous"), rank)
+        return _stack_file(self._init_file, rank)
 
     def _missing(self, collected: dict, failures: dict) -> list[int]:
         return [r for r in range(self.world_size) if r not in collected and r not in failures]

@@ -189,17 +189,17 @@ void Watchdog::run() {
 }
 
 void Watchdog::check_abort() {
-  if (posted_abort_ || !store_->check({"abort"})) return;  // the poster ends with its own error
+  if (abort_handled_ || !store_->check({"abort"})) return;  // the poster ends with its own error
   const std::string report = text(store_->get("abort"));
   if (options_.exit_on_timeout) end_process(report);
-  posted_abort_ = true;  // print it once, keep running
+  abort_handled_ = true;  // print it once, keep running
   std::fprintf(stderr, "%s\n", report.c_str());
   std::lock_guard<std::mutex> lock(mutex_);
   last_report_ = report;
 }
 
 void Watchdog::post_abort(const std::string& report) {
-  posted_abort_ = true;
+  abort_handled_ = true;
   store_->set("abort", bytes(report + "\nfastddp: a collective failed on rank " + std::to_string(options_.rank) +
                              " (see its error); every rank ends."));
 }

@@ -78,7 +78,7 @@ class Watchdog : public std::enable_shared_from_this<Watchdog> {
   void post_abort(const std::string& report);
   // This rank ends with its own error (a collective failed here): an abort another rank posts
   // meanwhile does not end this process, so that the error that names the cause is raised.
-  void ends_with_own_error() { posted_abort_ = true; }
+  void ends_with_own_error() { abort_handled_ = true; }
 
  private:
   void run();
@@ -101,9 +101,11 @@ class Watchdog : public std::enable_shared_from_this<Watchdog> {
   bool finished_ = false;  // run() returned
   std::string last_report_;
   std::mutex report_mutex_;
-  std::atomic<int64_t> answered_{0};
-  std::atomic<bool> posted_abort_{false};  // this rank ends with its own error (see ends_with_own_error)
-  int64_t reports_seen_ = 0;  // stall reports (any rank's) taken from the store  // the last request generation this rank answered
+  std::atomic<int64_t> answered_{0};  // the last request generation this rank answered
+  // This rank posted an abort, printed another's, or ends with its own error: later aborts
+  // neither end nor print anything here.
+  std::atomic<bool> abort_handled_{false};
+  int64_t reports_seen_ = 0;  // stall reports (any rank's) taken from the store
   int64_t reported_since_ = -1;   // phase_since_ns of the wait last reported (one report a wait)
   std::thread thread_;
 };
