@@ -34,16 +34,11 @@ constexpr auto kSpinTime = std::chrono::microseconds(100);
 constexpr auto kMinSpin = std::chrono::microseconds(3);
 constexpr auto kLivenessPeriod = std::chrono::milliseconds(200);
 
-constexpr int64_t kBroadcastHeaderBytes = 64;  // BroadcastHeader's room, in front of the region
-
-std::string describe_op(int32_t kind, int64_t bytes, int32_t dtype) {
-  if (kind == kAllreduceOp)
-    return "an all-reduce of " + std::to_string(bytes) + " bytes of " +
-           c10::toString(static_cast<c10::ScalarType>(dtype)) + " (a gradient bucket, in a backward)";
-  if (kind == kBroadcastOp)
-    return "a broadcast of " + std::to_string(bytes) + " bytes of module buffers from rank 0 (in a forward)";
-  return "no collective yet";
-}
+// In front of rank 0's broadcast region: the descriptor of the broadcast the region holds. Rank
+// 0's slot cannot say it: rank 0 does not wait for its peers after a broadcast, so its slot may
+// already describe its next collective when a peer reads the broadcast.
+constexpr int64_t kBroadcastHeaderBytes = 64;
+static_assert(sizeof(OpDescriptor) <= kBroadcastHeaderBytes);
 
 int futex_wait(std::atomic<uint32_t>* word, uint32_t expected, std::chrono::milliseconds timeout) {
   timespec ts{static_cast<time_t>(timeout.count() / 1000), static_cast<long>((timeout.count() % 1000) * 1000000)};
@@ -63,15 +58,6 @@ inline void cpu_relax() {
 inline bool reached(uint32_t value, uint32_t seq) { return static_cast<int32_t>(value - seq) >= 0; }
 
 }  // namespace
-
-// In front of rank 0's broadcast region: which broadcast the region holds. A rank's slot
-// cannot say it: rank 0 does not wait for its peers after a broadcast, so its slot may already
-// describe its next collective when a peer reads the broadcast.
-struct BroadcastHeader {
-  uint32_t seq;
-  int64_t bytes;
-};
-static_assert(sizeof(BroadcastHeader) <= kBroadcastHeaderBytes);
 
 struct ShmAllreduce::Task {
   c10::intrusive_ptr<ShmWork> work;
@@ -209,8 +195,8 @@ void ShmAllreduce::run() {
 
 void ShmAllreduce::fail(const std::string& what) const { C10_THROW_ERROR(DistBackendError, what); }
 
-BroadcastHeader* ShmAllreduce::broadcast_header() const {
-  return reinterpret_cast<BroadcastHeader*>(segment_->region(0) + broadcast_offset_);
+OpDescriptor* ShmAllreduce::broadcast_header() const {
+  return reinterpret_cast<OpDescriptor*>(segment_->region(0) + broadcast_offset_);
 }
 
 void ShmAllreduce::announce_failure() const {
@@ -219,66 +205,48 @@ void ShmAllreduce::announce_failure() const {
   for (auto& word : slot.counter) futex_wake(&word);  // peers asleep on this rank look now
 }
 
-void ShmAllreduce::describe_own_op(int32_t kind, uint32_t seq, int64_t bytes, int32_t dtype) const {
-  auto& slot = segment_->slot(rank_);
-  slot.op_seq = seq;  // made visible by the release store of the collective's first publish
-  slot.op_kind = kind;
-  slot.op_bytes = bytes;
-  slot.op_dtype = dtype;
+void ShmAllreduce::describe_own_op(const OpDescriptor& op) const {
+  segment_->slot(rank_).op = op;  // made visible by the release store of the collective's first publish
 }
 
-[[noreturn]] void ShmAllreduce::fail_mismatch(uint32_t seq, int32_t my_kind, const std::string& mine, int peer,
-                                              int32_t their_kind, const std::string& theirs) const {
+[[noreturn]] void ShmAllreduce::fail_mismatch(const OpDescriptor& mine, int peer, const OpDescriptor& theirs) const {
   std::string which;  // a forward (its broadcast) facing a backward (its buckets): who is ahead
-  if (my_kind != their_kind && (my_kind == kBroadcastOp || their_kind == kBroadcastOp) &&
-      (my_kind == kAllreduceOp || their_kind == kAllreduceOp)) {
-    const int ahead = my_kind == kBroadcastOp ? rank_ : peer;
+  const auto kinds = std::minmax(mine.kind, theirs.kind);
+  if (kinds.first == kAllreduceOp && kinds.second == kBroadcastOp) {
+    const int ahead = mine.kind == kBroadcastOp ? rank_ : peer;
     which = " Rank " + std::to_string(ahead) + " is in a forward where rank " +
             std::to_string(ahead == rank_ ? peer : rank_) + " reduces a backward: rank " + std::to_string(ahead) +
             " ran a forward (gradients on) whose backward did not run, or one forward more.";
   }
+  const std::string their_op = theirs.seq == mine.seq ? theirs.describe()
+                                                      : "part of another collective (" + theirs.describe() +
+                                                            ", from collective " + std::to_string(theirs.seq) + " on)";
   fail("fastddp shared-memory collectives: the ranks issued different collectives. Collective " +
-       std::to_string(seq) + " is " + mine + " on rank " + std::to_string(rank_) + ", but " + theirs + " on rank " +
-       std::to_string(peer) + "." + which + " Every rank must run the same forwards (with gradients on) and "
-       "backwards: a forward that some ranks run and others do not (one whose loss is never backwarded, or an "
-       "evaluation on one rank only) broadcasts the module's buffers on those ranks alone. Run such forwards on "
-       "every rank, or on the wrapped module itself (ddp.module) under torch.no_grad().");
+       std::to_string(mine.seq) + " is " + mine.describe() + " on rank " + std::to_string(rank_) + ", but " +
+       their_op + " on rank " + std::to_string(peer) + "." + which + " Every rank must run the same forwards (with "
+       "gradients on) and backwards: a forward that some ranks run and others do not (one whose loss is never "
+       "backwarded, or an evaluation on one rank only) broadcasts the module's buffers on those ranks alone. Run "
+       "such forwards on every rank, or on the wrapped module itself (ddp.module) under torch.no_grad().");
 }
 
 void ShmAllreduce::fail_if_peer_differs(int peer) const {
   // A failed peer that had described another collective at this rank's sequence number.
-  const auto& mine = segment_->slot(rank_);
-  const auto& theirs = segment_->slot(peer);
-  if (theirs.op_seq != mine.op_seq) return;
-  if (theirs.op_kind == mine.op_kind && theirs.op_bytes == mine.op_bytes && theirs.op_dtype == mine.op_dtype) return;
-  fail_mismatch(mine.op_seq, mine.op_kind, describe_op(mine.op_kind, mine.op_bytes, mine.op_dtype), peer,
-                theirs.op_kind, describe_op(theirs.op_kind, theirs.op_bytes, theirs.op_dtype));
+  const auto& mine = segment_->slot(rank_).op;
+  const auto& theirs = segment_->slot(peer).op;
+  if (theirs.seq == mine.seq && theirs != mine) fail_mismatch(mine, peer, theirs);
 }
 
 void ShmAllreduce::check_peers_run(const Task& task) const {
   // Called once every peer published `ready` for the collective's first chunk: each must have
   // described the same all-reduce (it cannot have moved on, that needs this rank's `done`).
-  const int64_t bytes = task.tensor.numel() * static_cast<int64_t>(task.tensor.element_size());
-  const auto dtype = static_cast<int32_t>(task.tensor.scalar_type());
+  const auto& mine = segment_->slot(rank_).op;
   for (int j = 0; j < world_; ++j) {
     if (j == rank_) continue;
-    const auto& slot = segment_->slot(j);
-    if (slot.op_seq == task.seq && slot.op_kind == kAllreduceOp && slot.op_bytes == bytes && slot.op_dtype == dtype)
-      continue;
+    const auto& theirs = segment_->slot(j).op;
+    if (theirs == mine) continue;
     const auto* header = broadcast_header();
-    int32_t their_kind = slot.op_kind;
-    std::string theirs;
-    if (j == 0 && header->seq == task.seq) {  // rank 0 broadcast there and went on without waiting
-      their_kind = kBroadcastOp;
-      theirs = describe_op(kBroadcastOp, header->bytes, 0);
-    } else if (slot.op_seq == task.seq) {
-      theirs = describe_op(slot.op_kind, slot.op_bytes, slot.op_dtype);
-    } else {
-      their_kind = kNoOp;
-      theirs = "part of another collective (" + describe_op(slot.op_kind, slot.op_bytes, slot.op_dtype) +
-               ", from collective " + std::to_string(slot.op_seq) + " on)";
-    }
-    fail_mismatch(task.seq, kAllreduceOp, describe_op(kAllreduceOp, bytes, dtype), j, their_kind, theirs);
+    // Rank 0 may have broadcast there and gone on without waiting: its region says so.
+    fail_mismatch(mine, j, j == 0 && header->seq == task.seq ? *header : theirs);
   }
 }
 
@@ -355,14 +323,14 @@ void ShmAllreduce::execute_broadcast(const Task& task) {
   int64_t pos = 0;
   int64_t bytes = 0;
   for (const auto& t : task.broadcast) bytes += aligned_bytes(t.numel() * static_cast<int64_t>(t.element_size()));
-  describe_own_op(kBroadcastOp, task.seq, bytes, 0);
+  const OpDescriptor mine{bytes, task.seq, kBroadcastOp, 0};
+  describe_own_op(mine);
   if (rank_ == 0) {
     if (last_broadcast_seq_ != 0) {
       for (int j = 1; j < world_; ++j) wait_for(j, kDone, last_broadcast_seq_);
     }
     last_broadcast_seq_ = task.seq;
-    header->seq = task.seq;  // made visible by publish's release store
-    header->bytes = bytes;
+    *header = mine;  // made visible by publish's release store
     for (const auto& t : task.broadcast) {
       const int64_t n = t.numel() * static_cast<int64_t>(t.element_size());
       if (n == 0) continue;  // an empty buffer's data pointer may be null
@@ -377,14 +345,7 @@ void ShmAllreduce::execute_broadcast(const Task& task) {
     return;
   }
   wait_for(0, kReady, task.seq);
-  if (header->seq != task.seq || header->bytes != bytes) {
-    const auto& root = segment_->slot(0);
-    const bool same = header->seq == task.seq;  // then only the size differs
-    fail_mismatch(task.seq, kBroadcastOp, describe_op(kBroadcastOp, bytes, 0), 0, same ? kBroadcastOp : root.op_kind,
-                  same ? describe_op(kBroadcastOp, header->bytes, 0)
-                       : describe_op(root.op_kind, root.op_bytes, root.op_dtype) + " (from collective " +
-                             std::to_string(root.op_seq) + " on)");
-  }
+  if (*header != mine) fail_mismatch(mine, 0, header->seq == task.seq ? *header : segment_->slot(0).op);
   for (const auto& t : task.broadcast) {
     const int64_t n = t.numel() * static_cast<int64_t>(t.element_size());
     if (n == 0) continue;
@@ -418,8 +379,8 @@ void ShmAllreduce::exchange_fingerprint(const Task& task) {
 }
 
 void ShmAllreduce::execute(const Task& task) {
-  describe_own_op(kAllreduceOp, task.seq, task.tensor.numel() * static_cast<int64_t>(task.tensor.element_size()),
-                  static_cast<int32_t>(task.tensor.scalar_type()));
+  describe_own_op({task.tensor.numel() * static_cast<int64_t>(task.tensor.element_size()), task.seq, kAllreduceOp,
+                   static_cast<int32_t>(task.tensor.scalar_type())});
   double sumsq = 0.0;
   for (int64_t c = 0; c < task.chunks; ++c) sumsq += execute_chunk(task, c, task.seq + static_cast<uint32_t>(c));
   task.work->set_sum_of_squares(sumsq);

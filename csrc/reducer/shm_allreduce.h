@@ -42,7 +42,7 @@
 namespace fastddp::reducer {
 
 struct ShmSegment;       // the mapping
-struct BroadcastHeader;  // which broadcast rank 0's broadcast region holds
+struct OpDescriptor;  // a collective as a rank announces it (shm_segment.h)
 
 // The handle of one shared-memory collective. With `sum_of_squares` requested, the rank's comm
 // thread also adds up the squares of the reduced values as it writes them (its own slice) and
@@ -115,12 +115,11 @@ class ShmAllreduce {
   void sleep_until_reached(int peer, int which, uint32_t seq) const;
   void adapt_spin(std::chrono::steady_clock::duration waited) const;
   void publish(int which, uint32_t seq) const;
-  void describe_own_op(int32_t kind, uint32_t seq, int64_t bytes, int32_t dtype) const;
+  void describe_own_op(const OpDescriptor& op) const;
   void check_peers_run(const Task& task) const;
   void announce_failure() const;
-  BroadcastHeader* broadcast_header() const;
-  [[noreturn]] void fail_mismatch(uint32_t seq, int32_t my_kind, const std::string& mine, int peer,
-                                  int32_t their_kind, const std::string& theirs) const;
+  OpDescriptor* broadcast_header() const;  // which broadcast rank 0's broadcast region holds
+  [[noreturn]] void fail_mismatch(const OpDescriptor& mine, int peer, const OpDescriptor& theirs) const;
   void fail_if_peer_differs(int peer) const;
   [[noreturn]] void fail(const std::string& what) const;
 

@@ -69,6 +69,15 @@ std::vector<int64_t> host_identity() {
 
 }  // namespace
 
+std::string OpDescriptor::describe() const {
+  if (kind == kAllreduceOp)
+    return "an all-reduce of " + std::to_string(bytes) + " bytes of " +
+           c10::toString(static_cast<c10::ScalarType>(dtype)) + " (a gradient bucket, in a backward)";
+  if (kind == kBroadcastOp)
+    return "a broadcast of " + std::to_string(bytes) + " bytes of module buffers from rank 0 (in a forward)";
+  return "no collective yet";
+}
+
 ShmSegment::~ShmSegment() {
   if (base) munmap(base, static_cast<size_t>(size));
 }

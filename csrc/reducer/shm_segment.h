@@ -24,25 +24,38 @@ inline int64_t round_up(int64_t v, int64_t to) { return (v + to - 1) / to * to; 
 
 enum OpKind : int32_t { kNoOp = 0, kAllreduceOp = 1, kBroadcastOp = 2 };
 
+// A collective as a rank announces it in shared memory: its first sequence number, kind, size
+// and dtype. Two ranks at one sequence number with different descriptors issued different
+// collectives. Lives in mapped memory: plain data, no constructor runs.
+struct OpDescriptor {
+  int64_t bytes;
+  uint32_t seq;
+  int32_t kind;  // OpKind
+  int32_t dtype;  // c10::ScalarType of an all-reduce; 0 for a broadcast
+  bool operator==(const OpDescriptor& o) const {
+    return seq == o.seq && kind == o.kind && bytes == o.bytes && dtype == o.dtype;
+  }
+  bool operator!=(const OpDescriptor& o) const { return !(*this == o); }
+  // "an all-reduce of 424 bytes of Float (a gradient bucket, in a backward)", ...
+  std::string describe() const;
+};
+
 struct RankSlot {
   std::atomic<uint32_t> counter[3];  // last collective (sequence number) that reached each phase
   int32_t pid;
   uint64_t start_time;  // /proc/<pid>/stat field 22: tells a live peer from a reused pid
+  // Set when a collective failed on this rank: a peer waiting for it fails at once instead of
+  // at the timeout (its error points at this rank's).
+  std::atomic<uint32_t> failed;
   // The fingerprint of the rank's latest fingerprinted collective (its sequence number in
   // fingerprint_seq), written before the rank publishes `ready` for it; a peer reads it after
   // seeing that `ready`, and the rank cannot overwrite it before every peer published `done`.
   uint32_t fingerprint_seq;
-  // The collective the rank runs: first sequence number, kind, bytes and dtype, written before
-  // it publishes anything for it. A peer that reached the same sequence number in another
-  // collective issued different collectives: each all-reduce compares them (check_peers_run).
-  uint32_t op_seq;
   int64_t fingerprint[kFingerprintWords];
-  int64_t op_bytes;
-  int32_t op_kind;
-  int32_t op_dtype;
-  // Set when a collective failed on this rank: a peer waiting for it fails at once instead of
-  // at the timeout (its error points at this rank's).
-  std::atomic<uint32_t> failed;
+  // The collective the rank runs, written before it publishes anything for it. A peer that
+  // reached the same sequence number in another collective issued different collectives: each
+  // all-reduce compares them (ShmAllreduce::check_peers_run).
+  OpDescriptor op;
 };
 static_assert(sizeof(RankSlot) <= kSlotBytes);
 static_assert(std::atomic<uint32_t>::is_always_lock_free);
