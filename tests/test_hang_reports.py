@@ -144,6 +144,19 @@ def test_rank_that_skipped_a_backward_is_named(tmp_path: Path) -> None:
         assert "fastddp stall report" not in rank.output, rank.output  # raised before the threshold
 
 
+def test_rank_that_skipped_a_backward_is_named_in_the_stall_report_on_gloo(tmp_path: Path) -> None:
+    """The same fault over gloo, which cannot tell the two collectives apart: the stall report
+    counts the reducing steps each rank started (a forward with gradients on counts before its
+    buffer broadcast) and names rank 1 as the rank a forward ahead."""
+    waiting, bad = run_fault(tmp_path, "skips_backward", shm=False)
+    out = waiting.output
+    assert waiting.first("fastddp stall report") is not None, out
+    assert "rank 1: buffer broadcast for" in out and "rank 0: all-reduce of bucket 0" in out, out
+    assert ("rank 1 started 3 reducing steps, rank 0 2: a forward (gradients on, outside no_sync()) whose "
+            "backward did not run, or a forward more, on rank 1") in out, out
+    assert waiting.proc.returncode != 0 and bad.proc.returncode != 0, bad.output
+
+
 @pytest.mark.parametrize("shm", [True, False], ids=["shm", "gloo"])
 def test_rank_whose_script_ended_early_is_named_with_its_steps(tmp_path: Path, shm: bool) -> None:
     """Rank 1 runs out of batches and its script ends normally (uneven inputs without join()):

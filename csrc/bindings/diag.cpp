@@ -35,6 +35,9 @@ void bind(py::module_& m) {
       },
       py::arg("phase"), py::arg("detail") = -1, "Record the phase this process is in (for the stall watchdog).");
   m.def(
+      "diag_step_started", []() { fastddp::diag::status().step_started(); },
+      "Count a reducing step: a forward (gradients on, outside no_sync()) starts, before its collectives.");
+  m.def(
       "diag_snapshot",
       []() {
         const auto s = fastddp::diag::status().snapshot();

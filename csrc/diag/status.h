@@ -33,8 +33,8 @@ std::string phase_name(Phase p);
 struct Snapshot {
   Phase phase = Phase::kOutside;
   int64_t detail = -1;       // bucket index for kAllreduce
-  int64_t step = 0;          // reducing backward passes started (the current one included)
-  int64_t steps_done = 0;    // reducing backward passes finished
+  int64_t step = 0;          // reducing steps started: forwards with gradients on, outside no_sync()
+  int64_t steps_done = 0;    // reducing steps whose reduction finished
   double seconds_in_phase = 0.0;
 };
 

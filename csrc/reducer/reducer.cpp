@@ -199,7 +199,6 @@ void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs, bool 
 void Reducer::reset_for_backward_locked() {
   hooks_seen_ = false;
   expect_sync_ = true;
-  diag::status().step_started();
   invalidate_visitors_locked();  // what visitors took from an earlier backward is stale
   if (!gradient_as_bucket_view_) {
     for (size_t i = 0; i < params_.size(); ++i) unset_at_forward_[i] = !params_[i].grad().defined();

@@ -332,6 +332,8 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, TorchInputMethods, BufferSync
             inputs, kwargs = to_device(inputs, self._input_device), to_device(kwargs, self._input_device)
         self._reducer.finish_unfinished_reduction()  # before this forward's collectives
         grad_enabled = torch.is_grad_enabled()
+        if grad_enabled and self.require_backward_grad_sync:
+            diag.step_started()
         # torch DDP rebuilds the buckets once, before the first forward after a reduced backward
         # (with static_graph after the second; never under find_unused_parameters alone)
         rebuild = (grad_enabled and not self._buckets_rebuilt and self.require_backward_grad_sync

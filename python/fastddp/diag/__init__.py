@@ -32,6 +32,13 @@ def enter(phase: Phase, detail: int = -1) -> None:
     C.diag_enter(int(phase), detail)
 
 
+def step_started() -> None:
+    """Count a reducing step on the board: a forward with gradients on, outside ``no_sync()``,
+    starts. Counted before the forward's own collectives (buffer broadcast), so a rank that ran a
+    forward more than its peers shows a step more while it waits there."""
+    C.diag_step_started()
+
+
 _REPORTED = "What every rank was doing when it failed:"
 
 
@@ -63,4 +70,4 @@ def phase(waiting: Phase) -> Iterator[None]:
         C.diag_enter(before, detail)
 
 
-__all__ = ["Phase", "ensure_started", "enter", "last_report", "phase", "stop"]
+__all__ = ["Phase", "ensure_started", "enter", "last_report", "phase", "step_started", "stop"]
