@@ -6,6 +6,7 @@ test_ddp.py, which runs its whole suite over both transports.)"""
 from __future__ import annotations
 
 import datetime
+import gc
 import glob
 import os
 import queue
@@ -125,6 +126,36 @@ def test_ranks_that_issued_different_collectives_both_fail_naming_them(ranks) ->
     assert "a broadcast of 192 bytes of module buffers from rank 0 (in a forward) on rank 0" in second, second
     assert "ddp.module" in second, second
     assert "rank 1 stopped in collective" in first and "its error says why" in first, first
+
+
+def _step_more_on_rank_1(rank: int, world_size: int) -> str:
+    """Rank 1 trains one step more than rank 0, which destroys its wrapper after its last step
+    (its process lives on, as a notebook's or a pool's does)."""
+    torch.manual_seed(0)
+    model = fastddp.DDPWrapper(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)))
+    assert model.transport == "shm"
+    x = torch.randn(4, 8)
+    for _ in range(2):  # the buckets are rebuilt (over c10d) before the second forward
+        model(x).sum().backward()
+    if rank == 0:
+        del model
+        gc.collect()
+        return ""
+    loss = model(x).sum()
+    with pytest.raises(dist.DistBackendError) as info:
+        loss.backward()
+    return str(info.value)
+
+
+def test_rank_waiting_for_a_destroyed_wrapper_fails_naming_it(ranks) -> None:
+    """Instead of waiting for the process group's timeout (30 min; the case's is 60 s) for a
+    peer whose process is alive but whose wrapper is gone: the waiting rank fails at once,
+    naming the peer, its last collective and the one it waits in."""
+    _, message = ranks.run(_step_more_on_rank_1, world_size=2, timeout=60)
+    assert ("rank 0 destroyed its DDPWrapper after its last collective (an all-reduce of 360 bytes of Float (a "
+            "gradient bucket, in a backward), from collective 2 on), while rank 1 waits for it in collective 3, an "
+            "all-reduce of 360 bytes of Float") in message, message
+    assert "rank 1 ran a forward (gradients on) or a backward that rank 0 did not" in message, message
 
 
 def _world_one(rank: int, world_size: int) -> str:

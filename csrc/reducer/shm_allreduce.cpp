@@ -115,6 +115,7 @@ ShmAllreduce::~ShmAllreduce() {
   }
   cv_.notify_all();
   if (thread_.joinable()) thread_.join();
+  leave(kClosed);  // after its last collective: a peer waiting for another one fails at once
 }
 
 c10::intrusive_ptr<ShmWork> ShmAllreduce::allreduce_sum(const at::Tensor& t, double scale, bool sum_of_squares,
@@ -187,7 +188,7 @@ void ShmAllreduce::run() {
         if (broken_.empty()) broken_ = e.what();
       }
       error = std::current_exception();
-      announce_failure();
+      leave(kFailed);
     }
     task.work->complete(error);
   }
@@ -199,9 +200,10 @@ OpDescriptor* ShmAllreduce::broadcast_header() const {
   return reinterpret_cast<OpDescriptor*>(segment_->region(0) + broadcast_offset_);
 }
 
-void ShmAllreduce::announce_failure() const {
+void ShmAllreduce::leave(uint32_t state) const {
   auto& slot = segment_->slot(rank_);
-  if (slot.failed.exchange(1, std::memory_order_acq_rel) != 0) return;
+  uint32_t running = kRunning;  // the first reason stays
+  if (!slot.state.compare_exchange_strong(running, state, std::memory_order_acq_rel)) return;
   for (auto& word : slot.counter) futex_wake(&word);  // peers asleep on this rank look now
 }
 
@@ -234,6 +236,18 @@ void ShmAllreduce::fail_if_peer_differs(int peer) const {
   const auto& mine = segment_->slot(rank_).op;
   const auto& theirs = segment_->slot(peer).op;
   if (theirs.seq == mine.seq && theirs != mine) fail_mismatch(mine, peer, theirs);
+}
+
+[[noreturn]] void ShmAllreduce::fail_closed(int peer) const {
+  const auto& mine = segment_->slot(rank_).op;
+  const auto& theirs = segment_->slot(peer).op;
+  const std::string me = std::to_string(rank_), them = std::to_string(peer);
+  fail("fastddp shared-memory collectives: rank " + them + " destroyed its DDPWrapper after its last collective (" +
+       (theirs.kind == kNoOp ? std::string("none") : theirs.describe() + ", from collective " +
+                                                         std::to_string(theirs.seq) + " on") +
+       "), while rank " + me + " waits for it in collective " + std::to_string(mine.seq) + ", " + mine.describe() +
+       ": rank " + me + " ran a forward (gradients on) or a backward that rank " + them + " did not. Every rank "
+       "must run the same forwards (with gradients on) and backwards with the wrapper before it is destroyed.");
 }
 
 void ShmAllreduce::check_peers_run(const Task& task) const {
@@ -289,8 +303,11 @@ void ShmAllreduce::sleep_until_reached(int peer, int which, uint32_t seq) const 
   while (true) {
     const uint32_t value = word->load(std::memory_order_acquire);
     if (reached(value, seq)) return;
-    if (slot.failed.load(std::memory_order_acquire)) {
+    const uint32_t state = slot.state.load(std::memory_order_acquire);
+    if (state != kRunning) {
+      if (reached(word->load(std::memory_order_acquire), seq)) return;  // published before it left
       fail_if_peer_differs(peer);
+      if (state == kClosed) fail_closed(peer);
       fail("fastddp shared-memory all-reduce: rank " + std::to_string(peer) + " stopped in collective " +
            std::to_string(seq) + ": a collective failed there (its error says why)");
     }

@@ -117,7 +117,8 @@ class ShmAllreduce {
   void publish(int which, uint32_t seq) const;
   void describe_own_op(const OpDescriptor& op) const;
   void check_peers_run(const Task& task) const;
-  void announce_failure() const;
+  void leave(uint32_t state) const;  // marks this rank's slot kFailed or kClosed (SlotState)
+  [[noreturn]] void fail_closed(int peer) const;
   OpDescriptor* broadcast_header() const;  // which broadcast rank 0's broadcast region holds
   [[noreturn]] void fail_mismatch(const OpDescriptor& mine, int peer, const OpDescriptor& theirs) const;
   void fail_if_peer_differs(int peer) const;

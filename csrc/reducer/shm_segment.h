@@ -23,6 +23,7 @@ constexpr int64_t kPage = 4096;
 inline int64_t round_up(int64_t v, int64_t to) { return (v + to - 1) / to * to; }
 
 enum OpKind : int32_t { kNoOp = 0, kAllreduceOp = 1, kBroadcastOp = 2 };
+enum SlotState : uint32_t { kRunning = 0, kFailed = 1, kClosed = 2 };
 
 // A collective as a rank announces it in shared memory: its first sequence number, kind, size
 // and dtype. Two ranks at one sequence number with different descriptors issued different
@@ -44,9 +45,10 @@ struct RankSlot {
   std::atomic<uint32_t> counter[3];  // last collective (sequence number) that reached each phase
   int32_t pid;
   uint64_t start_time;  // /proc/<pid>/stat field 22: tells a live peer from a reused pid
-  // Set when a collective failed on this rank: a peer waiting for it fails at once instead of
-  // at the timeout (its error points at this rank's).
-  std::atomic<uint32_t> failed;
+  // SlotState: kFailed once a collective failed on this rank (a peer's error points at this
+  // rank's), kClosed once its transport was destroyed after its last collective. A peer waiting
+  // for a collective this rank will never run fails at once instead of at the timeout.
+  std::atomic<uint32_t> state;
   // The fingerprint of the rank's latest fingerprinted collective (its sequence number in
   // fingerprint_seq), written before the rank publishes `ready` for it; a peer reads it after
   // seeing that `ready`, and the rank cannot overwrite it before every peer published `done`.
