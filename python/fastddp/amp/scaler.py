@@ -210,7 +210,9 @@ class GradScaler(torch.amp.GradScaler):
 
         Returns the optimizer's return value, or, when ``max_grad_norm`` is given, the global
         norm of the unscaled gradients as a device tensor (before clipping, like
-        ``torch.nn.utils.clip_grad_norm_``).
+        ``torch.nn.utils.clip_grad_norm_``). On a step skipped for an inf/NaN gradient the norm
+        is ``inf``, also where a gradient was NaN (``clip_grad_norm_`` returns ``nan`` there):
+        one fused pass keeps a sum of squares, in which any inf or NaN element is the same.
         """
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"GradScaler.step: max_grad_norm must be > 0, got {max_grad_norm!r} "
