@@ -5,6 +5,8 @@ same as torch DDP; one case per test on a pool of gloo ranks."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -113,3 +115,46 @@ def test_buffers_are_synced_when_torch_ddp_syncs_them(ranks, transport: str) -> 
     assert ranks.run(_buffer_sync_rule, world_size=2, args=(transport,)) == [[
         "train+sync", "train+sync", "no_grad+sync", "no_grad", "inference", "train", "train+sync",
         "no_sync+sync", "no_sync", "no_sync", "train", "train+sync", "no_grad+sync", "no_grad"]] * 2
+
+
+_UNUSED_HINT_SCRIPT = """
+import sys, torch, torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+import fastddp
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+wrap = TorchDDP if sys.argv[2] == "torch" else fastddp.DDPWrapper
+
+
+class TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x, use_b):
+        return self.b(self.a(x)) if use_b else self.a(x)
+
+
+torch.manual_seed(0)
+model = wrap(TwoHeads(), find_unused_parameters=True)
+use_b = sys.argv[3] == "all_used"
+for _ in range(3):
+    model(torch.randn(2, 4), use_b).sum().backward()
+print("DONE", file=sys.stderr, flush=True)
+"""
+
+
+@pytest.mark.parametrize("used", ["all_used", "one_unused"])
+def test_find_unused_parameters_hint_on_stderr_like_torch_ddp(tmp_path, used: str) -> None:
+    """find_unused_parameters=True on a forward that used every parameter: torch DDP prints a
+    hint once on stderr (C++, not a Python warning); so does DDPWrapper, in its own words. With a
+    parameter unused, neither prints it."""
+    def stderr_of(which: str) -> str:
+        out = subprocess.run([sys.executable, "-c", _UNUSED_HINT_SCRIPT, str(tmp_path / f"init_{which}"), which, used],
+                             capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONWARNINGS": "error"})
+        assert out.returncode == 0 and "DONE" in out.stderr, out.stderr
+        return out.stderr
+
+    torch_hint = stderr_of("torch").count("did not find any unused parameters")
+    ours_hint = stderr_of("ours").count("find_unused_parameters=True, but the forward used every parameter")
+    assert (torch_hint, ours_hint) == ((1, 1) if used == "all_used" else (0, 0))
