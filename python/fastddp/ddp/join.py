@@ -65,6 +65,18 @@ class UnevenInputs:
         ranks = [r for r, v in enumerate(values[3:]) if v]
         return values[0] > 0, values[1] > 0, len(ranks), max(ranks, default=-1), values[2] > 0
 
+    def _shadow_iteration(self) -> None:
+        """On a joined rank: answer one iteration of the ranks still training (the bucket
+        rebuild, the buffer broadcast and one reduced backward's collectives, as they agreed)."""
+        sync, rebuild, _, buffers_from, sync_buffers = self._join_agree(False, False, active=False)
+        if rebuild:
+            self._rebuild_buckets()
+        if sync_buffers:
+            self._sync_buffers_before_forward(buffers_from)
+        if sync:
+            with diag.phase(diag.Phase.JOIN):
+                self._reducer.shadow_reduction()
+
     def _sync_final_model(self, is_last_joiner: bool) -> None:
         """After join(): every rank takes the parameters and buffers of the highest-ranked
         last joiner (the ranks that joined early skipped optimizer steps)."""
@@ -82,22 +94,14 @@ class UnevenInputs:
 
 
 class _DDPJoinHook(JoinHook):
-    """On a rank that ran out of inputs, answers each iteration of the ranks still training:
-    the bucket rebuild, the buffer broadcast and one reduced backward's collectives."""
+    """On a rank that ran out of inputs, answers each iteration of the ranks still training
+    (UnevenInputs._shadow_iteration), then takes the final model (_sync_final_model)."""
 
     def __init__(self, ddp: Any) -> None:
         self.ddp = ddp
 
     def main_hook(self) -> None:
-        ddp = self.ddp
-        sync, rebuild, _, buffers_from, sync_buffers = ddp._join_agree(False, False, active=False)
-        if rebuild:
-            ddp._rebuild_buckets()
-        if sync_buffers:
-            ddp._sync_buffers_before_forward(buffers_from)
-        if sync:
-            with diag.phase(diag.Phase.JOIN):
-                ddp._reducer.shadow_reduction()
+        self.ddp._shadow_iteration()
 
     def post_hook(self, is_last_joiner: bool) -> None:
         self.ddp._sync_final_model(is_last_joiner)
