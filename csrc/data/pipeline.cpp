@@ -214,6 +214,21 @@ void PrefetchPipeline::fill(Slot& slot, const Span& span) {
   }
 }
 
+namespace {
+
+// A batch shorter than its slot (a pass's last batch) in memory of its own size, pinned where the
+// slot is: DataLoader's short batch has a storage of its size, and a view would make
+// torch.save(batch) write, and a kept batch hold, the whole slot.
+at::Tensor own_storage(const at::Tensor& rows) {
+  auto options = rows.options();
+  if (rows.is_cpu() && rows.is_pinned()) options = options.pinned_memory(true);
+  at::Tensor out = at::empty(rows.sizes(), options);
+  out.copy_(rows);
+  return out;
+}
+
+}  // namespace
+
 std::vector<at::Tensor> PrefetchPipeline::next() {
   const int64_t nslots = static_cast<int64_t>(slots_.size());
   std::unique_lock<std::mutex> lock(mutex_);
@@ -233,10 +248,12 @@ std::vector<at::Tensor> PrefetchPipeline::next() {
   Slot& slot = *slots_[b % nslots];
   cv_.wait(lock, [&] { return error_ || (slot.ready && slot.batch == b); });
   if (error_) std::rethrow_exception(error_);
+  if (stage_) stage_->wait_ready(*slot.dev);  // the current stream waits for the slot's copy
   std::vector<at::Tensor> out;
-  const auto& buffers = stage_ ? slot.dev->buffers : slot.host;
-  for (const auto& t : buffers) out.push_back(t.narrow(0, 0, slot.rows));
-  if (stage_) stage_->wait_ready(*slot.dev);
+  for (const auto& t : stage_ ? slot.dev->buffers : slot.host) {
+    at::Tensor rows = t.narrow(0, 0, slot.rows);
+    out.push_back(slot.rows < t.size(0) ? own_storage(rows) : rows);
+  }
   return out;
 }
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import gc
 import math
+import os
 import pickle
 import warnings
 from typing import Any, Callable
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import (
@@ -46,6 +48,9 @@ def test_stream_exception_ends_the_pass_as_dataloader() -> None:
     [0, 1, -1, 2, -N, 5],          # negative indices count from the end
     [0, 1, N + 4, 2, 3, -N - 1, 4],  # out of range either way: IndexError at its batch
     [0, True, 2, 3],               # a bool index is what indexing a tensor makes of it
+    torch.arange(6).view(-1, 1),   # tensor([i]) indices: each sample keeps the index's dimension
+    [torch.tensor(1), torch.tensor([2]), 3, torch.tensor(4)],  # 0-d and 1-element tensors mixed
+    [np.array([1]), np.array([2]), np.array(3), np.int64(4)],  # arrays: what indexing makes of them
 ])
 def test_sampler_indices_as_dataloader(sampler: list) -> None:
     side_by_side(tensors, batch_size=2, sampler=sampler, passes=1)
@@ -208,6 +213,24 @@ def test_prefetch_factor_zero_with_workers_fails_at_iter_as_dataloader(assigned_
     assert torch.equal(states[0], states[1]), "the global generator differs after the refusal"
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize("factor", [2.0, 2.5], ids=["2.0", "2.5"])
+def test_float_prefetch_factor_with_workers_fails_at_iter_as_dataloader(factor: float) -> None:
+    """DataLoader takes a float prefetch_factor at construction; its iterator fails with
+    TypeError when it requests prefetch_factor * num_workers batches, after drawing the pass's
+    seed. PrefetchLoader raises the same at the same point, naming the argument."""
+    states, messages = [], []
+    for cls in (DataLoader, fastddp.PrefetchLoader):
+        torch.manual_seed(1234)
+        loader = cls(tensors(), batch_size=4, shuffle=True, num_workers=1, prefetch_factor=factor)
+        with pytest.raises(TypeError) as info:
+            iter(loader)
+        messages.append(str(info.value))
+        states.append(torch.random.get_rng_state())
+    assert messages[1].startswith(messages[0]) and "give prefetch_factor as a positive int" in messages[1], messages
+    assert torch.equal(states[0], states[1]), "the global generator differs after the refusal"
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_batch_sampler_of_tuples(workers: int) -> None:
     batches = [tuple(range(i, i + 2)) for i in range(0, 20, 5)] + [tuple(range(i + 2, i + 5)) for i in range(0, 20, 5)]
@@ -288,6 +311,19 @@ def test_unbatched_sampler_of_lists(workers: int) -> None:
                  sampler=[list(range(i, min(i + 4, 35))) for i in range(0, 35, 4)])
 
 
+@pytest.mark.parametrize("kwargs", [{"batch_size": 4}, {"batch_sampler": [[0, 1, 2, 3, 4], [5], [6, 7]]}],
+                         ids=["last batch short", "batches of several sizes"])
+def test_batch_storage_is_the_batchs_own_as_dataloader(kwargs: dict) -> None:
+    """Every batch's storage is its own size, a short one too (a view into a full-size ring
+    slot would make torch.save(batch) write the slot and a kept batch hold it)."""
+    sizes = []
+    for cls in (DataLoader, fastddp.PrefetchLoader):
+        sizes.append([[(t.untyped_storage().nbytes(), t.nbytes, t.storage_offset()) for t in batch]
+                      for batch in cls(TensorDataset(torch.randn(N, 6), torch.arange(N)), **kwargs)])
+    assert sizes[0] == sizes[1], sizes
+    assert all(storage == size for batch in sizes[1] for storage, size, _ in batch)
+
+
 def test_private_collation_view() -> None:
     for kwargs in ({"batch_size": 2}, {"batch_size": None}):
         ref, ours = DataLoader(tensors(), **kwargs), fastddp.PrefetchLoader(tensors(), **kwargs)
@@ -299,6 +335,22 @@ def test_too_many_workers_warns_as_dataloader() -> None:
     for cls in (DataLoader, fastddp.PrefetchLoader):
         with pytest.warns(UserWarning, match="excessive worker creation might get DataLoader running slow"):
             cls(tensors(), batch_size=2, num_workers=1000)
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["per pass", "persistent"])
+def test_too_many_workers_warns_at_each_pass_as_dataloader(persistent: bool) -> None:
+    """DataLoader checks the worker count at construction and whenever it makes a worker
+    iterator (every pass, or the first one with persistent workers)."""
+    workers = len(os.sched_getaffinity(0)) + 1
+    counts = []
+    for cls in (DataLoader, fastddp.PrefetchLoader):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loader = cls(tensors(), batch_size=2, num_workers=workers, persistent_workers=persistent)
+            for _ in range(2):
+                next(iter(loader))
+        counts.append(sum("excessive worker creation" in str(w.message) for w in caught))
+    assert counts[0] == counts[1] == (2 if persistent else 3), counts
 
 
 def test_iterator_protocol() -> None:

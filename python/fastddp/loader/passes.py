@@ -154,10 +154,15 @@ class NativePass:
         return self.sources.wrap(self.pipe.next())
 
     def _read(self, count: int) -> None:
-        if count > 0 and self.s.whole_pass and not self.exhausted:
+        try:  # before any read, as DataLoader's worker iterator asks range(prefetch_factor * workers)
+            reads = range(count)
+        except TypeError as exc:
+            raise TypeError(f"{exc} (PrefetchLoader: prefetch_factor * num_workers is {count!r}; give "
+                            "prefetch_factor as a positive int, or None for 2 batches a worker)") from None
+        if reads and self.s.whole_pass and not self.exhausted:
             self._read_whole_pass(0)
             return
-        for _ in range(count):
+        for _ in reads:
             if self.exhausted:
                 return
             try:

@@ -63,8 +63,15 @@ def to_entry(number: int, batch: Any, rows: int) -> PlanEntry:
     """Classify the sampler's ``batch``: integer indices in ``[-rows, rows)`` are gathered
     natively (negative ones count from the end, as indexing does); anything else is read in
     Python, so that it fails or succeeds exactly as DataLoader's indexing does."""
-    if isinstance(batch, (list, tuple)) and not _BOOLS.isdisjoint(map(type, batch)):
-        return PlanEntry(number, None, batch)  # as_tensor would read True as 1; indexing does not
+    if isinstance(batch, (list, tuple)):
+        types = set(map(type, batch))
+        if not _BOOLS.isdisjoint(types):
+            return PlanEntry(number, None, batch)  # as_tensor would read True as 1; indexing does not
+        if any(issubclass(t, (torch.Tensor, np.ndarray)) for t in types) and any(
+                isinstance(i, np.ndarray) or (isinstance(i, torch.Tensor) and i.dim() != 0) for i in batch):
+            # as_tensor flattens tensor([i]) where indexing keeps its dimension, and warns about
+            # (or refuses) lists of arrays: indexing decides what they mean
+            return PlanEntry(number, None, batch)
     try:
         idx = torch.as_tensor(batch)
     except (TypeError, ValueError, RuntimeError, OverflowError):

@@ -241,15 +241,19 @@ class PrefetchLoader:
     def _new_iterator(self) -> LoaderIterator:
         native = self._native()
         if native:
+            if self.num_workers != 0:  # DataLoader checks it whenever it makes a worker iterator
+                self.check_worker_number_rationality()
             start_warnings(self.pin_memory, self.pin_memory_device)
             pass_: Any = NativePass(self.batch_sampler, self._src, self._native_settings())
         else:
             pass_ = TorchPass(*build_runner(self, self._src.dataset, self._src.kind == "iterable"), self.device)
-        self._start(pass_, True)
-        if native:
-            try:
+        if not native:
+            self._start(pass_, True)
+        else:
+            try:  # DataLoader's worker iterator fails on a bad prefetch_factor after its seed draw
+                self._start(pass_, True)  # a non-integer one fails the first reads (NativePass._read)
                 check_prefetch_factor(check_workers(self.num_workers), self.prefetch_factor)
-            except AssertionError:
+            except (AssertionError, TypeError):
                 pass_.close()
                 raise
         hooks = LoaderHooks(restart=self._start, progress=self._progress,
