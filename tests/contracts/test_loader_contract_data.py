@@ -39,6 +39,37 @@ def test_dataset_exception_at_its_batch_then_the_next_batches(workers: int) -> N
     side_by_side(lambda: Noisy(fail_at=13), batch_size=5, num_workers=workers, passes=1)
 
 
+class _KeptError(Dataset):
+    """Raises the one exception instance it keeps, at every odd index."""
+
+    error = ValueError("odd samples are broken")
+
+    def __len__(self) -> int:
+        return 6
+
+    def __getitem__(self, i: int) -> int:
+        if i % 2:
+            raise self.error
+        return i
+
+
+@pytest.mark.parametrize("batch_size", [1, None])
+def test_dataset_exception_names_its_batch_once(batch_size) -> None:
+    """The dataset's exception (its own type and message) carries one note naming the batch,
+    also when the dataset raises one instance again and again."""
+    loader = fastddp.PrefetchLoader(_KeptError(), batch_size=batch_size)
+    for _ in range(2):
+        it = iter(loader)
+        for k in range(6):
+            if k % 2 == 0:
+                next(it)
+                continue
+            with pytest.raises(ValueError) as info:
+                next(it)
+            assert str(info.value) == "odd samples are broken"
+            assert info.value.__notes__ == [f"PrefetchLoader: raised reading batch {k}"], info.value.__notes__
+
+
 def test_stream_exception_ends_the_pass_as_dataloader() -> None:
     side_by_side(lambda: Stream(fail_at=9), batch_size=4, passes=2)
 

@@ -30,9 +30,14 @@ def pin(batch: Any) -> Any:
 
 
 def add_note(exc: BaseException, note: str) -> None:
-    """Attach ``note`` to the exception's report (Python >= 3.11; a no-op before)."""
-    if hasattr(exc, "add_note"):
-        exc.add_note(note)
+    """Attach ``note`` to the exception's report (Python >= 3.11; a no-op before), replacing
+    the note an earlier raise of the same instance got (a dataset may raise one it keeps)."""
+    if not hasattr(exc, "add_note"):
+        return
+    notes = getattr(exc, "__notes__", None)
+    if notes:
+        notes[:] = [n for n in notes if not n.startswith("PrefetchLoader: raised reading batch")]
+    exc.add_note(note)
 
 
 @dataclass
