@@ -113,3 +113,29 @@ def test_signal_mid_training_exits_cleanly_with_the_checkpoint(tmp_path: Path, s
     assert "Traceback" not in proc.stderr
     state = checkpoint.load(tmp_path / "last.pt")  # the write in flight at the signal finished
     assert (state["epoch"], state["step"], state["epoch_done"]) == (0, 40, False)
+
+
+# The main thread ends without close() (an interrupt cut the clean-up short): the queued write
+# still reaches the disk and the process exits.
+_UNCLOSED = textwrap.dedent("""
+    import sys, time
+    import torch
+    from fastddp.train import checkpoint
+
+    slow = checkpoint._write_file
+    def _slow_write(path, data):
+        time.sleep(0.5)
+        slow(path, data)
+    checkpoint._write_file = _slow_write
+
+    checkpoint.CheckpointWriter().save({"w": torch.arange(10)}, sys.argv[1])
+    print("MAIN-DONE", flush=True)
+""")
+
+
+def test_unclosed_writer_finishes_its_write_and_lets_the_process_exit(tmp_path: Path) -> None:
+    path = tmp_path / "last.pt"
+    proc = subprocess.run([sys.executable, "-c", _UNCLOSED, str(path)], capture_output=True, text=True,
+                          timeout=60, env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert proc.returncode == 0 and "MAIN-DONE" in proc.stdout, proc.stderr
+    assert checkpoint.load(path)["w"].tolist() == list(range(10))

@@ -154,6 +154,9 @@ def save(state: dict[str, Any], path: str | os.PathLike) -> None:
     write_atomic(_serialize(state), path, keep_previous=True)
 
 
+_IDLE_CHECK_S = 0.2  # how often an idle writer thread looks whether the main thread has ended
+
+
 class CheckpointWriter:
     """Writes checkpoints like :func:`save`, in the order given, on one background thread.
 
@@ -207,7 +210,15 @@ class CheckpointWriter:
 
     def _run(self) -> None:
         while True:
-            item = self._queue.get()
+            try:
+                item = self._queue.get(timeout=_IDLE_CHECK_S)
+            except queue.Empty:
+                # Every queued write is done: once the main thread has ended (its script
+                # returned, or an interrupt cut close() short), nothing is left to wait for,
+                # and a thread that stayed would keep the interpreter from exiting.
+                if not threading.main_thread().is_alive():
+                    return
+                continue
             try:
                 if item is None:
                     return
