@@ -96,6 +96,23 @@ def test_resume_on_another_world_size_with_scale_lr_is_refused(tmp_path, data_pa
                      r"\(this run: 0\.001\)\.", out), out
 
 
+def test_resume_on_another_world_size_keeps_the_schedule_of_this_world(tmp_path, data_path) -> None:
+    """One epoch on 2 ranks (3 steps), resumed on 1 rank (6 steps an epoch) for a second: the
+    run goes on at step 6, where this world's schedule has the second epoch start, and ends
+    where an uninterrupted 1-rank run ends (a learning rate of 0 after the cosine)."""
+    save = tmp_path / "run"
+    codes, out = trainer_runs.run(save, data_path, ["--epochs", "1"], world=2)
+    assert codes == [0, 0], out
+    codes, out = trainer_runs.run(save, data_path, ["--epochs", "2"])
+    assert codes == [0], out
+    assert f"resumed from {save / 'last.pt'} at epoch 2, step 6" in out, out
+    assert "Warning" not in out, out  # the schedule is moved without torch's out-of-order warning
+    whole = tmp_path / "whole"
+    codes, out = trainer_runs.run(whole, data_path, ["--epochs", "2"])
+    assert codes == [0], out
+    assert trainer_runs.metrics(save)[1]["lr"] == trainer_runs.metrics(whole)[1]["lr"]
+
+
 def test_resume_from_best_pt_is_one_clear_error(one_epoch, tmp_path, data_path) -> None:
     best = one_epoch / "best.pt"
     codes, out = trainer_runs.run(tmp_path / "run", data_path, ["--resume", str(best)])

@@ -269,6 +269,8 @@ def restore(r: Run) -> tuple[Optional[Partial], bool]:
     if problem:
         raise UsageError(problem, shared=True)
     mid_epoch = state.load_state_dict(loaded)
+    if loaded.get("world") != ctx.world:
+        state.reposition(r.steps_per_epoch)
     check_complete_elsewhere(r, path)
     if ctx.is_main:
         carry_best(r, path)

@@ -101,6 +101,18 @@ class TrainState:
         self.loader.load_state_dict(state["loader"])
         return True
 
+    def reposition(self, steps_per_epoch: int) -> None:
+        """After a world-size change: the step count, and the learning-rate schedule's position
+        with it, at the start of the epoch to run next, counted in this world's steps per epoch
+        (a step of another world size is another share of an epoch, so the old count would put
+        the schedule elsewhere, at its end or before it)."""
+        step = self.start_epoch * steps_per_epoch
+        if step == self.step:
+            return
+        self.step = step
+        self.scheduler.last_epoch = step - 1
+        self.scheduler.step()  # sets every group's rate for `step`, as the schedule says
+
 
 def rank_state(device: torch.device, partial: tuple) -> RankState:
     """This rank's RNG streams and an unfinished epoch's (loss sum, correct, seen, seconds
