@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -116,6 +117,16 @@ def test_mode_selects_the_model(tmp_path, data_path, mode) -> None:
     assert f"mode={mode}" in out and got["mode"] == mode
     key = {"conv1d": "features.0.weight", "lstm": "lstm.weight_ih_l0"}[mode]
     assert key in got["model"], sorted(got["model"])
+
+
+def test_log_interval_prints_progress_lines_without_a_bar(tmp_path, data_path) -> None:
+    """--no-progress: a line every --log-interval optimizer steps, from rank 0 only (2 ranks:
+    3 steps an epoch)."""
+    _, out = _train(tmp_path / "run", data_path, ["--log-interval", "2"], world=2)
+    lines = [ln for ln in out.splitlines() if re.match(r"epoch \d+ step \d+: ", ln)]
+    assert [ln.split(":")[0] for ln in lines] == ["epoch 1 step 2", "epoch 2 step 4", "epoch 2 step 6"], out
+    for line in lines:
+        assert re.fullmatch(r"epoch \d step \d: loss \d+\.\d{4} acc \d\.\d{3} samples/s \d+", line), line
 
 
 def test_tensorboard_writes_events_or_says_why_not(tmp_path, data_path) -> None:

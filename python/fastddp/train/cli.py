@@ -160,7 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sync-checkpoints", action="store_true",
                    help="write each checkpoint before training goes on (default: rank 0 writes "
                         "it in the background; it is on disk by the next checkpoint or the end)")
-    g.add_argument("--log-interval", type=int, default=50, help="steps between log lines")
+    g.add_argument("--log-interval", type=int, default=50,
+                   help="optimizer steps between progress reports: the bar's loss, accuracy and "
+                   "samples/s, or, without a bar (--no-progress), a log line")
     g.add_argument("--tensorboard", action="store_true", help="write TensorBoard events")
     g.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
     g.add_argument("--debug", action="store_true",

@@ -63,10 +63,13 @@ def after_step(r: Run, loss: torch.Tensor, bar: Any) -> None:
     if step % args.log_interval == 0:
         elapsed = r.sums.elapsed()
         loss_value = float(loss.detach())  # one sync per log interval, not per step
+        acc = float(r.sums.correct) / max(1, r.sums.seen)
+        sps = r.sums.seen * ctx.world / max(elapsed, 1e-9)
         if hasattr(bar, "set_postfix"):
-            bar.set_postfix(loss=f"{loss_value:.4f}",
-                            acc=f"{float(r.sums.correct) / max(1, r.sums.seen):.3f}",
-                            sps=f"{r.sums.seen * ctx.world / max(elapsed, 1e-9):.0f}")
+            bar.set_postfix(loss=f"{loss_value:.4f}", acc=f"{acc:.3f}", sps=f"{sps:.0f}")
+        else:  # no bar (--no-progress, or no tqdm): a line, so that a long epoch shows progress
+            log(ctx, f"epoch {r.state.epoch + 1} step {step}: loss {loss_value:.4f} acc {acc:.3f} "
+                     f"samples/s {sps:.0f}")
         if r.monitor is not None:
             r.monitor.sample()
         if r.writer is not None:
