@@ -304,20 +304,22 @@ def test_summary_of_another_run_is_kept_aside_and_written_again(one_epoch, tmp_p
         rows[-1]["val_f1"])
 
 
-def test_run_started_over_keeps_the_earlier_summary_aside(one_epoch, tmp_path,
-                                                          data_path) -> None:
-    """--resume none trains afresh: until it writes its own summary.json and curves.png, the
-    earlier run's would pass for its results, so they are moved to .bak when it starts."""
+def test_run_started_over_keeps_the_earlier_run_aside(one_epoch, tmp_path, data_path) -> None:
+    """--resume none trains afresh: the earlier run's summary.json and curves.png would pass
+    for its results until it writes its own, and its metrics.csv, best.pt and config.json would
+    be overwritten, so all are moved to .bak when it starts (last.pt stays as last.pt.prev)."""
     save = tmp_path / "run"
     shutil.copytree(one_epoch, save)
-    earlier = (save / "summary.json").read_bytes()
+    names = ("summary.json", "curves.png", "metrics.csv", "best.pt", "config.json")
+    earlier = {name: (save / name).read_bytes() for name in names if (save / name).exists()}
     codes, out = trainer_runs.run(save, data_path, ["--epochs", "1", "--resume", "none",
                                                     "--lr", "0.002"])
     assert codes == [0], out
-    assert f"note: the summary.json/curves.png in {save} (of an earlier run" in out, out
-    kept = list(save.glob("summary.json.*.bak"))
-    assert len(kept) == 1 and kept[0].read_bytes() == earlier
-    assert (save / "summary.json").read_bytes() != earlier
+    assert f"note: the {'/'.join(earlier)} in {save} (of an earlier run" in out, out
+    for name, content in earlier.items():
+        kept = list(save.glob(f"{name}.*.bak"))
+        assert len(kept) == 1 and kept[0].read_bytes() == content, name
+        assert (save / name).read_bytes() != content or name == "curves.png", name
 
 
 def test_resume_path_of_a_finished_run_into_a_new_save_dir(one_epoch, tmp_path,

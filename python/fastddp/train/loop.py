@@ -31,8 +31,10 @@ from .errors import UsageError
 from .graph import GraphedStep, hold_lr
 from .models import build_model
 from .outputs import (
+    EARLIER_RUN_FILES,
+    FINAL_FILES,
     GpuMonitor,
-    keep_final_files,
+    keep_earlier_files,
     keep_foreign_metrics,
     make_tensorboard,
     metrics_csv,
@@ -140,11 +142,13 @@ def _train(args: argparse.Namespace, ctx: Context, saver: checkpoint.CheckpointW
     if resumed and r.state.start_epoch >= args.epochs:
         return already_complete(r)
     if ctx.is_main:
-        kept = keep_final_files(save_dir)
+        # starting from epoch 1 over a run with a history: that run's files are kept too
+        earlier_run = not resumed and (save_dir / "metrics.csv").is_file()
+        kept = keep_earlier_files(save_dir, FINAL_FILES + (EARLIER_RUN_FILES if earlier_run else ()))
         if kept:
-            log(ctx, f"note: the summary.json/curves.png in {save_dir} (of an earlier run, or "
-                     f"of this one with fewer --epochs) kept as "
-                     f"{', '.join(p.name for p in kept)}; this run writes its own at its end")
+            log(ctx, f"note: the {'/'.join(kept)} in {save_dir} (of an earlier run, or of this "
+                     f"one with fewer --epochs) kept as {', '.join(p.name for p in kept.values())}; "
+                     "this run writes its own")
         write_config(save_dir, args, ctx, r.amp, r.amp_dtype)
     log_header(r)
     r.writer = make_tensorboard(save_dir, args, ctx)
@@ -338,13 +342,13 @@ def already_complete(r: Run) -> dict[str, Any]:
     log(r.ctx, f"fastddp.train: the run in {save_dir} is already complete ({len(state.history)} "
                f"epochs, --epochs {r.args.epochs}; best val F1 {best:.4f}). Its results are in "
                f"{save_dir} (metrics.csv, best.pt, summary.json). To train from scratch add "
-               "--resume none (it overwrites them) or choose another --save-dir; to train "
+               "--resume none (it keeps them aside as .bak) or choose another --save-dir; to train "
                "further raise --epochs")
     metrics_file, summary_file = r.save_dir / "metrics.csv", r.save_dir / "summary.json"
     stale = not metrics_file.exists() or metrics_file.read_bytes() != metrics_csv(state.history)
     current = summary_is_current(r.save_dir, state.history)
     if r.ctx.is_main and state.history and (stale or not current):
-        kept = [] if current else keep_final_files(r.save_dir)
+        kept = [] if current else list(keep_earlier_files(r.save_dir, FINAL_FILES).values())
         log(r.ctx, "note: writing metrics.csv, curves.png and summary.json from last.pt's "
                    "history (they were missing, behind it, or of another run"
                    + "".join(f"; kept {p.name}" for p in kept) + ")")

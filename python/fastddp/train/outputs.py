@@ -70,14 +70,17 @@ def keep_foreign_metrics(save_dir: Path, history: list[dict[str, Any]]) -> Optio
 # The files a run writes once, after its last epoch: present before it trains, they belong to
 # an earlier run (or to this run with fewer --epochs).
 FINAL_FILES = ("summary.json", "curves.png")
+# What a run that starts from its first epoch (--resume none) over an earlier run with a
+# history would overwrite besides those: that run's history, best weights and flags.
+EARLIER_RUN_FILES = ("metrics.csv", "best.pt", "config.json")
 
 
-def keep_final_files(save_dir: Path) -> list[Path]:
-    """Move ``summary.json`` and ``curves.png`` aside (:func:`keep_aside`) before a run trains
-    into ``save_dir``: until it writes its own, they would pass for its results. Returns the
-    new paths."""
-    kept = [keep_aside(save_dir / name) for name in FINAL_FILES]
-    return [path for path in kept if path is not None]
+def keep_earlier_files(save_dir: Path, names: tuple[str, ...]) -> dict[str, Path]:
+    """Move the files ``names`` of ``save_dir`` aside (:func:`keep_aside`) before a run trains
+    into it: until it writes its own, they would pass for its results, or be overwritten.
+    Returns where each file that was there went."""
+    kept = {name: keep_aside(save_dir / name) for name in names}
+    return {name: path for name, path in kept.items() if path is not None}
 
 
 def summary_is_current(save_dir: Path, history: list[dict[str, Any]]) -> bool:
