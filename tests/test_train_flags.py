@@ -129,6 +129,12 @@ def test_log_interval_prints_progress_lines_without_a_bar(tmp_path, data_path) -
         assert re.fullmatch(r"epoch \d step \d: loss \d+\.\d{4} acc \d\.\d{3} samples/s \d+", line), line
 
 
+def test_save_interval_longer_than_an_epoch_is_named(tmp_path, data_path) -> None:
+    _, out = _train(tmp_path / "run", data_path, ["--save-interval", "100"])
+    assert ("note: --save-interval 100 is more than the 6 steps of an epoch: no checkpoint inside an "
+            "epoch, one at each epoch's end") in out, out
+
+
 def test_tensorboard_writes_events_or_says_why_not(tmp_path, data_path) -> None:
     _, out = _train(tmp_path / "run", data_path, ["--tensorboard", "--log-interval", "1"])
     try:

@@ -370,6 +370,9 @@ def log_header(r: Run) -> None:
              f"batch={args.batch_size}x{ctx.world}x{accum}={args.batch_size * ctx.world * accum} "
              f"lr={r.lr:g} steps/epoch={r.steps_per_epoch} "
              f"cuda-graph={'on' if r.graphed is not None else 'off'}")
+    if args.save_interval > r.steps_per_epoch:
+        log(ctx, f"note: --save-interval {args.save_interval} is more than the {r.steps_per_epoch} "
+                 "steps of an epoch: no checkpoint inside an epoch, one at each epoch's end")
 
 
 def finish(r: Run, total: float, samples_total: int, quiet: bool = False) -> dict[str, Any]:
