@@ -17,18 +17,24 @@ from fastddp.train.signals import SigtermGuard, Terminated
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# A process queues one checkpoint whose write takes 0.5 s, then receives SIGTERM.
-_SCRIPT = textwrap.dedent("""
-    import contextlib, os, signal, sys, time
-    import torch
+# Every checkpoint file write of the scripts below takes 0.5 s.
+_SLOW_WRITES = textwrap.dedent("""
+    import time
     from fastddp.train import checkpoint
-    from fastddp.train.signals import SigtermGuard, Terminated
 
     slow = checkpoint._write_file
     def _slow_write(path, data):
         time.sleep(0.5)
         slow(path, data)
     checkpoint._write_file = _slow_write
+""")
+
+# A process queues one checkpoint whose write takes 0.5 s, then receives SIGTERM.
+_SCRIPT = _SLOW_WRITES + textwrap.dedent("""
+    import contextlib, os, signal, sys, time
+    import torch
+    from fastddp.train import checkpoint
+    from fastddp.train.signals import SigtermGuard, Terminated
 
     guarded = sys.argv[2] == "guarded"
     saver = checkpoint.CheckpointWriter()
@@ -117,16 +123,10 @@ def test_signal_mid_training_exits_cleanly_with_the_checkpoint(tmp_path: Path, s
 
 # The main thread ends without close() (an interrupt cut the clean-up short): the queued write
 # still reaches the disk and the process exits.
-_UNCLOSED = textwrap.dedent("""
-    import sys, time
+_UNCLOSED = _SLOW_WRITES + textwrap.dedent("""
+    import sys
     import torch
     from fastddp.train import checkpoint
-
-    slow = checkpoint._write_file
-    def _slow_write(path, data):
-        time.sleep(0.5)
-        slow(path, data)
-    checkpoint._write_file = _slow_write
 
     checkpoint.CheckpointWriter().save({"w": torch.arange(10)}, sys.argv[1])
     print("MAIN-DONE", flush=True)
