@@ -18,8 +18,9 @@
 // naming it. Each rank also describes the collective it runs (kind, size, dtype) in its slot, and
 // rank 0 which broadcast its broadcast region holds: ranks that issued different collectives at
 // one sequence number (a forward, and so a buffer broadcast, on some ranks only) fail with an
-// error naming both instead of reading each other's data or waiting for ever, and a rank whose
-// collective failed flags its slot so that its peers fail at once.
+// error naming both instead of reading each other's data or waiting for ever; a rank whose
+// collective failed, or whose wrapper was destroyed, marks its slot so that a peer waiting for
+// it fails at once.
 #pragma once
 
 #include "reducer/fingerprint.h"
