@@ -103,13 +103,17 @@ def _pipeline(batch_rows: int = 0, pool: Any = None) -> tuple:
 
 
 def _pass(pipe: Any, idx: torch.Tensor, batch: int) -> tuple[torch.Tensor, set[int]]:
-    """One pass: its batches concatenated, and the storages they were delivered in."""
+    """One pass: its batches concatenated, and the ring buffers its full batches were delivered
+    in (a short batch is a copy of its own size, outside the ring)."""
     pipe.submit_split(idx, batch)
     pipe.finish()
     got, storages = [], set()
     while out := pipe.next():
         got.append(out[0].clone())
-        storages.add(out[0].data_ptr())  # row 0 of the slot: its buffer
+        if len(out[0]) == batch:
+            storages.add(out[0].data_ptr())  # row 0 of the slot: its buffer
+        else:
+            assert out[0].untyped_storage().nbytes() == out[0].nbytes
     return torch.cat(got), storages
 
 
