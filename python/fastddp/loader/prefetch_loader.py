@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Optional, Union
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, default_collate
+from torch.utils.data import DataLoader, default_collate
 
 from .._ext import C
 from .iterator import LoaderHooks, LoaderIterator, Progress
@@ -20,6 +20,7 @@ from .settings import (
     check_own_form,
     check_prefetch_factor,
     check_workers,
+    largest_batch,
     make_spec,
     prepare_tensors,
     start_warnings,
@@ -209,13 +210,7 @@ class PrefetchLoader:
         return NativeSettings(tensors=tensors, resident=resident, threads=workers or 2, ring=self.prefetch,
                               pin=pin, device=self.device, start_reads=start, first_next_reads=first,
                               whole_pass=reads_ahead_unobserved(self.batch_sampler),
-                              batch_rows=self._batch_rows(len(tensors[0])), pool=self._slot_pool)
-
-    def _batch_rows(self, rows: int) -> int:
-        """Rows of the largest batch the index sampler yields (0 when it does not say)."""
-        if type(self.batch_sampler) is not BatchSampler:
-            return 0
-        return min(self.batch_sampler.batch_size, rows)
+                              batch_rows=largest_batch(self.batch_sampler, len(tensors[0])), pool=self._slot_pool)
 
     def _start(self, pass_: Any, draw_seed: bool) -> None:
         replay, self._replay = self._replay, Replay()

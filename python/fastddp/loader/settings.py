@@ -9,7 +9,7 @@ import warnings
 from typing import Any, Optional, Union
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import BatchSampler, DataLoader
 
 
 def make_spec(dataset: Any, *args: Any, **kwargs: Any) -> DataLoader:
@@ -133,3 +133,11 @@ def check_prefetch_factor(num_workers: int, prefetch_factor: Any) -> None:
         raise AssertionError("prefetch_factor must be greater than 0 for MultiProcessingDataLoaderIter "
                              f"(PrefetchLoader: prefetch_factor={prefetch_factor!r} with num_workers="
                              f"{num_workers}; leave it None for 2 batches a worker, or give a positive int)")
+
+
+def largest_batch(batch_sampler: Any, rows: int) -> int:
+    """Rows of the largest batch ``batch_sampler`` yields from ``rows`` rows (0 when it does not
+    say: only torch's BatchSampler does)."""
+    if type(batch_sampler) is not BatchSampler:
+        return 0
+    return min(batch_sampler.batch_size, rows)

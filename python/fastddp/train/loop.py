@@ -36,6 +36,7 @@ from .outputs import (
     GpuMonitor,
     keep_earlier_files,
     keep_foreign_metrics,
+    log_header,
     make_tensorboard,
     metrics_csv,
     plot_curves,
@@ -359,20 +360,6 @@ def already_complete(r: Run) -> dict[str, Any]:
     if summary_file.exists():
         return {**json.loads(summary_file.read_text()), "already_complete": True}
     return {"best_val_f1": state.best_f1, "save_dir": str(save_dir), "already_complete": True}
-
-
-def log_header(r: Run) -> None:
-    args, ctx = r.args, r.ctx
-    accum = args.grad_accum_steps
-    amp = "off" if not r.amp else str(r.amp_dtype).split(".")[-1]
-    log(ctx, f"fastddp.train: {args.multi_gpu} world={ctx.world} device={ctx.device} "
-             f"mode={args.model or args.mode} amp={amp} "
-             f"batch={args.batch_size}x{ctx.world}x{accum}={args.batch_size * ctx.world * accum} "
-             f"lr={r.lr:g} steps/epoch={r.steps_per_epoch} "
-             f"cuda-graph={'on' if r.graphed is not None else 'off'}")
-    if args.save_interval > r.steps_per_epoch:
-        log(ctx, f"note: --save-interval {args.save_interval} is more than the {r.steps_per_epoch} "
-                 "steps of an epoch: no checkpoint inside an epoch, one at each epoch's end")
 
 
 def finish(r: Run, total: float, samples_total: int, quiet: bool = False) -> dict[str, Any]:

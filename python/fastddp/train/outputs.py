@@ -10,7 +10,7 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -18,6 +18,24 @@ import fastddp
 
 from . import checkpoint
 from .setup import Context, log
+
+if TYPE_CHECKING:
+    from .loop import Run
+
+
+def log_header(r: Run) -> None:
+    """The run's first line: what trains, where, in what batches and steps."""
+    args, ctx = r.args, r.ctx
+    accum = args.grad_accum_steps
+    amp = "off" if not r.amp else str(r.amp_dtype).split(".")[-1]
+    log(ctx, f"fastddp.train: {args.multi_gpu} world={ctx.world} device={ctx.device} "
+             f"mode={args.model or args.mode} amp={amp} "
+             f"batch={args.batch_size}x{ctx.world}x{accum}={args.batch_size * ctx.world * accum} "
+             f"lr={r.lr:g} steps/epoch={r.steps_per_epoch} "
+             f"cuda-graph={'on' if r.graphed is not None else 'off'}")
+    if args.save_interval > r.steps_per_epoch:
+        log(ctx, f"note: --save-interval {args.save_interval} is more than the {r.steps_per_epoch} "
+                 "steps of an epoch: no checkpoint inside an epoch, one at each epoch's end")
 
 
 def write_config(save_dir: Path, args, ctx: Context, amp: bool, amp_dtype) -> None:
