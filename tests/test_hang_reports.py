@@ -148,7 +148,11 @@ def test_rank_that_skipped_a_backward_is_named_in_the_stall_report_on_gloo(tmp_p
     """The same fault over gloo, which cannot tell the two collectives apart: the stall report
     counts the reducing steps each rank started (a forward with gradients on counts before its
     buffer broadcast) and names rank 1 as the rank a forward ahead."""
-    waiting, bad = run_fault(tmp_path, "skips_backward", shm=False)
+    for attempt in ("first", "again"):
+        (tmp_path / attempt).mkdir()
+        waiting, bad = run_fault(tmp_path / attempt, "skips_backward", shm=False)
+        if "rank 1: no answer" not in waiting.output:
+            break  # else rank 1's watchdog starved past the report's deadline (a loaded machine)
     out = waiting.output
     assert waiting.first("fastddp stall report") is not None, out
     assert "rank 1: buffer broadcast for" in out and "rank 0: all-reduce of bucket 0" in out, out
