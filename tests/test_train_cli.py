@@ -343,7 +343,7 @@ def test_config_that_is_a_directory_is_named_as_one(tmp_path) -> None:
 
 
 def test_save_dir_that_is_a_file_is_named_as_one(tmp_path) -> None:
-    from fastddp.train.setup import check_save_dir
+    from fastddp.train.save_dir import check_save_dir
 
     file = tmp_path / "run"
     file.write_text("results of something else")
@@ -373,7 +373,7 @@ def test_key_given_twice_in_a_yaml_config_is_refused(tmp_path) -> None:
 def test_directory_in_place_of_a_run_file_is_refused_at_start(tmp_path) -> None:
     """A directory named best.pt (or last.pt, metrics.csv, ...) in --save-dir would fail the
     writer after epoch 1's training: it is named before the run starts."""
-    from fastddp.train.setup import check_save_dir
+    from fastddp.train.save_dir import check_save_dir
 
     (tmp_path / "best.pt").mkdir()
     with pytest.raises(UsageError, match=rf"^--save-dir {re.escape(str(tmp_path))}: "

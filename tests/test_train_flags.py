@@ -80,6 +80,25 @@ def test_grad_accum_steps_halves_the_optimizer_steps(tmp_path, data_path, baseli
     assert _weights_differ(got, baseline[1]) > 1e-4
 
 
+@pytest.mark.parametrize("world", [1, 2])
+def test_input_error_found_at_build_leaves_no_run_directory(tmp_path, data_path, world) -> None:
+    """An input error found once the run started (here: no full step per epoch) ends with its
+    one line and takes away the --save-dir it created (and its parent), lock file and all; a
+    directory that existed stays."""
+    nested = tmp_path / "new" / "run"  # the last --save-dir wins
+    codes, out = trainer_runs.run(tmp_path / "run", data_path,
+                                  ["--batch-size", "500", "--save-dir", str(nested)],
+                                  world=world, base=BASE)
+    assert codes == [2] * world, out
+    assert "--batch-size 500 x --grad-accum-steps 1 leaves no full optimizer step" in out, out
+    assert not (tmp_path / "new").exists(), list((tmp_path / "new").rglob("*"))
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    codes, out = trainer_runs.run(existing, data_path, ["--batch-size", "500"], base=BASE)
+    assert codes == [2], out
+    assert existing.is_dir()
+
+
 @pytest.mark.parametrize(("how", "factor"), [("linear", 2.0), ("sqrt", math.sqrt(2.0)), ("none", 1.0)])
 def test_scale_lr_multiplies_the_learning_rate(tmp_path, data_path, how, factor) -> None:
     got, out = _train(tmp_path / "run", data_path,

@@ -44,15 +44,14 @@ from .outputs import (
     write_config,
 )
 from .resume import find_resume_state
+from .save_dir import check_save_dir, save_dir_lock
 from .setup import (
     Context,
-    check_save_dir,
     class_weights,
     load_data,
     log,
     lr_lambda,
     resolve_cuda_graph,
-    save_dir_lock,
     seed_everything,
     setup_distributed,
 )
@@ -130,8 +129,8 @@ def _train(args: argparse.Namespace, ctx: Context, saver: checkpoint.CheckpointW
     problem: list[Optional[str]] = [None]
     if ctx.is_main:
         try:
-            check_save_dir(save_dir)
-            held.enter_context(save_dir_lock(save_dir))
+            created = check_save_dir(save_dir)
+            held.enter_context(save_dir_lock(save_dir, created))
         except UsageError as exc:
             problem[0] = str(exc)
     if ctx.distributed:

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import os
 import random
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -183,62 +180,3 @@ def lr_lambda(total_steps: int, warmup_steps: int):
         return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
     return f
-
-
-# The files a run writes in --save-dir, and the temporaries and previous versions written
-# beside them (fastddp.train.checkpoint's ".tmp", ".prev", ".prev.tmp").
-RUN_FILES = ("last.pt", "best.pt", "metrics.csv", "summary.json", "curves.png", "config.json")
-RUN_FILE_SUFFIXES = ("", ".tmp", ".prev", ".prev.tmp")
-
-
-def check_save_dir(save_dir: Path) -> None:
-    """Refuse a --save-dir the run cannot write its files in (before epoch 1): a file, an
-    unwritable directory, or one holding a directory where a file of the run goes."""
-    if save_dir.exists() and not save_dir.is_dir():
-        raise UsageError(f"--save-dir {save_dir}: is a file, not a directory; choose a directory "
-                         "(it is created if missing)")
-    try:
-        save_dir.mkdir(parents=True, exist_ok=True)
-        probe = save_dir / ".write-test"
-        probe.write_bytes(b"0" * 4096)
-        probe.unlink()
-    except OSError as exc:
-        raise UsageError(f"--save-dir {save_dir}: cannot write there ({exc.strerror or exc}); "
-                         "choose a writable directory") from None
-    in_the_way = [save_dir / f"{name}{suffix}" for name in RUN_FILES
-                  for suffix in RUN_FILE_SUFFIXES if (save_dir / f"{name}{suffix}").is_dir()]
-    if in_the_way:
-        raise UsageError(f"--save-dir {save_dir}: {', '.join(map(str, in_the_way))} "
-                         f"{'is a directory' if len(in_the_way) == 1 else 'are directories'} "
-                         "where the run writes a file of that name; move it away, or choose "
-                         "another --save-dir")
-
-
-
-
-@contextlib.contextmanager
-def save_dir_lock(save_dir: Path) -> Iterator[None]:
-    """Hold an exclusive lock on ``save_dir/.fastddp.lock`` (an empty file) while the run
-    writes there: a second run started into the same directory (two jobs with the default
-    runs/har) would interleave its checkpoints and metrics with this one's. A POSIX record
-    lock (lockf), not flock: it belongs to this process alone, so forked data-loader workers
-    that outlive a SIGKILLed run for a few seconds do not keep it from being restarted; the
-    kernel drops it when the process ends. Where the file system has no locks the run goes on
-    without one."""
-    try:
-        import fcntl
-    except ImportError:  # not a POSIX system
-        yield
-        return
-    fd = os.open(save_dir / ".fastddp.lock", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        try:
-            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except (BlockingIOError, PermissionError):
-            raise UsageError(f"--save-dir {save_dir}: another fastddp.train run is writing "
-                             "there; wait for it to end, or choose another --save-dir") from None
-        except OSError:
-            pass  # no locks on this file system
-        yield
-    finally:
-        os.close(fd)
