@@ -225,14 +225,28 @@ def test_worker_process_exception_names_the_worker() -> None:
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_out_of_range_index_is_indexerror_at_its_batch(workers: int) -> None:
+    """Side by side with DataLoader: the batch with an index past the data raises its
+    IndexError at that batch (with workers, wrapped as from the worker that batch goes to:
+    "Caught IndexError in DataLoader worker process 1. Original Traceback …"), and the pass
+    goes on after it."""
     x, y = _data()
-    loader = fastddp.PrefetchLoader(TensorDataset(x, y), batch_size=2, num_workers=workers,
-                                    sampler=_IndexSampler(torch.tensor([1, 2, N + 5, 3, 4, -1])))
-    it = iter(loader)
-    assert torch.equal(next(it)[1], y[[1, 2]])
-    with pytest.raises(IndexError, match=f"index {N + 5} is out of bounds for dimension 0 with size {N}"):
-        next(it)
-    assert torch.equal(next(it)[1], y[[4, N - 1]])  # -1 is the last sample, as DataLoader reads it
+    sampler = _IndexSampler(torch.tensor([1, 2, 3, 4, 5, 6, N + 5, 3, 4, -1]))
+    seen = []
+    for cls in (torch.utils.data.DataLoader, fastddp.PrefetchLoader):
+        it = iter(cls(TensorDataset(x, y), batch_size=2, num_workers=workers, sampler=sampler))
+        assert [torch.equal(next(it)[1], y[i:i + 2]) for i in (1, 3, 5)] == [True] * 3
+        with pytest.raises(IndexError) as info:
+            next(it)
+        lines = str(info.value).splitlines()
+        seen.append((lines[0], lines[-1]))
+        assert torch.equal(next(it)[1], y[[4, N - 1]])  # -1 is the last sample, as DataLoader reads it
+        assert next(it, None) is None
+    last = f"index {N + 5} is out of bounds for dimension 0 with size {N}"
+    if workers:  # batch 3 of the pass goes to worker 3 % 2
+        assert seen == [("Caught IndexError in DataLoader worker process 1.", f"IndexError: {last}")] * 2
+    else:
+        assert seen == [(last, last)] * 2
+    assert info.value.__notes__ == [f"PrefetchLoader: raised reading batch 3 (indices [{N + 5}, 3])"]
 
 
 def test_float_indices_are_refused_as_dataloader_refuses_them() -> None:

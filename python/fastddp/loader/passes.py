@@ -7,7 +7,7 @@ from __future__ import annotations
 import collections
 import warnings
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, NoReturn, Optional
 
 import torch
 from torch.utils._pytree import tree_map_only
@@ -38,6 +38,24 @@ def add_note(exc: BaseException, note: str) -> None:
     if notes:
         notes[:] = [n for n in notes if not n.startswith("PrefetchLoader: raised reading batch")]
     exc.add_note(note)
+
+
+def raise_as_worker_error(exc: Exception, batch: int, workers: int, note: str) -> NoReturn:
+    """Raise ``exc`` of batch ``batch`` (of the pass) as DataLoader with ``workers`` worker
+    processes raises it: wrapped by torch's ``ExceptionWrapper`` ("Caught IndexError in
+    DataLoader worker process 1. Original Traceback …", the same type; a type that takes no
+    message becomes a RuntimeError), from the worker DataLoader hands that batch to (batches go
+    round-robin over the workers), with ``note`` added."""
+    from torch._utils import ExceptionWrapper
+
+    wrapper = ExceptionWrapper((type(exc), exc, exc.__traceback__),
+                               where=f"in DataLoader worker process {batch % workers}")
+    try:
+        wrapper.reraise()
+    except Exception as wrapped:
+        add_note(wrapped, note)
+        raise wrapped from None  # DataLoader's re-raise chains nothing
+    raise AssertionError("ExceptionWrapper.reraise() returned")  # it always raises
 
 
 @dataclass
@@ -71,6 +89,7 @@ class NativeSettings:
     whole_pass: bool                       # the first read reads every batch (reads_ahead_unobserved)
     batch_rows: int                        # rows of the largest batch, 0 when unknown
     pool: Any = None                       # C.SlotPool: host slots kept from pass to pass
+    workers: int = 0                       # DataLoader worker processes stood in for (errors)
 
 
 class NativePass:
@@ -201,7 +220,10 @@ class NativePass:
             try:
                 batch = self.sources.fetch(entry.raw)
             except Exception as exc:
-                add_note(exc, f"PrefetchLoader: raised reading batch {entry.number} (indices {entry.raw!r})")
+                note = f"PrefetchLoader: raised reading batch {entry.number} (indices {entry.raw!r})"
+                if self.s.workers > 0:  # DataLoader would have read it in a worker process
+                    raise_as_worker_error(exc, entry.number, self.s.workers, note)
+                add_note(exc, note)
                 raise
             return to_device(pin(batch) if self.s.pin and self.s.device.type == "cpu" else batch,
                              self.s.device)

@@ -210,7 +210,8 @@ class PrefetchLoader:
         return NativeSettings(tensors=tensors, resident=resident, threads=workers or 2, ring=self.prefetch,
                               pin=pin, device=self.device, start_reads=start, first_next_reads=first,
                               whole_pass=reads_ahead_unobserved(self.batch_sampler),
-                              batch_rows=largest_batch(self.batch_sampler, len(tensors[0])), pool=self._slot_pool)
+                              batch_rows=largest_batch(self.batch_sampler, len(tensors[0])), pool=self._slot_pool,
+                              workers=workers)
 
     def _start(self, pass_: Any, draw_seed: bool) -> None:
         replay, self._replay = self._replay, Replay()
