@@ -134,3 +134,56 @@ def test_phases_of_a_training_step_on_the_board(tmp_path) -> None:
         assert C.diag_snapshot()[0] == diag.Phase.OUTSIDE
     finally:
         dist.destroy_process_group()
+
+
+_STORE_HOST = """
+import time, torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", 0, world_size=3, is_master=True, wait_for_workers=False)
+print(store.port, flush=True)
+time.sleep(600)
+"""
+
+_RANK_OF_A_LOST_AGENT = """
+import os, sys, time
+from datetime import timedelta
+import torch, torch.distributed as dist
+import fastddp
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=60))
+model = fastddp.DDPWrapper(torch.nn.Linear(4, 2))
+model(torch.randn(3, 4)).sum().backward()
+print("stepped", flush=True)
+sys.stdin.readline()  # the store's host is killed meanwhile
+time.sleep(2.0)  # the watchdog polls it every 0.25 s
+model(torch.randn(3, 4)).sum().backward()  # gloo needs no store: training goes on
+print("done", flush=True)
+"""
+
+
+def test_ranks_whose_store_host_was_killed_end_without_a_store_write() -> None:
+    """A SIGKILLed torchrun agent (the c10d store's host) leaves its ranks training on: they
+    end as usual, and do not write their exit note into the dead store (c10d would print a
+    C++ stack trace for it) once the watchdog saw the store fail. c10d's warning of that failed
+    poll, at the moment the host died, is the one trace left."""
+    host = subprocess.Popen([sys.executable, "-c", _STORE_HOST], stdout=subprocess.PIPE, text=True)
+    port = host.stdout.readline().strip()
+    env = dict(os.environ, FASTDDP_STALL_THRESHOLD_S="1", FASTDDP_SHM_ALLREDUCE="0")
+    ranks = [subprocess.Popen([sys.executable, "-c", _RANK_OF_A_LOST_AGENT, str(r), port], env=env,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for r in range(2)]
+    try:
+        assert [p.stdout.readline().strip() for p in ranks] == ["stepped"] * 2
+        host.kill()
+        host.wait()
+        for p in ranks:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        outs = [p.communicate(timeout=60) for p in ranks]
+    finally:
+        for p in (host, *ranks):
+            p.kill()
+    for p, (out, err) in zip(ranks, outs):
+        assert p.returncode == 0 and out.strip() == "done", (p.returncode, out, err)
+        assert "sendBytes failed" not in err, err  # the exit note's write
+        assert err.count("Exception raised from") <= 1, err

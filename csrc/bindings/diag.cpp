@@ -67,7 +67,9 @@ void bind(py::module_& m) {
            }),
            py::arg("store"), py::arg("options"), py::arg("stack"))
       .def("stop", &Watchdog::stop, "Stop the thread (joined, or left behind if the store does not answer).", py::call_guard<py::gil_scoped_release>())
-      .def_property_readonly("last_report", &Watchdog::last_report, "The last stall report (empty when none).");
+      .def_property_readonly("last_report", &Watchdog::last_report, "The last stall report (empty when none).")
+      .def_property_readonly("store_failed", &Watchdog::store_failed,
+                             "Whether the store failed under the thread (its host is gone; the thread has ended).");
 }
 
 }  // namespace

@@ -177,6 +177,7 @@ void Watchdog::run() {
       take_shared_report();
       watch_own_wait();
     } catch (const std::exception& e) {
+      store_failed_ = true;
       // The store is gone (its host rank exited): nothing more can be collected. Between
       // steps that is how a job ends (the host rank finished first): nothing to say then.
       if (status().snapshot().phase != Phase::kOutside) {

@@ -79,6 +79,10 @@ class Watchdog : public std::enable_shared_from_this<Watchdog> {
   // This rank ends with its own error (a collective failed here): an abort another rank posts
   // meanwhile does not end this process, so that the error that names the cause is raised.
   void ends_with_own_error() { abort_handled_ = true; }
+  // The store failed under the thread (its host is gone: the rank that hosted it exited, or
+  // a killed torchrun agent): the thread has ended, and every later store call fails too
+  // (c10d prints a warning with a C++ stack trace for each).
+  bool store_failed() const { return store_failed_; }
 
  private:
   void run();
@@ -105,6 +109,7 @@ class Watchdog : public std::enable_shared_from_this<Watchdog> {
   // This rank posted an abort, printed another's, or ends with its own error: later aborts
   // neither end nor print anything here.
   std::atomic<bool> abort_handled_{false};
+  std::atomic<bool> store_failed_{false};
   int64_t reports_seen_ = 0;  // stall reports (any rank's) taken from the store
   int64_t reported_since_ = -1;   // phase_since_ns of the wait last reported (one report a wait)
   std::thread thread_;

@@ -121,6 +121,8 @@ def _post_exit_reason(line: str) -> None:
     store, rank = _Running.store, _Running.rank
     if store is None or rank is None or _Running.posted:
         return
+    if _Running.watchdog is not None and _Running.watchdog.store_failed:
+        return  # its host is gone (a killed torchrun agent): nobody is left to read it
     _Running.posted = True
     poster = threading.Thread(target=_set_quietly, args=(store, f"exit/{rank}", line), daemon=True)
     poster.start()
