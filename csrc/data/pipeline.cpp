@@ -1,6 +1,7 @@
 #include "data/pipeline.h"
 
 #include <ATen/ops/empty.h>
+#include <c10/core/InferenceMode.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -192,6 +193,10 @@ void PrefetchPipeline::prepare_host(Slot& slot, int64_t rows) {
     }
   }
   const int64_t capacity = std::max(rows, slot.capacity);
+  // Normal tensors even when the pass starts inside torch.inference_mode() (the constructor
+  // runs on the caller's thread): a ring slot outlives the mode, and next() gives each batch
+  // the mode of its own call (see delivered()).
+  c10::InferenceMode normal_tensors(false);
   slot.host.clear();
   for (const auto& s : sources_) {
     auto shape = s.sizes().vec();
@@ -227,6 +232,19 @@ at::Tensor own_storage(const at::Tensor& rows) {
   return out;
 }
 
+// The first `rows` rows of a slot as next() hands them out. DataLoader makes a batch at next(),
+// so it is an inference tensor exactly when next() runs inside torch.inference_mode(): a slot
+// (a normal tensor) is handed out then as an inference tensor over the same memory, and
+// otherwise as a view. A short batch gets memory of its own size, made in the caller's mode.
+at::Tensor delivered(const at::Tensor& slot, int64_t rows) {
+  at::Tensor view = slot.narrow(0, 0, rows);
+  if (rows < slot.size(0)) return own_storage(view);
+  if (!c10::InferenceMode::is_enabled()) return view;
+  at::Tensor alias = at::empty({0}, slot.options());
+  alias.set_(slot.storage(), slot.storage_offset(), view.sizes(), view.strides());
+  return alias;
+}
+
 }  // namespace
 
 std::vector<at::Tensor> PrefetchPipeline::next() {
@@ -250,10 +268,7 @@ std::vector<at::Tensor> PrefetchPipeline::next() {
   if (error_) std::rethrow_exception(error_);
   if (stage_) stage_->wait_ready(*slot.dev);  // the current stream waits for the slot's copy
   std::vector<at::Tensor> out;
-  for (const auto& t : stage_ ? slot.dev->buffers : slot.host) {
-    at::Tensor rows = t.narrow(0, 0, slot.rows);
-    out.push_back(slot.rows < t.size(0) ? own_storage(rows) : rows);
-  }
+  for (const auto& t : stage_ ? slot.dev->buffers : slot.host) out.push_back(delivered(t, slot.rows));
   return out;
 }
 

@@ -355,6 +355,39 @@ def test_batch_storage_is_the_batchs_own_as_dataloader(kwargs: dict) -> None:
     assert all(storage == size for batch in sizes[1] for storage, size, _ in batch)
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("started_in", ["inference_mode", "grad mode"])
+def test_batches_take_the_inference_mode_of_their_next(started_in: str, workers: int) -> None:
+    """A batch is an inference tensor exactly when its next() runs inside
+    torch.inference_mode(), as DataLoader makes it then: a pass started in inference mode (an
+    evaluation on the training loader) still delivers normal batches to training steps
+    afterwards, and the ring slots stay normal tensors for later passes. The reference is
+    DataLoader without workers: with workers, the batches DataLoader unpickles after one
+    received in inference mode are inference tensors too, or not, as the timing goes
+    (docs/compatibility.md)."""
+    seen = []
+    for cls, count in ((DataLoader, 0), (fastddp.PrefetchLoader, workers)):
+        loader = cls(TensorDataset(torch.randn(N, 6), torch.arange(N)), batch_size=4, num_workers=count)
+        modes = []
+        for _ in range(2):
+            if started_in == "inference_mode":
+                with torch.inference_mode():
+                    it = iter(loader)
+                    modes.append([t.is_inference() for t in next(it)])
+            else:
+                it = iter(loader)
+            for batch in it:  # in grad mode; one batch in inference mode
+                modes.append([t.is_inference() for t in batch])
+                with torch.inference_mode():
+                    inner = next(it, None)
+                modes.append(None if inner is None else [t.is_inference() for t in inner])
+                weight = torch.ones(6, requires_grad=True)
+                (batch[0] * weight).sum().backward()  # torch refuses an inference tensor here
+        seen.append(modes)
+    assert seen[0] == seen[1], seen
+    assert [True, True] in seen[1] and [False, False] in seen[1]
+
+
 def test_private_collation_view() -> None:
     for kwargs in ({"batch_size": 2}, {"batch_size": None}):
         ref, ours = DataLoader(tensors(), **kwargs), fastddp.PrefetchLoader(tensors(), **kwargs)
