@@ -292,7 +292,8 @@ def test_cuda_device_without_cuda_disables_with_a_warning() -> None:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             s = cls("cuda")
-        return s.is_enabled(), [(w.category, str(w.message)) for w in caught]
+        # the warning names this line, the caller's (`filterwarnings(module=...)` matches it)
+        return s.is_enabled(), [(w.category, str(w.message), w.filename) for w in caught]
 
     _side_by_side(run)
 

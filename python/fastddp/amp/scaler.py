@@ -3,6 +3,7 @@ inf/NaN check, the norm, unscale and clip, the scale update) in fastddp's kernel
 
 from __future__ import annotations
 
+import warnings
 from collections import defaultdict
 from typing import Any, Optional
 
@@ -49,9 +50,15 @@ class GradScaler(torch.amp.GradScaler):
         growth_interval: int = 2000,
         enabled: bool = True,
     ) -> None:
+        # torch's own warning and outcome, given here so that it names the caller's line as
+        # torch's does (from torch's constructor it would name this one)
+        disabling = device == "cuda" and enabled and torch.cuda.amp.common.amp_definitely_not_available()
+        if disabling:
+            warnings.warn("torch.cuda.amp.GradScaler is enabled, but CUDA is not available.  Disabling.",
+                          stacklevel=2)
         super().__init__(device, init_scale=init_scale, growth_factor=growth_factor,
                          backoff_factor=backoff_factor, growth_interval=growth_interval,
-                         enabled=enabled)
+                         enabled=enabled and not disabling)
         self._ddp_checked: set[tuple[int, int]] = set()
         if self._enabled:
             check_growth_interval(growth_interval)
