@@ -5,7 +5,6 @@ dataset, collation or worker set-up), delivering batches on the loader's device.
 from __future__ import annotations
 
 import collections
-import warnings
 from dataclasses import dataclass
 from typing import Any, NoReturn, Optional
 
@@ -293,22 +292,37 @@ def build_runner(loader: Any, dataset: Any, iterable: bool) -> tuple[DataLoader,
     if workers > 0:  # DataLoader refuses these without workers, and ignores them once set
         kwargs.update(prefetch_factor=loader.prefetch_factor, persistent_workers=loader.persistent_workers,
                       multiprocessing_context=loader.multiprocessing_context)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # its warnings are given when our own loader is made
-        runner, skipper = _make_runner(loader, dataset, iterable, kwargs)
+    runner, skipper = _make_runner(loader, dataset, iterable, kwargs)
     runner.timeout = loader.timeout
     return runner, skipper
 
 
+class _Runner(DataLoader):
+    """torch's DataLoader, whose constructor skips the worker-count warning: the loader's own
+    constructor gave it, and the runner is made at every pass. Its iterators still check, as
+    DataLoader's do at every pass. (Not ``warnings.catch_warnings``: entering it resets every
+    module's record of the warnings already shown, so "once" warnings would come again.)"""
+
+    _built = False
+
+    def check_worker_number_rationality(self) -> None:
+        if self._built:
+            super().check_worker_number_rationality()
+
+
 def _make_runner(loader: Any, dataset: Any, iterable: bool,
                  kwargs: dict[str, Any]) -> tuple[DataLoader, Optional[SkippingSampler]]:
+    skipper: Optional[SkippingSampler] = None
     if iterable:
-        return DataLoader(dataset, batch_size=loader.batch_size, drop_last=loader.drop_last, **kwargs), None
-    if loader.batch_sampler is not None:
+        runner = _Runner(dataset, batch_size=loader.batch_size, drop_last=loader.drop_last, **kwargs)
+    elif loader.batch_sampler is not None:
         skipper = SkippingSampler(loader.batch_sampler)
-        return DataLoader(dataset, batch_sampler=skipper, **kwargs), skipper
-    skipper = SkippingSampler(loader.sampler)
-    return DataLoader(dataset, batch_size=None, sampler=skipper, **kwargs), skipper
+        runner = _Runner(dataset, batch_sampler=skipper, **kwargs)
+    else:
+        skipper = SkippingSampler(loader.sampler)
+        runner = _Runner(dataset, batch_size=None, sampler=skipper, **kwargs)
+    runner._built = True
+    return runner, skipper
 
 
 def _call_none(batch: Any) -> Any:

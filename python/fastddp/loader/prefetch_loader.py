@@ -239,7 +239,7 @@ class PrefetchLoader:
         if native:
             if self.num_workers != 0:  # DataLoader checks it whenever it makes a worker iterator
                 self.check_worker_number_rationality()
-            start_warnings(self.pin_memory, self.pin_memory_device)
+            start_warnings(self.pin_memory, self.pin_memory_device, self.num_workers)
             pass_: Any = NativePass(self.batch_sampler, self._src, self._native_settings())
         else:
             pass_ = TorchPass(*build_runner(self, self._src.dataset, self._src.kind == "iterable"), self.device)

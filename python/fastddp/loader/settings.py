@@ -4,6 +4,7 @@ checked here."""
 
 from __future__ import annotations
 
+import functools
 import operator
 import warnings
 from typing import Any, Optional, Union
@@ -115,14 +116,43 @@ def prepare_tensors(tensors: list[torch.Tensor], device: torch.device, resident:
     return [t.contiguous() for t in tensors], False
 
 
-def start_warnings(pin_memory: bool, pin_memory_device: str) -> None:
-    """The warnings DataLoader's iterator gives when it is created (native passes)."""
+def start_warnings(pin_memory: bool, pin_memory_device: str, num_workers: Any) -> None:
+    """The warnings DataLoader's iterator gives when it is created (native passes), from where
+    DataLoader gives them (its iterator's module and line): a filter on that module matches
+    them, and they are shown once per place as DataLoader's are."""
     if pin_memory and pin_memory_device:
-        warnings.warn("pin_memory_device is deprecated, the current accelerator will be used as the "
-                      f"device,ignore pin_memory_device='{pin_memory_device}'.", stacklevel=4)
+        _warn_as_dataloader("pin_memory_device is deprecated, the current accelerator will be used as the "
+                            f"device,ignore pin_memory_device='{pin_memory_device}'.", num_workers)
     if pin_memory and not torch.accelerator.is_available():
-        warnings.warn("'pin_memory' argument is set as true but no accelerator is found, then device "
-                      "pinned memory won't be used.", stacklevel=4)
+        _warn_as_dataloader("'pin_memory' argument is set as true but no accelerator is found, then device "
+                            "pinned memory won't be used.", num_workers)
+
+
+def _warn_as_dataloader(message: str, num_workers: Any) -> None:
+    """A UserWarning as DataLoader's iterator base class gives it (``stacklevel=2``: the line of
+    the single- or multi-process iterator that creates it), with that module's registry."""
+    module = torch.utils.data.dataloader
+    line = _iterator_line(num_workers != 0)  # DataLoader's own test for the iterator kind
+    if line is None:  # no source to find the line in: the caller's line
+        warnings.warn(message, stacklevel=4)
+        return
+    warnings.warn_explicit(message, UserWarning, module.__file__, line, module=module.__name__,
+                           registry=vars(module).setdefault("__warningregistry__", {}),
+                           module_globals=vars(module))
+
+
+@functools.lru_cache(maxsize=2)
+def _iterator_line(multiprocess: bool) -> Optional[int]:
+    """The line of DataLoader's iterator constructor that calls its base class's."""
+    import inspect
+
+    module = torch.utils.data.dataloader
+    cls = module._MultiProcessingDataLoaderIter if multiprocess else module._SingleProcessDataLoaderIter
+    try:
+        lines, first = inspect.getsourcelines(cls.__init__)
+    except (OSError, TypeError):
+        return None
+    return next((first + i for i, text in enumerate(lines) if "super().__init__(" in text), None)
 
 
 def check_prefetch_factor(num_workers: int, prefetch_factor: Any) -> None:

@@ -6,7 +6,6 @@ reads (a list is always one)."""
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -111,13 +110,13 @@ def _load_npy(paths: list[Any]) -> list[torch.Tensor]:
         if not str(p).endswith(".npy"):
             raise ValueError(f"PrefetchLoader: {p} is not a .npy file; pass tensors, .npy "
                              "paths or a torch Dataset")
-        arr = np.load(p, mmap_mode="r")  # memory-mapped: rows are read straight into the gather
+        # Memory-mapped: rows are read straight into the gather. Copy-on-write ("c"): writable
+        # (a write stays in this process), so torch.from_numpy has no read-only warning to give.
+        arr = np.load(p, mmap_mode="c")
         if not arr.flags.c_contiguous:
             raise ValueError(f"PrefetchLoader: {p} is not C-contiguous (Fortran order); "
                              "re-save it with np.save(path, np.ascontiguousarray(a))")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # read-only mmap: we never write
-            arrays.append(torch.from_numpy(arr))
+        arrays.append(torch.from_numpy(arr))
     return arrays
 
 
