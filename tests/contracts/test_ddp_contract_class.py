@@ -136,3 +136,36 @@ def _internal_methods(rank: int, world_size: int) -> list[str]:
 
 def test_torch_ddp_internal_methods_raise_naming_themselves(ranks) -> None:
     assert ranks.run(_internal_methods, world_size=1) == [INTERNALS]
+
+
+def _public_attributes(rank: int, world_size: int) -> list[str]:
+    """Every public attribute torch DDP's constructor sets: the same value on a DDPWrapper
+    (buffers compared by identity with each model's own), or, for the ones that belong to
+    torch's C++ reducer and logger, an AttributeError that says so."""
+    ref, ours = _pair()
+    own = {"reducer", "logger", "bucket_bytes_cap_default", "bucket_bytes_cap_list"}
+    missing = []
+    for name in sorted(n for n in vars(ref) if not n.startswith("_")):
+        if name in own:
+            assert not hasattr(ours, name)
+            with pytest.raises(AttributeError, match=f"DDPWrapper has no '{name}': it belongs to torch"):
+                getattr(ours, name)
+            missing.append(name)
+            continue
+        theirs, mine = getattr(ref, name), getattr(ours, name)
+        if name == "modules_buffers":
+            assert [id(b) for b in theirs] == [id(b) for b in ref.module.buffers()]
+            assert [id(b) for b in mine] == [id(b) for b in ours.module.buffers()]
+        elif name == "named_module_buffers":
+            assert {k: id(b) for k, b in theirs.items()} == {k: id(b) for k, b in ref.module.named_buffers()}
+            assert {k: id(b) for k, b in mine.items()} == {k: id(b) for k, b in ours.module.named_buffers()}
+        elif name not in ("module", "process_group", "buffer_hook", "ddp"):  # objects of each model's own
+            assert theirs == mine, (name, theirs, mine)
+    with pytest.raises(AttributeError, match="'DDPWrapper' object has no attribute 'no_such_thing'"):
+        ours.no_such_thing  # noqa: B018  # any other name: nn.Module's error
+    return missing
+
+
+def test_torch_ddp_public_attributes(ranks) -> None:
+    assert set(ranks.run(_public_attributes, world_size=1)[0]) <= {
+        "reducer", "logger", "bucket_bytes_cap_default", "bucket_bytes_cap_list"}

@@ -15,27 +15,70 @@ attribute that a ``DDPWrapper`` does not have. What stays torch's: its ``train()
 from __future__ import annotations
 
 import inspect
+import os
 from typing import Any, Callable, NoReturn
 
+import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+# torch DDP's attributes that belong to its own C++ reducer and logger: no DDPWrapper has them
+TORCH_ONLY_ATTRIBUTES = ("reducer", "logger", "bucket_bytes_cap_default", "bucket_bytes_cap_list")
 
-class BufferSyncName:
-    """``broadcast_buffers``, torch DDP's older name of ``forward_sync_buffers``. torch's class
-    makes it a property over ``forward_sync_buffers`` from 2.13 on and an attribute before;
-    defined here, it is the same on every torch version."""
 
+class TorchAttributes:
+    """torch DDP's public attributes that code written for it reads, with torch's values and
+    meaning; the ones that belong to torch's own reducer and logger are an AttributeError that
+    says so (``hasattr`` is False for them, as for any missing attribute)."""
+
+    broadcast_bucket_size = 250 * 1024 * 1024  # torch DDP's constant (its init broadcast's bucket)
+    skip_all_reduce_unused_params = False  # True is refused at construction
     forward_sync_buffers: bool
+    module: nn.Module
+    parameters_to_ignore: Any
+    _module_buffers: list[torch.Tensor]
+    _reduced_params: list[nn.Parameter]
+
+    def _describe_as_torch_ddp(self, bucket_cap_mb: float) -> None:
+        """Set the descriptive attributes torch DDP's constructor sets."""
+        self.bucket_bytes_cap = int(bucket_cap_mb * 1024 * 1024)
+        self.is_multi_device_module = len({p.device for p in self._reduced_params}) > 1
+        self.device_type = self._reduced_params[0].device.type
+        self.device = self._reduced_params[0].device
+        self.mixed_precision = None
+        self.use_side_stream_for_tensor_copies = os.environ.get("PYTORCH_DDP_USE_SIDE_STREAM", "1") == "1"
 
     @property
     def broadcast_buffers(self) -> bool:
-        """Whether buffers are broadcast from rank 0 before a forward."""
+        """Whether buffers are broadcast from rank 0 before a forward: torch DDP's older name of
+        ``forward_sync_buffers`` (a property over it from torch 2.13 on, an attribute before;
+        defined here, it is the same on every torch version)."""
         return self.forward_sync_buffers
 
     @broadcast_buffers.setter
     def broadcast_buffers(self, value: bool) -> None:
         self.forward_sync_buffers = bool(value)
+
+    @property
+    def modules_buffers(self) -> list[torch.Tensor]:
+        """The module's buffers that are synced from rank 0 (all but the ignored), as torch's list."""
+        return list(self._module_buffers)
+
+    @property
+    def named_module_buffers(self) -> dict[str, torch.Tensor]:
+        """``modules_buffers`` by name."""
+        return {n: b for n, b in self.module.named_buffers() if n not in self.parameters_to_ignore}
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)  # type: ignore[misc]  # nn.Module's: parameters, buffers, submodules
+        except AttributeError:
+            if name in TORCH_ONLY_ATTRIBUTES:
+                raise AttributeError(
+                    f"DDPWrapper has no {name!r}: it belongs to torch DistributedDataParallel's own C++ "
+                    "reducer and logger, which DDPWrapper replaces (see DDPWrapper.bucket_report() for its "
+                    "buckets). Use torch.nn.parallel.DistributedDataParallel for code that needs it.") from None
+            raise
 
 
 def _refusal(name: str) -> Callable[..., NoReturn]:

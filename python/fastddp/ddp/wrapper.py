@@ -22,11 +22,11 @@ from .buckets import Buckets, bucket_limits_mb, default_first_bucket_mb
 from .comm_hooks import CommHooks
 from .inputs import OutputSink, TorchInputMethods, find_tensors, to_device
 from .join import UnevenInputs
-from .torch_class import BufferSyncName, refuse_torch_internals
+from .torch_class import TorchAttributes, refuse_torch_internals
 
 
 @refuse_torch_internals
-class DDPWrapper(Buckets, CommHooks, UnevenInputs, TorchInputMethods, BufferSyncName, DistributedDataParallel):
+class DDPWrapper(Buckets, CommHooks, UnevenInputs, TorchInputMethods, TorchAttributes, DistributedDataParallel):
     """Distributed data parallelism with the constructor and behaviour of
     :class:`torch.nn.parallel.DistributedDataParallel`.
 
@@ -209,12 +209,7 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, TorchInputMethods, BufferSync
         self._module_buffers = self._synced_buffers()  # broadcast from rank 0 before forwards
         self._buckets_rebuilt = False
         self._bucket_caps_mb = caps
-        # torch DDP's descriptive attributes, which code written for it reads
-        self.bucket_bytes_cap = int(bucket_cap_mb * 1024 * 1024)
-        self.is_multi_device_module = len({p.device for p in self._reduced_params}) > 1
-        self.device_type = self._reduced_params[0].device.type
-        self.device = self._reduced_params[0].device
-        self.mixed_precision = None
+        self._describe_as_torch_ddp(bucket_cap_mb)
         self._shm_requested = shm_allreduce
         self._comm_hook: Optional[Callable] = None
         self._python_hook: Optional[tuple[object, Callable]] = None  # (state, hook) run per bucket
