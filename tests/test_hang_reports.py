@@ -44,11 +44,11 @@ class Rank:
         return "\n".join(line for _, line in self.lines)
 
 
-def run_fault(tmp_path: Path, fault: str, shm: bool = True) -> tuple[Rank, Rank]:
+def run_fault(tmp_path: Path, fault: str, shm: bool = True, timeout_s: float = TIMEOUT_S) -> tuple[Rank, Rank]:
     env = {**os.environ, "FASTDDP_STALL_THRESHOLD_S": str(THRESHOLD_S), "PYTHONUNBUFFERED": "1"}
     init = tmp_path / "init"
-    ranks = [Rank([fault, str(r), "2", str(init), str(TIMEOUT_S), "1" if shm else "0"], env) for r in range(2)]
-    deadline = time.monotonic() + TIMEOUT_S + 40
+    ranks = [Rank([fault, str(r), "2", str(init), str(timeout_s), "1" if shm else "0"], env) for r in range(2)]
+    deadline = time.monotonic() + timeout_s + 40
     try:
         for r in ranks:
             r.proc.wait(timeout=max(1.0, deadline - time.monotonic()))
@@ -172,3 +172,16 @@ def test_rank_whose_script_ended_early_is_named_with_its_steps(tmp_path: Path, s
     assert ("rank 1: ended without an error after 3 reducing step(s) (its script returned or called exit; "
             "if the others still train, the ranks had uneven inputs: see DDPWrapper.join())") in out, out
 
+
+def test_rank_evaluating_alone_is_named_as_evaluating_and_training_goes_on(tmp_path: Path) -> None:
+    """Rank 1 evaluates on its own (forwards without gradients through the wrapper, as scripts
+    do on rank 0) for longer than the stall threshold, while rank 0 waits in its next
+    reduction: the report names the evaluation and says the wait is expected if it is on
+    purpose; then both ranks finish training."""
+    waiting, bad = run_fault(tmp_path, "evaluates_alone", timeout_s=30.0)
+    out = waiting.output
+    assert waiting.proc.returncode == 0 and bad.proc.returncode == 0, (out, bad.output)
+    assert "DONE" in out and "DONE" in bad.output
+    assert "rank 1: forward without gradients for" in out, out
+    assert "lagging: rank 1 (forward, " in out, out
+    assert "It runs forwards without gradients (an evaluation): if it evaluates alone on purpose" in out, out

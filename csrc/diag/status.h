@@ -30,9 +30,12 @@ constexpr bool waits_on_peers(Phase p) {
 
 std::string phase_name(Phase p);
 
+// Snapshot::detail of a kForward with gradients off (an evaluation): no reduction follows it.
+constexpr int64_t kForwardWithoutGradients = 1;
+
 struct Snapshot {
   Phase phase = Phase::kOutside;
-  int64_t detail = -1;       // bucket index for kAllreduce
+  int64_t detail = -1;       // bucket index for kAllreduce; kForwardWithoutGradients for kForward
   int64_t step = 0;          // reducing steps started: forwards with gradients on, outside no_sync()
   int64_t steps_done = 0;    // reducing steps whose reduction finished
   double seconds_in_phase = 0.0;

@@ -45,10 +45,13 @@ Answer parse(const std::string& s) {
   return a;
 }
 
+bool evaluating(const Answer& a) { return a.phase == Phase::kForward && a.detail == kForwardWithoutGradients; }
+
 std::string doing(const Answer& a) {
   std::ostringstream o;
   o << phase_name(a.phase);
   if (a.phase == Phase::kAllreduce) o << " of bucket " << a.detail;
+  if (evaluating(a)) o << " without gradients";
   o << " for " << std::fixed;
   o.precision(1);
   o << a.seconds << " s (reducing steps: " << a.step << " started, " << a.done << " finished)";
@@ -335,6 +338,7 @@ std::string Watchdog::collect_report(const std::string& headline) {
   std::ostringstream o;
   o << headline << "\n";
   std::string lagging, silent, gone;
+  bool all_evaluating = true;  // every lagging rank is in a forward without gradients
   for (int64_t r = 0; r < options_.world; ++r) {
     const Answer& a = answers[static_cast<size_t>(r)];
     o << "  rank " << r << ": ";
@@ -346,12 +350,19 @@ std::string Watchdog::collect_report(const std::string& headline) {
       continue;
     }
     o << doing(a) << "\n" << indent(a.stack, "      ") << "\n";
-    if (!waits_on_peers(a.phase) && r != options_.rank)  // this rank reports because it waits
+    if (!waits_on_peers(a.phase) && r != options_.rank) {  // this rank reports because it waits
       lagging += (lagging.empty() ? "" : "; ") + ("rank " + std::to_string(r) + " (" + phase_name(a.phase) + ", " +
                                                   first_line(a.stack) + ")");
+      all_evaluating = all_evaluating && evaluating(a);
+    }
   }
-  if (!lagging.empty())
+  if (!lagging.empty()) {
     o << "  lagging: " << lagging << ". The other ranks wait for it in fastddp.";
+    if (all_evaluating)
+      o << " It runs forwards without gradients (an evaluation): if it evaluates alone on purpose (on rank 0 "
+           "only, say), the wait ends when it returns to training; FASTDDP_STALL_THRESHOLD_S (or "
+           "DDPWrapper(stall_threshold_s=...)) sets how long a wait lasts before it is reported.";
+  }
   else if (!gone.empty())
     o << "  lagging: rank(s) " << gone << " ended (see above)"
       << (silent.empty() ? "" : "; rank(s) " + silent + " did not answer") << ".";

@@ -24,6 +24,10 @@ STEPS = 4
 STUCK_STEP = 2
 
 
+EVAL_FORWARDS = 10  # of EVAL_FORWARD_S each: 5 s, past the stall threshold of the tests
+EVAL_FORWARD_S = 0.5
+
+
 class Net(nn.Module):
     def __init__(self, stuck_in_forward: bool, norm: bool = False) -> None:
         super().__init__()
@@ -37,6 +41,8 @@ class Net(nn.Module):
         if self.stuck_in_forward and self.calls == STUCK_STEP:
             print("FAULT-START", flush=True)
             time.sleep(600)  # a stuck forward (e.g. waiting on a remote resource)
+        if not torch.is_grad_enabled():
+            time.sleep(EVAL_FORWARD_S)  # a slow evaluation forward (evaluate_alone)
         return self.b(torch.relu(self.norm(self.a(x))))
 
 
@@ -53,6 +59,19 @@ class Samples(Dataset):
             time.sleep(600)  # a stuck data source
         g = torch.Generator().manual_seed(i)
         return torch.randn(8, generator=g), torch.tensor(i % 2)
+
+
+def evaluate_alone(model: nn.Module, x: torch.Tensor) -> None:
+    """An evaluation on this rank only (as scripts do on rank 0), slow enough to be reported:
+    forwards without gradients through the wrapper while the other rank waits in its next
+    reduction."""
+    print("FAULT-START", flush=True)
+    model.eval()
+    with torch.no_grad():
+        for _ in range(EVAL_FORWARDS):
+            model(x)
+            time.sleep(0.001)  # between forwards: outside fastddp, briefly
+    model.train()
 
 
 def main() -> None:
@@ -76,6 +95,8 @@ def main() -> None:
         if bad and fault == "raises" and step == 1:
             print("FAULT-START", flush=True)
             raise ValueError("bad batch (simulated)")  # uncaught: the process ends here
+        if bad and fault == "evaluates_alone" and step == 1:
+            evaluate_alone(model, x)
         loss = nn.functional.cross_entropy(model(x), y)
         if bad and fault == "skips_backward" and step == 1:
             print("FAULT-START", flush=True)

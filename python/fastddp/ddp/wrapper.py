@@ -352,7 +352,7 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, TorchInputMethods, TorchAttri
             self._rebuild_buckets()
         if sync_buffers:
             self._sync_buffers_before_forward(buffers_from)
-        diag.enter(diag.Phase.FORWARD)
+        diag.enter(diag.Phase.FORWARD, -1 if grad_enabled else diag.FORWARD_WITHOUT_GRADIENTS)
         output = self.module(*inputs, **kwargs)
         self.require_forward_param_sync = grad_enabled and self.require_backward_grad_sync
         if grad_enabled:

@@ -27,6 +27,9 @@ class Phase(enum.IntEnum):
     REBUILD = 8
 
 
+FORWARD_WITHOUT_GRADIENTS = 1  # detail of a FORWARD with gradients off (csrc/diag/status.h)
+
+
 def enter(phase: Phase, detail: int = -1) -> None:
     """Record that this process is now in ``phase``."""
     C.diag_enter(int(phase), detail)
