@@ -276,6 +276,55 @@ def test_locked_attributes(attr: str) -> None:
             setattr(loader, attr, getattr(loader, attr))
 
 
+class _Repeating:
+    """Yields its batch sampler's passes one after another, without end."""
+
+    def __init__(self, batches: Any) -> None:
+        self.batches = batches
+
+    def __iter__(self):
+        while True:
+            yield from iter(self.batches)
+
+
+def _epochs_loader(base: type) -> type:
+    """A loader subclass that keeps one iterator over every epoch, by replacing its batch
+    sampler after construction through DataLoader's own lock flag (as timm's
+    MultiEpochsDataLoader does)."""
+
+    class EpochsLoader(base):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self._DataLoader__initialized = False
+            self.batch_sampler = _Repeating(self.batch_sampler)
+            self._DataLoader__initialized = True
+            self.iterator = super().__iter__()
+
+        def __len__(self) -> int:
+            return len(self.batch_sampler.batches)
+
+        def __iter__(self):
+            for _ in range(len(self)):
+                yield next(self.iterator)
+
+    return EpochsLoader
+
+
+def test_lock_flag_of_dataloader_unlocks_as_for_dataloader() -> None:
+    """DataLoader's lock on its attributes is its ``_DataLoader__initialized`` flag; subclasses
+    written for DataLoader clear it to replace the batch sampler: PrefetchLoader honours it."""
+    seen = []
+    for cls in (DataLoader, fastddp.PrefetchLoader):
+        torch.manual_seed(0)
+        loader = _epochs_loader(cls)(tensors(), batch_size=3, shuffle=True)
+        seen.append([[batch[1].tolist() for batch in loader] for _ in range(3)])
+        seen[-1].append(torch.random.get_rng_state())
+        with pytest.raises(ValueError, match="batch_sampler attribute should not be set after EpochsLoader"):
+            loader.batch_sampler = None
+    assert seen[0][:3] == seen[1][:3] and len(seen[0][0]) == -(-len(tensors()) // 3)
+    assert torch.equal(seen[0][3], seen[1][3])
+
+
 def test_settable_attributes_take_effect() -> None:
     def run(cls: type) -> list:
         loader = cls(Noisy(), batch_size=4, num_workers=2)

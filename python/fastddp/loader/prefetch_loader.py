@@ -149,7 +149,7 @@ class PrefetchLoader:
         self._iterator: Optional[LoaderIterator] = None
         self._direct: Optional[bool] = None
         self._slot_pool: Any = None  # C.SlotPool, made by the first native pass
-        self._initialized = True
+        self._DataLoader__initialized = True  # DataLoader's lock flag: subclasses of it clear it
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -162,7 +162,7 @@ class PrefetchLoader:
                                        DataLoader.multiprocessing_context.fset)
 
     def __setattr__(self, attr: str, value: Any) -> None:
-        if self.__dict__.get("_initialized") and attr in _LOCKED:
+        if self.__dict__.get("_DataLoader__initialized") and attr in _LOCKED:
             raise ValueError(f"{attr} attribute should not be set after {type(self).__name__} is initialized")
         super().__setattr__(attr, value)
 
