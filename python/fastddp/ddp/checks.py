@@ -155,17 +155,20 @@ def input_device(named: list[tuple[str, nn.Parameter]], device_ids: Any,
     ``output_device`` are refused where torch DDP refuses them (a CPU module, no
     ``device_ids``), with torch's truth-value test (``output_device=0`` alone passes)."""
     devices = {p.device for _, p in named}
+    # torch DDP's messages first (code written for it may match them), then the fix
     if device_ids is not None and len(device_ids) > 1:
-        raise ValueError(f"DDPWrapper: device_ids can only be None or contain a single element (one device "
-                         f"per process, as torch DDP), got {device_ids}")
+        raise ValueError(f"device_ids can only be None or contain a single element. (DDPWrapper: one device "
+                         f"per process, as torch DDP; got {device_ids})")
     if not device_ids or all(d.type == "cpu" for d in devices) or len(devices) > 1:
         if device_ids or output_device:
             want = _device_of(device_ids[0]) if device_ids else None
             move = (f"move the module with module.to({str(want)!r}) before wrapping it, or "
                     if want is not None and want.type != "cpu" and len(devices) == 1 else "")
-            raise ValueError(f"DDPWrapper: device_ids={device_ids} and output_device={output_device} only work "
-                             "with a module on one GPU (as torch DDP's), but the module's parameters are on "
-                             f"{sorted(map(str, devices))}; {move}leave both unset for a CPU module")
+            raise ValueError("DistributedDataParallel device_ids and output_device arguments only work with "
+                             "single-device/multiple-device GPU modules or CPU modules, but got device_ids "
+                             f"{device_ids}, output_device {output_device}, and module parameters {devices}. "
+                             f"(DDPWrapper: they need a module on one GPU; {move}leave both unset for a CPU "
+                             "module)")
         if len(devices) > 1 and any(d.type == "cuda" for d in devices):
             raise ValueError(f"DDPWrapper: module spans devices {sorted(map(str, devices))}; "
                              "multi-device modules need device_ids=None and are not supported")
