@@ -237,7 +237,7 @@ def _error_device(rank: int, world_size: int) -> None:
     """device_ids that do not match the module."""
     with pytest.raises(ValueError) as info:
         fastddp.DDPWrapper(mlp(), device_ids=[0])
-    assert "device_ids=[0]" in str(info.value) and "module.to('cuda:0')" in str(info.value), info.value
+    assert "but got device_ids [0]" in str(info.value) and "module.to('cuda:0')" in str(info.value), info.value
 
 
 def _error_sparse_grad(rank: int, world_size: int) -> None:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from torch import nn
 import fastddp
 from fastddp import diag
 from fastddp._ext import C
+from fastddp._net import free_port
 from fastddp.diag import stacks
 from fastddp.diag.watchdog import stall_threshold_s
 
@@ -187,3 +189,42 @@ def test_ranks_whose_store_host_was_killed_end_without_a_store_write() -> None:
         assert p.returncode == 0 and out.strip() == "done", (p.returncode, out, err)
         assert "sendBytes failed" not in err, err  # the exit note's write
         assert err.count("Exception raised from") <= 1, err
+
+
+_FORKED_CHILD_OF_A_RANK = """
+import os, sys, time
+from datetime import timedelta
+import torch, torch.distributed as dist
+import fastddp
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+store = dist.TCPStore("127.0.0.1", port, world_size=2, is_master=rank == 0, timeout=timedelta(seconds=60))
+dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=60))
+model = fastddp.DDPWrapper(torch.nn.Linear(4, 2))
+model(torch.randn(3, 4)).sum().backward()
+if rank == 1:
+    started = time.monotonic()
+    pid = os.fork()
+    if pid == 0:
+        sys.exit(0)  # a plain fork whose child ends normally: its atexit handlers run
+    status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    print(f"child: status {status} after {time.monotonic() - started:.1f} s", flush=True)
+dist.barrier()
+print("exit note of rank 1 posted:", store.check(["fastddp/diag/exit/1"]), flush=True)
+dist.barrier()
+"""
+
+
+def test_forked_child_of_a_rank_ends_at_once_and_posts_nothing() -> None:
+    """A child forked from a rank (a plain os.fork whose child returns, so its atexit handlers
+    run) is not that rank ending: it posts no exit note for the others' reports, and it ends at
+    once, without stopping or destroying the watchdog or the transport of the parent, whose
+    threads it does not have."""
+    port = str(free_port())
+    ranks = [subprocess.Popen([sys.executable, "-c", _FORKED_CHILD_OF_A_RANK, str(r), port],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(2)]
+    outs = [p.communicate(timeout=120)[0] for p in ranks]
+    assert [p.returncode for p in ranks] == [0, 0], outs
+    status, took = re.search(r"child: status (-?\d+) after ([\d.]+) s", outs[1]).groups()
+    assert status == "0" and float(took) < 5.0, outs[1]
+    assert "exit note of rank 1 posted: False" in outs[0], outs[0]

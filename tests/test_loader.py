@@ -13,6 +13,7 @@ from torch.utils.data import RandomSampler, SequentialSampler, TensorDataset
 from torch.utils.data.distributed import DistributedSampler as TorchSampler
 
 import fastddp
+from tests import forking
 from tests.loader_common import N, _check, _data, _expected, _IndexSampler, _MapDataset
 
 
@@ -400,3 +401,16 @@ def test_dataloader_arguments_keep_working() -> None:
 def test_collate_fn_needs_a_dataset() -> None:
     with pytest.raises(ValueError, match="collate_fn=<class 'list'> needs a map-style Dataset"):
         fastddp.PrefetchLoader((torch.zeros(4, 2),), batch_size=2, collate_fn=list)
+
+
+def test_forked_child_frees_a_pass_left_in_a_reference_cycle() -> None:
+    """A forked child (a DataLoader worker) collects the parent's garbage: a native pass left
+    in a reference cycle, whose gather threads wait on its condition variable in the parent,
+    is freed there without waiting for them (glibc's pthread_cond_destroy would, for ever)."""
+    with forking.garbage_kept_until_forked():
+        it = iter(fastddp.PrefetchLoader(TensorDataset(torch.randn(64, 4)), batch_size=4))
+        next(it)  # the threads fill the ring and wait for the consumer
+        cycle: dict[str, Any] = {"pass": it}
+        cycle["self"] = cycle
+        del it, cycle
+        assert forking.child_collects_within(30) == 0

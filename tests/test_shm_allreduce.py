@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -27,6 +28,7 @@ from torch import nn
 import fastddp
 from fastddp._ext import C
 from fastddp.train import lost_peer_message
+from tests import forking
 
 
 def _rank0_segments() -> list[str]:
@@ -83,6 +85,23 @@ class _Buffers(nn.Module):
 
     def forward(self, x):
         return self.lin(x) + self.stats.sum() + self.strided.sum()
+
+
+def _wrapper_collected_in_a_forked_child(rank: int, world_size: int) -> int | None:
+    with forking.garbage_kept_until_forked():
+        model = fastddp.DDPWrapper(nn.Linear(8, 8), shm_allreduce=True)
+        model(torch.ones(2, 8)).sum().backward()  # its comm thread now waits for work
+        cycle: dict[str, Any] = {"model": model}
+        cycle["self"] = cycle
+        del model, cycle
+        return forking.child_collects_within(30)
+
+
+def test_forked_child_frees_a_wrapper_left_in_a_reference_cycle(ranks) -> None:
+    """A forked child (a DataLoader worker) that collects a DDPWrapper left in a reference
+    cycle frees its shared-memory transport without joining the parent's comm thread or
+    destroying the condition variable that thread waits on (which would hang the child)."""
+    assert ranks.run(_wrapper_collected_in_a_forked_child, world_size=2) == [0, 0]
 
 
 def _buffers(rank: int, world_size: int) -> list:

@@ -4,6 +4,8 @@
 #include <c10/core/InferenceMode.h>
 #include <c10/util/Exception.h>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstring>
 
@@ -25,7 +27,7 @@ struct PrefetchPipeline::Slot {
 };
 
 PrefetchPipeline::PrefetchPipeline(std::vector<at::Tensor> sources, PipelineOptions options)
-    : sources_(std::move(sources)), options_(options) {
+    : sources_(std::move(sources)), options_(options), owner_pid_(getpid()) {
   TORCH_CHECK(!sources_.empty(), "PrefetchLoader: need at least one source tensor");
   TORCH_CHECK(options_.num_workers >= 1, "PrefetchLoader: num_workers must be >= 1, got ",
               options_.num_workers);
@@ -53,7 +55,7 @@ PrefetchPipeline::PrefetchPipeline(std::vector<at::Tensor> sources, PipelineOpti
 
 PrefetchPipeline::~PrefetchPipeline() {
   close();
-  if (!pooled()) return;
+  if (!pooled() || getpid() != owner_pid_) return;  // (the pool's mutex, too, is the parent's)
   std::vector<std::vector<at::Tensor>> ring;
   for (auto& slot : slots_) ring.push_back(std::move(slot->host));
   options_.pool->give(std::move(ring));
@@ -273,6 +275,11 @@ std::vector<at::Tensor> PrefetchPipeline::next() {
 }
 
 void PrefetchPipeline::close() {
+  if (getpid() != owner_pid_) {  // a forked child: the threads are the parent's
+    for (auto& t : workers_)
+      if (t.joinable()) t.detach();
+    return;
+  }
   std::lock_guard<std::mutex> threads_lock(threads_mutex_);
   closed_ = true;
   {

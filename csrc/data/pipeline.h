@@ -8,6 +8,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
+#include <sys/types.h>
 
 #include <condition_variable>
 #include <exception>
@@ -16,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/fork_safe.h"
 #include "data/device_stage.h"
 
 namespace fastddp::data {
@@ -73,12 +75,17 @@ class PrefetchPipeline {
   PipelineOptions options_;
   std::unique_ptr<DeviceStage> stage_;  // null when batches stay on the host
   std::vector<std::unique_ptr<Slot>> slots_;
+  // A forked child (a DataLoader worker that collects a pipeline left in a reference cycle)
+  // has none of the threads: it neither joins nor locks (close()), nor destroys cv_, which a
+  // parent thread may have been waiting on (common/fork_safe.h).
+  pid_t owner_pid_;
   std::mutex threads_mutex_;          // guards workers_ and closed_
   std::vector<std::thread> workers_;  // started by the first submit
   bool closed_ = false;
 
   mutable std::mutex mutex_;
-  std::condition_variable cv_;
+  ParentOnly<std::condition_variable> cv_owner_;
+  std::condition_variable& cv_ = *cv_owner_;
   std::vector<Span> batches_;  // submitted; an entry's tensor is dropped once a worker takes it
   bool finished_ = false;
   int64_t next_batch_ = 0;  // next batch number a worker takes

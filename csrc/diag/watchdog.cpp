@@ -110,7 +110,7 @@ std::string collective_failed(const std::string& headline) {
 }
 
 Watchdog::Watchdog(c10::intrusive_ptr<c10d::Store> store, WatchdogOptions options, StackFn stack)
-    : store_(std::move(store)), options_(options), stack_(std::move(stack)) {
+    : store_(std::move(store)), options_(options), stack_(std::move(stack)), owner_pid_(getpid()) {
   TORCH_CHECK(store_, "fastddp watchdog: needs a c10d store");
   TORCH_CHECK(options_.world >= 1 && options_.rank >= 0 && options_.rank < options_.world,
               "fastddp watchdog: rank ", options_.rank, " outside a world of ", options_.world);
@@ -137,6 +137,10 @@ void Watchdog::start() {
 Watchdog::~Watchdog() { stop(); }
 
 void Watchdog::stop() {
+  if (getpid() != owner_pid_) {  // a forked child: the thread is the parent's
+    if (thread_.joinable()) thread_.detach();
+    return;
+  }
   {
     std::lock_guard<std::mutex> lock(registry_mutex);
     auto current = registered.lock();

@@ -24,6 +24,7 @@
 #include <string>
 #include <thread>
 
+#include "common/fork_safe.h"
 #include "diag/status.h"
 
 namespace fastddp::diag {
@@ -100,7 +101,11 @@ class Watchdog : public std::enable_shared_from_this<Watchdog> {
   StackFn stack_;
 
   mutable std::mutex mutex_;
-  std::condition_variable cv_;
+  // A forked child has none of the threads: stop() leaves them, and cv_ is not destroyed there
+  // (its thread may have been waiting on it; common/fork_safe.h).
+  pid_t owner_pid_;
+  ParentOnly<std::condition_variable> cv_owner_;
+  std::condition_variable& cv_ = *cv_owner_;
   bool stop_ = false;
   bool finished_ = false;  // run() returned
   std::string last_report_;

@@ -191,11 +191,12 @@ void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs, bool 
     note_unused_locked(reached);
     // torch DDP's hint, on stderr as there (the binding runs without the GIL, so c10's default
     // handler prints it): the graph walk costs every iteration and found nothing to skip.
-    if (std::all_of(reached.begin(), reached.end(), [](char r) { return r != 0; }))
+    if (std::all_of(reached.begin(), reached.end(), [](char r) { return r != 0; })) {
       TORCH_WARN_ONCE("DDPWrapper: find_unused_parameters=True, but the forward used every parameter. The flag walks "
                       "the autograd graph from the outputs in every iteration; if no iteration leaves a parameter "
                       "unused, pass find_unused_parameters=False. (Iterations that take another branch later make "
                       "this a false alarm.)");
+    }
     for (int64_t i = 0; i < static_cast<int64_t>(params_.size()); ++i)
       if (!reached[i]) mark_unused_locked(i);
     launch_ready_buckets_locked();

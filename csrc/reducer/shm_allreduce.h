@@ -23,6 +23,7 @@
 // it fails at once.
 #pragma once
 
+#include "common/fork_safe.h"
 #include "reducer/fingerprint.h"
 
 #include <ATen/core/Tensor.h>
@@ -138,7 +139,8 @@ class ShmAllreduce {
   mutable std::chrono::steady_clock::duration spin_budget_;
 
   std::mutex mutex_;
-  std::condition_variable cv_;
+  ParentOnly<std::condition_variable> cv_owner_;  // a forked child leaves it (common/fork_safe.h)
+  std::condition_variable& cv_ = *cv_owner_;
   std::deque<Task> queue_;
   std::atomic<bool> stop_{false};
   std::string broken_;  // first failure; every later collective fails with it

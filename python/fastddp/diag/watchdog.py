@@ -32,6 +32,7 @@ class _Running:
     group: Any = None
     store: Any = None  # the watchdog's store, where this rank posts why it ended, for the others
     rank: Optional[int] = None
+    pid: Optional[int] = None  # the process that started it (a forked child is not that rank)
     posted = False  # the reason this rank ended is posted (an uncaught exception comes first)
     hooked = False  # sys.excepthook posts the exception and prints the latest report
 
@@ -92,6 +93,7 @@ def ensure_started(threshold_s: Optional[float] = None) -> Any:
     thread = threading.get_ident()  # the thread that trains: its stack goes into the reports
     _Running.watchdog = C.Watchdog(store, options, lambda: describe_thread(thread))
     _Running.group, _Running.store, _Running.rank = world, store, options.rank
+    _Running.pid = os.getpid()
     if not _Running.hooked:
         _report_after_uncaught_errors()
         _Running.hooked = True
@@ -119,8 +121,8 @@ def _post_exit_reason(line: str) -> None:
     ValueError: … at train.py:40 in step") instead of "no answer". Bounded: a store whose host
     is gone must not hold up the exit."""
     store, rank = _Running.store, _Running.rank
-    if store is None or rank is None or _Running.posted:
-        return
+    if store is None or rank is None or _Running.posted or _Running.pid != os.getpid():
+        return  # (a forked child that exits normally is not the rank ending)
     if _Running.watchdog is not None and _Running.watchdog.store_failed:
         return  # its host is gone (a killed torchrun agent): nobody is left to read it
     _Running.posted = True
@@ -148,6 +150,8 @@ def _set_quietly(store: Any, key: str, value: str) -> None:
 
 def stop() -> None:
     """Stop the watchdog (at exit, or when the default group it watched is gone)."""
+    if _Running.pid is not None and _Running.pid != os.getpid():
+        return  # a forked child: the watchdog is the parent's (its thread is not here)
     if _Running.watchdog is not None:
         _Running.watchdog.stop()
     _Running.watchdog = _Running.group = None
