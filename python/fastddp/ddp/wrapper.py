@@ -263,7 +263,7 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, TorchInputMethods, TorchAttri
 
     def _synced_buffers(self) -> list[torch.Tensor]:
         """The module's buffers that are broadcast from rank 0 (all but the ignored)."""
-        return [b for n, b in self.module.named_buffers() if n not in self.parameters_to_ignore]
+        return list(self.named_module_buffers.values())
 
     def will_sync_module_buffers(self) -> bool:
         """Whether the next forward syncs the module's buffers (torch DDP's rule: buffer sync
