@@ -272,6 +272,11 @@ def _ignored(rank: int, world_size: int) -> list[str]:
                 t.add_(0.1 * (rank + 1))
     fastddp.DDPWrapper._set_params_and_buffers_to_ignore_for_model(a, ignore)
     TorchDDP._set_params_and_buffers_to_ignore_for_model(b, ignore)
+    # torch marks the named tensors too (_ddp_ignored, read by Dynamo's DDPOptimizer and
+    # torch's _get_data_parallel_params)
+    marked = [[n for n, t in [*m.named_parameters(), *m.named_buffers()] if getattr(t, "_ddp_ignored", False)]
+              for m in (a, b)]
+    assert marked[0] == marked[1] and marked[0], marked
     ours, ref = fastddp.DDPWrapper(a), TorchDDP(b)
     assert ours.will_sync_module_buffers() == ref.will_sync_module_buffers() is True
     reduced = {n for b in ours.bucket_report()["buckets"] for n in b["params"]}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numbers
 import os
+import sys
 import warnings
 from typing import Any, Optional
 
@@ -34,6 +35,13 @@ def refuse_unsupported(delay_all_reduce_named_params: Any, param_to_hook_all_red
             "DDPWrapper: skip_all_reduce_unused_params=True is not supported; unused parameters are "
             "reduced as zero contributions (find_unused_parameters=True), or, with a fixed set of used "
             "parameters, static_graph=True skips the per-iteration search for them.")
+    dynamo = sys.modules.get("torch._dynamo")  # not imported: its settings are the defaults
+    if dynamo is not None and dynamo.utils.get_optimize_ddp_mode().startswith("python_reducer"):
+        raise NotImplementedError(
+            f"DDPWrapper: torch._dynamo.config.optimize_ddp={dynamo.config.optimize_ddp!r} (torch DDP's "
+            "Python reducer under compiled autograd) is not supported. Leave it at its default "
+            "('ddp_optimizer': torch.compile splits the module at the buckets and DDPWrapper's reducer "
+            "reduces them), or use torch's DistributedDataParallel for compiled autograd.")
 
 
 def bucket_cap(bucket_cap_mb: Any) -> float:

@@ -99,19 +99,11 @@ def to_device(obj: Any, device: torch.device) -> Any:
 
 
 class TorchInputMethods:
-    """torch DDP's (kept for compatibility) input and output methods, and its switch for
-    parameters to ignore; the wrapper provides ``device_type`` and ``dim``."""
+    """torch DDP's (kept for compatibility) input and output methods; the wrapper provides
+    ``device_type`` and ``dim``."""
 
     device_type: str
     dim: int
-
-    @staticmethod
-    def _set_params_and_buffers_to_ignore_for_model(module: torch.nn.Module,
-                                                    params_and_buffers_to_ignore: Any) -> None:
-        """torch DDP's (private, widely used) switch: the named parameters and buffers of
-        ``module`` (fully qualified names) are neither reduced nor broadcast; call it before
-        wrapping. Works for both wrappers, as both read the same attribute."""
-        module._ddp_params_and_buffers_to_ignore = params_and_buffers_to_ignore
 
     def to_kwargs(self, inputs: tuple, kwargs: Optional[dict], device_id: int) -> tuple[tuple, tuple]:
         """``((inputs,), (kwargs,))`` with their tensors on device ``device_id`` of the

@@ -39,6 +39,11 @@ class TorchAttributes:
     _module_buffers: list[torch.Tensor]
     _reduced_params: list[nn.Parameter]
 
+    # Dynamo's DDPOptimizer asks torch's class which DDP module runs a forward
+    # (DistributedDataParallel._get_active_ddp_module()); torch DDP's own context manager sets
+    # it, so a compiled module inside a DDPWrapper is split into buckets as inside torch DDP.
+    _inside_ddp_forward = DistributedDataParallel._inside_ddp_forward
+
     def _describe_as_torch_ddp(self, bucket_cap_mb: float) -> None:
         """Set the descriptive attributes torch DDP's constructor sets."""
         self.bucket_bytes_cap = int(bucket_cap_mb * 1024 * 1024)

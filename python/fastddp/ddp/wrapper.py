@@ -18,15 +18,17 @@ from torch.nn.parallel import DistributedDataParallel
 from .. import diag
 from . import checks, rank_check, sparse
 from .broadcast import broadcast_coalesced
-from .buckets import Buckets, bucket_limits_mb, default_first_bucket_mb
+from .buckets import Buckets, bucket_limits_mb
 from .comm_hooks import CommHooks
 from .inputs import OutputSink, TorchInputMethods, find_tensors, to_device
 from .join import UnevenInputs
+from .pickling import Pickling
 from .torch_class import TorchAttributes, refuse_torch_internals
 
 
 @refuse_torch_internals
-class DDPWrapper(Buckets, CommHooks, UnevenInputs, TorchInputMethods, TorchAttributes, DistributedDataParallel):
+class DDPWrapper(Buckets, CommHooks, UnevenInputs, Pickling, TorchInputMethods, TorchAttributes,
+                 DistributedDataParallel):
     """Distributed data parallelism with the constructor and behaviour of
     :class:`torch.nn.parallel.DistributedDataParallel`.
 
@@ -284,45 +286,23 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, TorchInputMethods, TorchAttri
         with diag.phase(diag.Phase.BROADCAST):
             broadcast_coalesced(tensors, self.process_group, src)
 
-    # ------------------------------------------------------------------ pickling / deepcopy
-    def __getstate__(self) -> dict[str, Any]:
-        """``copy.deepcopy(model)`` and ``torch.save(model)`` as with torch DDP: everything but
-        the process group and the C++ reducer, which the copy rebuilds. Like torch, only for a
-        wrapper on the default process group."""
-        if not dist.is_initialized():  # torch DDP's type: its look-up of the default group raises
-            raise ValueError("DDPWrapper: pickling or deep-copying needs the default process group, and none is "
-                             "initialised (this wrapper was built on process_group=). Copy or save ddp.module "
-                             "(or its state_dict()) instead.")
-        if self.process_group is not dist.group.WORLD:
-            raise RuntimeError("DDPWrapper: pickling or deep-copying is supported only for a wrapper on the "
-                               "default process group (as with torch DDP); this one was built with "
-                               "process_group= or device_mesh=. Copy or save ddp.module (or its state_dict()) "
-                               "instead.")
-        state = dict(self.__dict__)
-        for name in ("process_group", "_reducer", "_sparse", "device_mesh", "_bucket_visitors"):
-            state.pop(name, None)
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError("DDPWrapper: unpickling a wrapper needs the default process group; call "
-                               "torch.distributed.init_process_group(...) before torch.load / deepcopy.")
-        if "forward_sync_buffers" not in state:  # pickled by a fastddp that stored the old name
-            state["forward_sync_buffers"] = state.pop("broadcast_buffers", True)
-        state.setdefault("_first_bucket_mb", default_first_bucket_mb())  # pickled before the setting existed
-        nn.Module.__setstate__(self, state)
-        self.process_group = dist.group.WORLD
-        self.world_size = dist.get_world_size()
-        self.rank = dist.get_rank()
-        # A copy is often made on one rank only (an EMA or evaluation model): its reducer must
-        # not negotiate shared memory, a collective the other ranks would never join.
-        self._shm_requested = None
-        self._is_copy = True
-        self._bucket_visitors = []  # the copy's consumers register their own
-        self._build_reducer()
-
     # ------------------------------------------------------------------ forward / no_sync
+    @torch.compiler.disable(recursive=False)
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        """The module's forward, with the collectives torch DDP runs around it. Under
+        ``torch.compile`` (of the wrapper, or of the module inside it) only the module is
+        compiled, as with torch DDP: the wrapper's own steps run eagerly, and the module runs
+        inside torch DDP's ``_inside_ddp_forward()``, so Dynamo's DDPOptimizer splits its graph
+        at ``bucket_bytes_cap`` and buckets are reduced while the compiled backward runs."""
+        inputs, kwargs, grad_enabled = self._before_module(inputs, kwargs)
+        with self._inside_ddp_forward():
+            output = self.module(*inputs, **kwargs)
+        return self._after_module(output, grad_enabled)
+
+    @torch.compiler.disable
+    def _before_module(self, inputs: tuple, kwargs: dict) -> tuple[tuple, dict, bool]:
+        """Inputs to the device; the last reduction finished; the bucket rebuild, join()'s
+        agreement and the buffer sync, in torch DDP's order."""
         if self._input_device is not None:
             inputs, kwargs = to_device(inputs, self._input_device), to_device(kwargs, self._input_device)
         self._reducer.finish_unfinished_reduction()  # before this forward's collectives
@@ -353,7 +333,11 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, TorchInputMethods, TorchAttri
         if sync_buffers:
             self._sync_buffers_before_forward(buffers_from)
         diag.enter(diag.Phase.FORWARD, -1 if grad_enabled else diag.FORWARD_WITHOUT_GRADIENTS)
-        output = self.module(*inputs, **kwargs)
+        return inputs, kwargs, grad_enabled
+
+    @torch.compiler.disable
+    def _after_module(self, output: Any, grad_enabled: bool) -> Any:
+        """Arm the reducer for this forward's backward; the outputs as torch DDP returns them."""
         self.require_forward_param_sync = grad_enabled and self.require_backward_grad_sync
         if grad_enabled:
             sync = self.require_backward_grad_sync

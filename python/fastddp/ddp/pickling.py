@@ -1,0 +1,58 @@
+"""DDPWrapper's pickling: ``copy.deepcopy(model)`` and ``torch.save(model)`` work as with torch
+DDP (default process group only). The copy keeps the module and the settings and rebuilds its
+reducer without any collective, on the process group's transport, so that a copy made on one
+rank (an EMA or evaluation model) cannot hang the others."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch.distributed as dist
+from torch import nn
+
+from .buckets import default_first_bucket_mb
+
+
+class Pickling:
+    """``__getstate__``/``__setstate__`` of the wrapper; it provides ``_build_reducer``."""
+
+    process_group: Any
+    world_size: int
+    rank: int
+    _build_reducer: Callable[[], None]
+
+    def __getstate__(self) -> dict[str, Any]:
+        """``copy.deepcopy(model)`` and ``torch.save(model)`` as with torch DDP: everything but
+        the process group and the C++ reducer, which the copy rebuilds. Like torch, only for a
+        wrapper on the default process group."""
+        if not dist.is_initialized():  # torch DDP's type: its look-up of the default group raises
+            raise ValueError("DDPWrapper: pickling or deep-copying needs the default process group, and none is "
+                             "initialised (this wrapper was built on process_group=). Copy or save ddp.module "
+                             "(or its state_dict()) instead.")
+        if self.process_group is not dist.group.WORLD:
+            raise RuntimeError("DDPWrapper: pickling or deep-copying is supported only for a wrapper on the "
+                               "default process group (as with torch DDP); this one was built with "
+                               "process_group= or device_mesh=. Copy or save ddp.module (or its state_dict()) "
+                               "instead.")
+        state = dict(self.__dict__)
+        for name in ("process_group", "_reducer", "_sparse", "device_mesh", "_bucket_visitors"):
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("DDPWrapper: unpickling a wrapper needs the default process group; call "
+                               "torch.distributed.init_process_group(...) before torch.load / deepcopy.")
+        if "forward_sync_buffers" not in state:  # pickled by a fastddp that stored the old name
+            state["forward_sync_buffers"] = state.pop("broadcast_buffers", True)
+        state.setdefault("_first_bucket_mb", default_first_bucket_mb())  # pickled before the setting existed
+        nn.Module.__setstate__(self, state)
+        self.process_group = dist.group.WORLD
+        self.world_size = dist.get_world_size()
+        self.rank = dist.get_rank()
+        # A copy is often made on one rank only (an EMA or evaluation model): its reducer must
+        # not negotiate shared memory, a collective the other ranks would never join.
+        self._shm_requested = None
+        self._is_copy = True
+        self._bucket_visitors = []  # the copy's consumers register their own
+        self._build_reducer()
