@@ -9,6 +9,7 @@ from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
+from torch.utils.data.distributed import DistributedSampler as TorchDistributedSampler
 
 from ._ext import C
 
@@ -43,8 +44,11 @@ def _world(what: str) -> int:
                          f"num_replicas= and rank= explicitly ({what} was not given).") from exc
 
 
-class DistributedSampler(torch.utils.data.Sampler[int]):
-    """Drop-in for :class:`torch.utils.data.distributed.DistributedSampler`.
+class DistributedSampler(TorchDistributedSampler):
+    """Drop-in for :class:`torch.utils.data.distributed.DistributedSampler`, and a subclass of
+    it: code that branches on ``isinstance(sampler, DistributedSampler)`` (Lightning's and
+    accelerate's "is the data already split across ranks?") takes torch's branch. Every method
+    of torch's class is defined here (torch's constructor does not run).
 
     For every (length, num_replicas, rank, shuffle, seed, epoch, drop_last) it yields exactly
     the indices torch's sampler yields, but builds them in C++ as an int64 tensor: no Python

@@ -257,6 +257,15 @@ def test_is_a_torch_sampler() -> None:
     _side_by_side(lambda cls: isinstance(cls(range(3), num_replicas=1, rank=0), torch.utils.data.Sampler))
 
 
+def test_is_torchs_distributed_sampler_to_code_that_asks() -> None:
+    """Lightning and accelerate ask isinstance(sampler, DistributedSampler) to learn whether the
+    data is split across ranks already; answered False, they split it a second time. And none
+    of torch's methods runs on ours: each is defined by fastddp's class."""
+    _side_by_side(lambda cls: isinstance(cls(range(3), num_replicas=1, rank=0), TorchSampler))
+    torch_methods = {n for n, v in vars(TorchSampler).items() if callable(v) and not n.startswith("__class")}
+    assert torch_methods and all(n in vars(fastddp.DistributedSampler) for n in torch_methods), torch_methods
+
+
 @pytest.mark.parametrize(("shuffle", "drop_last"), [(1, 0), ("yes", None), (None, "no"), (0.0, 2)])
 def test_flags_kept_as_given(shuffle, drop_last) -> None:
     # torch keeps shuffle and drop_last as passed and acts on their truth value
