@@ -2,14 +2,11 @@
 
 #include "common/checks.h"
 #include "diag/status.h"
-#include "diag/watchdog.h"
 
 #include "reducer/layout.h"
 
 #include <ATen/ops/_foreach_copy.h>
-#include <ATen/ops/empty.h>
 #include <ATen/ops/mul.h>
-#include <ATen/ops/zeros.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 
@@ -192,10 +189,13 @@ void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs, bool 
     // torch DDP's hint, on stderr as there (the binding runs without the GIL, so c10's default
     // handler prints it): the graph walk costs every iteration and found nothing to skip.
     if (std::all_of(reached.begin(), reached.end(), [](char r) { return r != 0; })) {
-      TORCH_WARN_ONCE("DDPWrapper: find_unused_parameters=True, but the forward used every parameter. The flag walks "
-                      "the autograd graph from the outputs in every iteration; if no iteration leaves a parameter "
-                      "unused, pass find_unused_parameters=False. (Iterations that take another branch later make "
-                      "this a false alarm.)");
+      // torch's words exactly (its double space included): logs are searched for them
+      TORCH_WARN_ONCE("find_unused_parameters=True was specified in DDP constructor, but did not find any unused "
+                      "parameters in the forward pass. This flag results in an extra traversal of the autograd graph "
+                      "every iteration,  which can adversely affect performance. If your model indeed never has any "
+                      "unused parameters in the forward pass, consider turning this flag off. Note that this warning "
+                      "may be a false positive if your model has flow control causing later iterations to have "
+                      "unused parameters.");
     }
     for (int64_t i = 0; i < static_cast<int64_t>(params_.size()); ++i)
       if (!reached[i]) mark_unused_locked(i);
@@ -388,99 +388,6 @@ void Reducer::queue_finalize_locked() {
   });
 }
 
-void Reducer::launch_ready_buckets_locked() {
-  // Buckets launch strictly in index order, so every rank issues the same collectives in the
-  // same sequence whatever order its gradients arrive in.
-  while (next_launch_ < static_cast<int64_t>(buckets_.size()) && buckets_[next_launch_].pending == 0) {
-    const int64_t index = next_launch_++;
-    auto& bucket = buckets_[index];
-    flush_deferred_locked(bucket);
-    if (bucket.comm.defined()) {
-      // torch's fp16/bf16 compression hooks: cast, then divide in the wire dtype.
-      bucket.comm.copy_(bucket.buffer);
-      if (inv_world_ != 1.0) bucket.comm.div_(static_cast<double>(process_group_->getSize()));
-    }
-    bucket.launched = std::chrono::steady_clock::now();
-    if (comm_hook_) {
-      // torch DDP runs a registered hook in a world of one too (it may do more than a sum).
-      bucket.hook_future = run_comm_hook_locked(index);
-      continue;
-    }
-    if (process_group_->getSize() == 1) {
-      // The sum over one rank is the bucket itself: no collective (its host-side launch costs
-      // tens of microseconds per bucket on a GPU, more than the rest of the reducer's work).
-      bucket.work.reset();
-      continue;
-    }
-    bucket.squares_in_work = bucket.shm && visitors_want_squares_locked();
-    if (fingerprint_ && index + 1 == static_cast<int64_t>(buckets_.size())) {
-      ++fp_collectives_;
-      bucket.work = launch_last_bucket_locked(bucket, bucket.squares_in_work, next_fingerprint_locked());
-      continue;
-    }
-    if (fingerprint_) ++fp_collectives_;
-    bucket.work = allreduce_wire_locked(bucket, bucket.squares_in_work);
-  }
-}
-
-c10::intrusive_ptr<c10d::Work> Reducer::allreduce_wire_locked(Bucket& bucket, bool squares,
-                                                              const Fingerprint* fingerprint) {
-  at::Tensor wire = bucket.comm.defined() ? bucket.comm : bucket.wire.defined() ? bucket.wire : bucket.buffer;
-  if (bucket.shm) return shm_->allreduce_sum(wire, bucket.comm.defined() ? 1.0 : inv_world_, squares, fingerprint);
-  c10d::AllreduceOptions opts;
-  opts.reduceOp = reduce_avg_locked() ? c10d::ReduceOp::AVG : c10d::ReduceOp::SUM;
-  std::vector<at::Tensor> tensors{wire};
-  return process_group_->allreduce(tensors, opts);
-}
-
-c10::intrusive_ptr<c10::ivalue::Future> Reducer::run_comm_hook_locked(int64_t index) {
-  const auto& bucket = buckets_[index];
-  const size_t count = bucket.params.size();
-  std::vector<size_t> offsets;
-  std::vector<size_t> lengths;
-  std::vector<c10::IntArrayRef> sizes;  // point into the parameters, which outlive the bucket
-  std::vector<at::Tensor> params;
-  offsets.reserve(count);
-  lengths.reserve(count);
-  sizes.reserve(count);
-  params.reserve(count);
-  for (size_t k = 0; k < count; ++k) {
-    const auto& p = params_[bucket.params[k]];
-    offsets.push_back(static_cast<size_t>(bucket.offsets[k]));
-    lengths.push_back(static_cast<size_t>(p.numel()));
-    sizes.push_back(p.sizes());
-    params.push_back(p);
-  }
-  c10d::GradBucket grad_bucket(static_cast<size_t>(index), buckets_.size(), bucket.buffer, std::move(offsets),
-                               std::move(lengths), std::move(sizes), std::move(params), std::nullopt);
-  auto future = comm_hook_->runHook(grad_bucket);
-  TORCH_CHECK(future, "DDPWrapper: the communication hook returned no Future for bucket ", index);
-  return future;
-}
-
-void Reducer::take_comm_hook_result_locked(int64_t index) {
-  auto& bucket = buckets_[index];
-  bucket.hook_future->wait();  // rethrows the hook's error, if its Future holds one
-  const at::Tensor result = comm_hook_->parseHookResult(bucket.hook_future->value());
-  bucket.hook_future.reset();
-  TORCH_CHECK(result.defined() && result.numel() == bucket.buffer.numel(), "DDPWrapper: the communication hook's "
-              "Future for bucket ", index, " holds ", result.defined() ? std::to_string(result.numel()) : "no",
-              " elements, but the bucket has ", bucket.buffer.numel(), "; its value must be the reduced "
-              "bucket.buffer() (a flat tensor of the same size)");
-  if (!result.is_same(bucket.buffer)) bucket.buffer.copy_(result.reshape({-1}));
-}
-
-at::Tensor Reducer::allreduce_used_locked(const std::vector<char>& used_here) {
-  auto used = at::empty({static_cast<int64_t>(used_here.size())}, at::TensorOptions().dtype(at::kInt));
-  auto* u = used.data_ptr<int32_t>();
-  for (size_t i = 0; i < used_here.size(); ++i) u[i] = used_here[i];
-  if (process_group_->getSize() == 1) return used;
-  auto used_dev = used.to(buckets_.empty() ? at::Device(at::kCPU) : buckets_[0].buffer.device());
-  std::vector<at::Tensor> t{used_dev};
-  process_group_->allreduce(t)->wait();
-  return used_dev.cpu();
-}
-
 void Reducer::flush_deferred_locked(Bucket& bucket) {
   if (bucket.deferred.empty()) return;
   std::vector<at::Tensor> views;
@@ -502,15 +409,6 @@ void Reducer::flush_deferred_locked(Bucket& bucket) {
     }
   }
   bucket.deferred.clear();
-}
-
-void Reducer::fail_collective(const std::string& what, const std::exception& error) const {
-  std::string message = "DDPWrapper: " + what + " failed on rank " + std::to_string(process_group_->getRank()) +
-                        ": " + error_message(error);
-  // The same headline as fastddp.diag.phase's, which recognises a reported error by it.
-  const std::string report = diag::collective_failed("What every rank was doing when it failed:");
-  if (!report.empty()) message += "\n" + report;
-  C10_THROW_ERROR(DistBackendError, message);
 }
 
 void Reducer::set_reduction_scale(double scale) {

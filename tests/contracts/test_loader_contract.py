@@ -5,6 +5,7 @@ generators' states must be the same."""
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from typing import Any, Callable
 
@@ -323,6 +324,25 @@ def test_lock_flag_of_dataloader_unlocks_as_for_dataloader() -> None:
             loader.batch_sampler = None
     assert seen[0][:3] == seen[1][:3] and len(seen[0][0]) == -(-len(tensors()) // 3)
     assert torch.equal(seen[0][3], seen[1][3])
+
+
+def test_is_a_dataloader_to_code_that_asks() -> None:
+    """Lightning skips its iter() probe of a DataLoader (which draws a base seed from the global
+    generator) and injects its DistributedSampler only into one: PrefetchLoader is a DataLoader
+    subclass. DataLoader's methods that it does not define are the ones that only read the
+    attributes both set (the lock, the worker-count check); its _get_iterator, which code
+    built on DataLoader calls for a new iterator, gives PrefetchLoader's iterator."""
+    loader = fastddp.PrefetchLoader(tensors(), batch_size=3)
+    assert isinstance(loader, DataLoader)
+    inherited = {name for name, value in vars(DataLoader).items()
+                 if inspect.isfunction(value) and name not in vars(fastddp.PrefetchLoader)}
+    assert inherited == {"__setattr__", "check_worker_number_rationality"}, inherited
+    seen = []
+    for cls in (DataLoader, fastddp.PrefetchLoader):
+        torch.manual_seed(0)
+        it = cls(tensors(), batch_size=3, shuffle=True)._get_iterator()
+        seen.append(([b[1].tolist() for b in it], torch.random.get_rng_state()))
+    assert seen[0][0] == seen[1][0] and torch.equal(seen[0][1], seen[1][1])
 
 
 def test_settable_attributes_take_effect() -> None:

@@ -17,6 +17,7 @@ from .._ext import C
 from .checks import env_flag
 from .comm_hooks import hook_name
 from .fingerprint import fingerprint_setting
+from .logging_data import bucket_bytes, logging_data
 from .sparse import SparseGradients
 
 _MIB = 1024 * 1024
@@ -150,9 +151,17 @@ class Buckets:
         """Once, after the reduced backward whose arrival order the reducer kept (torch DDP's
         rule, layout.h): the reducer re-buckets in that order (group rank 0's, so every rank
         issues the same collectives)."""
-        self._buckets_rebuilt = True
+        self._has_rebuilt_buckets = True
+        # torch DDP's logger keeps the sizes before the rebuild and the order it followed
+        self._before_rebuild = (bucket_bytes(self._params, self._reducer.bucket_indices()),
+                                list(self._reducer.arrival_order()))
         with diag.phase(diag.Phase.REBUILD):
             self._reducer.rebuild_buckets_in_arrival_order()
+
+    def _get_ddp_logging_data(self) -> dict[str, Any]:
+        """torch DDP's dict of its configuration and bucket layout (see logging_data.py)."""
+        return logging_data(self, self._params, self._reducer.bucket_indices(),
+                            self._before_rebuild if self._has_rebuilt_buckets else None)
 
     @property
     def transport(self) -> str:

@@ -10,7 +10,10 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+import torch.nn.parallel.distributed as torch_ddp_module
+from torch.nn.parallel import DistributedDataParallel
 
+from .._torch_warnings import source_line, warn_at
 from . import sparse
 
 
@@ -126,14 +129,21 @@ class CommHooks:
         self._replace_reducer()
         self._warn_static_graph_finds_unused()
 
-    def _warn_static_graph_finds_unused(self) -> None:
-        """torch DDP's warning (word for word) when static_graph joins find_unused_parameters."""
-        if self.find_unused_parameters:
-            warnings.warn(
-                "You passed find_unused_parameters=true to DistributedDataParallel, `_set_static_graph` will "
-                "detect unused parameters automatically, so you do not need to set find_unused_parameters=true, "
-                "just be sure these unused parameters will not change during training loop while calling "
-                "`_set_static_graph`.", stacklevel=3)
+    def _warn_static_graph_finds_unused(self, at_construction: bool = False) -> None:
+        """torch DDP's warning (word for word) when static_graph joins find_unused_parameters:
+        from the constructor, at torch's line that calls its ``_set_static_graph()``; from a
+        script's own ``_set_static_graph()`` call, at the script's line (torch's stacklevel)."""
+        if not self.find_unused_parameters:
+            return
+        message = ("You passed find_unused_parameters=true to DistributedDataParallel, `_set_static_graph` will "
+                   "detect unused parameters automatically, so you do not need to set find_unused_parameters=true, "
+                   "just be sure these unused parameters will not change during training loop while calling "
+                   "`_set_static_graph`.")
+        if at_construction:
+            warn_at(torch_ddp_module, source_line(DistributedDataParallel.__init__, "self._set_static_graph()"),
+                    message, stacklevel=3)
+        else:
+            warnings.warn(message, stacklevel=3)
 
     def _register_python_hook(self, state: object, hook: Callable, name: str) -> None:
         """A hook the reducer calls per bucket through torch's Python hook adapter."""

@@ -209,7 +209,7 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, Pickling, TorchInputMethods, 
                     named, self.process_group, self.world_size, shared, (bucket_cap_mb, first_bucket_mb))
                 self._sync_module_states(init_sync_buffers)
         self._module_buffers = self._synced_buffers()  # broadcast from rank 0 before forwards
-        self._buckets_rebuilt = False
+        self._has_rebuilt_buckets = False
         self._bucket_caps_mb = caps
         self._describe_as_torch_ddp(bucket_cap_mb)
         self._shm_requested = shm_allreduce
@@ -221,7 +221,7 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, Pickling, TorchInputMethods, 
         with diag.phase(diag.Phase.SETUP):  # the shared-memory handshake is a collective
             self._build_reducer()
         if self.static_graph:
-            self._warn_static_graph_finds_unused()
+            self._warn_static_graph_finds_unused(at_construction=True)
 
     def _select_parameters(self, module: nn.Module, device_ids: Any, static_graph: bool,
                            comm_dtype: Optional[torch.dtype]) -> list[tuple[str, nn.Parameter]]:
@@ -311,7 +311,7 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, Pickling, TorchInputMethods, 
             diag.step_started()
         # torch DDP rebuilds the buckets once, before the first forward after a reduced backward
         # (with static_graph after the second; never under find_unused_parameters alone)
-        rebuild = (grad_enabled and not self._buckets_rebuilt and self.require_backward_grad_sync
+        rebuild = (grad_enabled and not self._has_rebuilt_buckets and self.require_backward_grad_sync
                    and bool(self._reducer.arrival_order()))
         buffers_from = 0
         sync_buffers = self._syncs_buffers() and self.require_forward_param_sync

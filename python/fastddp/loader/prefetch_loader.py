@@ -32,12 +32,12 @@ from .sources import classify
 _DATALOADER_ATTRS = ("num_workers", "prefetch_factor", "pin_memory", "pin_memory_device", "timeout",
                      "worker_init_fn", "multiprocessing_context", "in_order", "batch_size", "drop_last",
                      "sampler", "batch_sampler", "generator", "collate_fn", "persistent_workers")
-# Set once, as DataLoader's: a new value would not match the batches already planned.
-_LOCKED = ("batch_size", "batch_sampler", "sampler", "drop_last", "dataset", "persistent_workers")
 
 
-class PrefetchLoader:
-    """Drop-in for :class:`torch.utils.data.DataLoader`; ``device=`` delivers batches there.
+class PrefetchLoader(DataLoader):
+    """Drop-in for :class:`torch.utils.data.DataLoader`, and a subclass of it (code that asks
+    ``isinstance(loader, DataLoader)`` takes DataLoader's branch: Lightning injects its
+    DistributedSampler and probes nothing); ``device=`` delivers batches there.
 
     Every DataLoader argument means what it means to DataLoader, with the same defaults, the
     same errors and the same draws from the global (or the given) generator: each iterator
@@ -156,15 +156,10 @@ class PrefetchLoader:
         state["_slot_pool"] = None  # staging memory, not state: a copy allocates its own
         return state
 
-    # DataLoader's own property: an assignment is checked against num_workers and a start
-    # method's name becomes its context, with DataLoader's code and exceptions
-    multiprocessing_context = property(DataLoader.multiprocessing_context.fget,
-                                       DataLoader.multiprocessing_context.fset)
-
-    def __setattr__(self, attr: str, value: Any) -> None:
-        if self.__dict__.get("_DataLoader__initialized") and attr in _LOCKED:
-            raise ValueError(f"{attr} attribute should not be set after {type(self).__name__} is initialized")
-        super().__setattr__(attr, value)
+    # DataLoader's own code, inherited: the lock of the attributes that shape the batches
+    # (__setattr__, on the flag _DataLoader__initialized), the multiprocessing_context property
+    # (checked against num_workers), check_worker_number_rationality, _auto_collation and
+    # _index_sampler. DataLoader's constructor does not run: __init__ sets what they read.
 
     # ------------------------------------------------------------------ what a pass does
     def _native(self) -> bool:
@@ -234,7 +229,8 @@ class PrefetchLoader:
         if pass_.direct is not None:
             self._direct = pass_.direct
 
-    def _new_iterator(self) -> LoaderIterator:
+    def _get_iterator(self) -> LoaderIterator:
+        """A new iterator (DataLoader's name: its ``__iter__`` and code built on it call this)."""
         native = self._native()
         if native:
             if self.num_workers != 0:  # DataLoader checks it whenever it makes a worker iterator
@@ -260,15 +256,11 @@ class PrefetchLoader:
     def __iter__(self) -> Iterator[Any]:
         if self.persistent_workers and self.num_workers > 0:  # one iterator, reset per pass
             if self._iterator is None:
-                self._iterator = self._new_iterator()
+                self._iterator = self._get_iterator()
             else:
                 self._iterator.reset()
             return self._iterator
-        return self._new_iterator()
-
-    def check_worker_number_rationality(self) -> None:
-        """DataLoader's own check: a warning when ``num_workers`` exceeds the usable CPUs."""
-        DataLoader.check_worker_number_rationality(self)  # type: ignore[arg-type]
+        return self._get_iterator()
 
     def __len__(self) -> int:
         if self._src.kind == "iterable":  # DataLoader's rule: the stream's len(), in batches
@@ -277,16 +269,6 @@ class PrefetchLoader:
                 length = length // self.batch_size if self.drop_last else -(-length // self.batch_size)
             return length
         return len(self._index_sampler)
-
-    @property
-    def _auto_collation(self) -> bool:
-        """DataLoader's name: whether samples are collated into batches (a batch sampler exists)."""
-        return self.batch_sampler is not None
-
-    @property
-    def _index_sampler(self) -> Any:
-        """DataLoader's name: the sampler each step reads (the batch sampler when batching)."""
-        return self.batch_sampler if self._auto_collation else self.sampler
 
     def _iterator_len(self) -> int:
         """len() of an iterator, as DataLoader's: the index sampler's length; an

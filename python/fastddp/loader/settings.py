@@ -4,13 +4,13 @@ checked here."""
 
 from __future__ import annotations
 
-import functools
 import operator
-import warnings
 from typing import Any, Optional, Union
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader
+
+from .._torch_warnings import source_line, warn_at
 
 
 def make_spec(dataset: Any, *args: Any, **kwargs: Any) -> DataLoader:
@@ -132,27 +132,9 @@ def _warn_as_dataloader(message: str, num_workers: Any) -> None:
     """A UserWarning as DataLoader's iterator base class gives it (``stacklevel=2``: the line of
     the single- or multi-process iterator that creates it), with that module's registry."""
     module = torch.utils.data.dataloader
-    line = _iterator_line(num_workers != 0)  # DataLoader's own test for the iterator kind
-    if line is None:  # no source to find the line in: the caller's line
-        warnings.warn(message, stacklevel=4)
-        return
-    warnings.warn_explicit(message, UserWarning, module.__file__, line, module=module.__name__,
-                           registry=vars(module).setdefault("__warningregistry__", {}),
-                           module_globals=vars(module))
-
-
-@functools.lru_cache(maxsize=2)
-def _iterator_line(multiprocess: bool) -> Optional[int]:
-    """The line of DataLoader's iterator constructor that calls its base class's."""
-    import inspect
-
-    module = torch.utils.data.dataloader
-    cls = module._MultiProcessingDataLoaderIter if multiprocess else module._SingleProcessDataLoaderIter
-    try:
-        lines, first = inspect.getsourcelines(cls.__init__)
-    except (OSError, TypeError):
-        return None
-    return next((first + i for i, text in enumerate(lines) if "super().__init__(" in text), None)
+    # DataLoader's own test for the iterator kind
+    cls = module._MultiProcessingDataLoaderIter if num_workers != 0 else module._SingleProcessDataLoaderIter
+    warn_at(module, source_line(cls.__init__, "super().__init__("), message, stacklevel=4)
 
 
 def check_prefetch_factor(num_workers: int, prefetch_factor: Any) -> None:
