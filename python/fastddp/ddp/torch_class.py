@@ -23,7 +23,41 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 # torch DDP's attributes that belong to its own C++ reducer and logger: no DDPWrapper has them
-TORCH_ONLY_ATTRIBUTES = ("reducer", "logger", "bucket_bytes_cap_default", "bucket_bytes_cap_list")
+TORCH_ONLY_ATTRIBUTES = ("logger", "bucket_bytes_cap_default", "bucket_bytes_cap_list")
+
+
+class TorchReducerCalls:
+    """``ddp.reducer``: the calls training libraries make on torch DDP's C++ reducer, made on
+    DDPWrapper's. Lightning's manual optimization (its ``prepare_for_backward``, before a
+    backward that runs inside the module's forward) and accelerate's
+    ``trigger_sync_in_backward`` (after forwards under ``no_sync()``) call
+    ``prepare_for_backward(outputs)``, which arms the next backward to be reduced, and
+    ``_rebuild_buckets()``, which rebuilds the buckets when torch's rule says they are due
+    (True when it did). Every other method of torch's reducer raises ``NotImplementedError``
+    naming it."""
+
+    def __init__(self, ddp: Any) -> None:
+        self._ddp = ddp
+
+    def prepare_for_backward(self, outputs: Any) -> None:
+        """Arm the next backward to be reduced; with ``find_unused_parameters``, the parameters
+        the graph behind ``outputs`` does not reach count as unused (torch's)."""
+        self._ddp._prepare_reduction(outputs, True)
+
+    def _rebuild_buckets(self) -> bool:
+        """Rebuild the buckets in gradient arrival order if torch's rule says they are due."""
+        if not self._ddp._rebuild_due():
+            return False
+        self._ddp._rebuild_buckets()
+        return True
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):  # copy, pickle and friends probe for these
+            raise AttributeError(name)
+        raise NotImplementedError(
+            f"DDPWrapper.reducer.{name}: DDPWrapper's reducer answers only the calls training libraries "
+            "make on torch DistributedDataParallel's C++ reducer (prepare_for_backward, _rebuild_buckets). "
+            "Use torch.nn.parallel.DistributedDataParallel for code that needs the rest of it.")
 
 
 class TorchAttributes:
@@ -63,6 +97,11 @@ class TorchAttributes:
     @broadcast_buffers.setter
     def broadcast_buffers(self, value: bool) -> None:
         self.forward_sync_buffers = bool(value)
+
+    @property
+    def reducer(self) -> TorchReducerCalls:
+        """torch DDP's ``reducer``, for the calls libraries make on it (see TorchReducerCalls)."""
+        return TorchReducerCalls(self)
 
     @property
     def modules_buffers(self) -> list[torch.Tensor]:

@@ -309,10 +309,7 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, Pickling, TorchInputMethods, 
         grad_enabled = torch.is_grad_enabled()
         if grad_enabled and self.require_backward_grad_sync:
             diag.step_started()
-        # torch DDP rebuilds the buckets once, before the first forward after a reduced backward
-        # (with static_graph after the second; never under find_unused_parameters alone)
-        rebuild = (grad_enabled and not self._has_rebuilt_buckets and self.require_backward_grad_sync
-                   and bool(self._reducer.arrival_order()))
+        rebuild = grad_enabled and self.require_backward_grad_sync and self._rebuild_due()
         buffers_from = 0
         sync_buffers = self._syncs_buffers() and self.require_forward_param_sync
         if self._join_config.enable:
@@ -335,20 +332,29 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, Pickling, TorchInputMethods, 
         diag.enter(diag.Phase.FORWARD, -1 if grad_enabled else diag.FORWARD_WITHOUT_GRADIENTS)
         return inputs, kwargs, grad_enabled
 
+    def _rebuild_due(self) -> bool:
+        """torch DDP's rule: the buckets are rebuilt once, before the first reducing forward after
+        a reduced backward (with static_graph after the second; never under
+        find_unused_parameters alone: the reducer then records no arrival order)."""
+        return not self._has_rebuilt_buckets and bool(self._reducer.arrival_order())
+
     @torch.compiler.disable
     def _after_module(self, output: Any, grad_enabled: bool) -> Any:
         """Arm the reducer for this forward's backward; the outputs as torch DDP returns them."""
         self.require_forward_param_sync = grad_enabled and self.require_backward_grad_sync
         if grad_enabled:
-            sync = self.require_backward_grad_sync
-            # find_unused_parameters walks the graph from the outputs; static_graph hooks them
-            # in its first iteration to reduce at the end of the outermost backward.
-            wants_outputs = sync and (self.find_unused_parameters or self.static_graph)
-            self._reducer.prepare_for_backward(find_tensors(output) if wants_outputs else [], sync)
-            if sync:
-                self._sparse.prepare_for_backward()
+            self._prepare_reduction(output, self.require_backward_grad_sync)
         diag.enter(diag.Phase.OUTSIDE)
         return self._output_sink(output, self.find_unused_parameters, self.static_graph)
+
+    def _prepare_reduction(self, output: Any, sync: bool) -> None:
+        """Arm the reducer for the next backward (``sync``: reduce it). find_unused_parameters
+        walks the graph from the tensors in ``output``; static_graph hooks them in its first
+        iteration to reduce at the end of the outermost backward."""
+        wants_outputs = sync and (self.find_unused_parameters or self.static_graph)
+        self._reducer.prepare_for_backward(find_tensors(output) if wants_outputs else [], sync)
+        if sync:
+            self._sparse.prepare_for_backward()
 
     @torch.no_grad()
     def _sync_buffers_before_forward(self, src: int) -> None:

@@ -1,0 +1,137 @@
+"""Contract: the calls training libraries make on torch DDP's C++ reducer (``ddp.reducer``),
+side by side with torch DDP in the same two gloo ranks.
+
+- accelerate's ``Accelerator.trigger_sync_in_backward``: forwards under ``no_sync()``, then
+  ``require_backward_grad_sync = True`` and ``ddp.reducer.prepare_for_backward([])`` so that
+  the next backward is reduced.
+- Lightning's manual optimization: the module's forward (its ``training_step``) runs the
+  backward itself, so Lightning arms the reducer before it with
+  ``ddp.reducer._rebuild_buckets()`` and ``ddp.reducer.prepare_for_backward(outputs)``
+  (``lightning.pytorch.overrides.distributed.prepare_for_backward``), and turns
+  ``require_backward_grad_sync`` off between the module's forward and DDP's post-forward.
+
+Losses, gradients and parameters must be torch DDP's bit for bit.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+from torch.nn.parallel.distributed import _find_tensors
+
+import fastddp
+
+from ..ddp_common import compare_models
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 2))
+
+
+def _trigger_sync_in_backward(rank: int, world_size: int) -> int:
+    """accelerate's documented idiom: two losses from forwards under no_sync(); the first
+    backward accumulates locally, the second, inside trigger_sync_in_backward, is reduced."""
+    models = [cls(_net(), bucket_cap_mb=0.001) for cls in (fastddp.DDPWrapper, TorchDDP)]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    torch.manual_seed(1 + rank)
+    for step in range(4):
+        x1, x2 = torch.randn(4, 6), torch.randn(4, 6)
+        for m in models:
+            if step == 3:  # a plain reduced step after the idiom
+                m(x1).square().mean().backward()
+            else:
+                with m.no_sync():
+                    l1, l2 = m(x1).square().mean(), m(x2).square().mean()
+                    l1.backward()
+                old = m.require_backward_grad_sync, m.require_forward_param_sync
+                m.require_backward_grad_sync = m.require_forward_param_sync = True
+                m.reducer.prepare_for_backward([])
+                try:
+                    l2.backward()
+                finally:
+                    m.require_backward_grad_sync, m.require_forward_param_sync = old
+        compare_models(models[0], models[1], rtol=0, atol=0)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    compare_models(models[0], models[1], grads=False, rtol=0, atol=0)
+    return step
+
+
+def test_accelerate_trigger_sync_in_backward(ranks) -> None:
+    assert ranks.run(_trigger_sync_in_backward) == [3, 3]
+
+
+class _ManualStep(nn.Module):
+    """A Lightning ``training_step`` under manual optimization: the backward and the optimizer
+    step run inside the module's forward, so inside DDP's forward."""
+
+    def __init__(self, with_unused: bool) -> None:
+        super().__init__()
+        self.net = _net()
+        self.ddp: list[Any] = []  # the wrapper around this module (not a submodule)
+        if with_unused:
+            self.unused = nn.Linear(2, 2)  # never in the loss (find_unused_parameters finds it)
+
+    def forward(self, x: torch.Tensor, opt: torch.optim.Optimizer) -> torch.Tensor:
+        loss = self.net(x).square().mean()
+        ddp = self.ddp[0]
+        # lightning.pytorch.overrides.distributed.prepare_for_backward, as Lightning calls it
+        if torch.is_grad_enabled() and ddp.require_backward_grad_sync:
+            ddp.require_forward_param_sync = True
+            args = list(_find_tensors(loss)) if ddp.find_unused_parameters and not ddp.static_graph else []
+            ddp.reducer._rebuild_buckets()
+            ddp.reducer.prepare_for_backward(args)
+        else:
+            ddp.require_forward_param_sync = False
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        # Lightning's _DDPForwardRedirection.on_after_inner_forward: DDP's own post-forward must
+        # not arm a reduction (the backward ran already); on_after_outer_forward sets it back
+        ddp.require_backward_grad_sync = False
+        return loss.detach()
+
+
+def _lightning_manual_optimization(rank: int, world_size: int, find_unused: bool) -> list[float]:
+    models = []
+    for cls in (fastddp.DDPWrapper, TorchDDP):
+        inner = _ManualStep(with_unused=find_unused)
+        ddp = cls(inner, bucket_cap_mb=0.001, find_unused_parameters=find_unused)
+        inner.ddp.append(ddp)
+        models.append((ddp, torch.optim.SGD(ddp.parameters(), lr=0.1)))
+    torch.manual_seed(1 + rank)
+    losses = []
+    for _ in range(4):
+        x = torch.randn(4, 6)
+        step = []
+        for ddp, opt in models:
+            step.append(ddp(x, opt))
+            ddp.require_backward_grad_sync = True  # on_after_outer_forward
+        assert torch.equal(step[0], step[1])
+        losses.append(step[0].item())
+    compare_models(models[0][0], models[1][0], grads=False, rtol=0, atol=0)
+    return losses
+
+
+@pytest.mark.parametrize("find_unused", [False, True], ids=["default", "find_unused_parameters"])
+def test_lightning_manual_optimization(ranks, find_unused: bool) -> None:
+    losses = ranks.run(_lightning_manual_optimization, args=(find_unused,))
+    assert len(losses[0]) == 4 and losses[0] != losses[1]  # each rank its own data
+
+
+def _other_reducer_calls(rank: int, world_size: int) -> str:
+    ddp = fastddp.DDPWrapper(_net())
+    with pytest.raises(NotImplementedError) as refused:
+        ddp.reducer._set_static_graph()
+    return str(refused.value)
+
+
+def test_other_reducer_calls_are_refused_naming_them(ranks) -> None:
+    message = ranks.run(_other_reducer_calls, world_size=1)[0]
+    assert "reducer._set_static_graph" in message and "prepare_for_backward" in message, message
