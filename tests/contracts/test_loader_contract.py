@@ -169,6 +169,37 @@ def test_worker_init_fn_runs_as_dataloaders() -> None:
     side_by_side(WorkerView, batch_size=3, num_workers=2, worker_init_fn=_init_worker, passes=1)
 
 
+def test_worker_init_fn_without_workers_is_never_called_and_keeps_the_native_gather() -> None:
+    """DataLoader calls worker_init_fn only in worker processes; Lightning's
+    seed_everything(workers=True) sets one on every loader. Without workers the batches and the
+    RNG are DataLoader's, and the tensors are still gathered by fastddp's threads."""
+    called = []
+    side_by_side(tensors, batch_size=3, shuffle=True, worker_init_fn=called.append)
+    assert not called
+    assert fastddp.PrefetchLoader(tensors(), batch_size=3, worker_init_fn=called.append).transfer == "host"
+    assert fastddp.PrefetchLoader(Noisy(), batch_size=3, worker_init_fn=called.append).transfer == "generic"
+
+
+def test_rebuilt_from_its_attributes_keeps_its_own_options() -> None:
+    """Lightning injects a DistributedSampler by calling the loader's class again with the
+    arguments its public attributes hold: PrefetchLoader's own options are among them."""
+    loader = fastddp.PrefetchLoader(tensors(), batch_size=3, device_resident=True, resident_max_bytes=1 << 20)
+    kwargs = {name: value for name, value in vars(loader).items()
+              if not name.startswith("_") and name in inspect.signature(type(loader)).parameters}
+    kwargs.pop("batch_sampler")
+    kwargs["sampler"] = fastddp.DistributedSampler(loader.dataset, num_replicas=2, rank=1, shuffle=False)
+    rebuilt = type(loader)(**kwargs)
+    assert (rebuilt.transfer, rebuilt.resident_max_bytes) == ("resident", 1 << 20)
+    reference = DataLoader(tensors(), batch_size=3, sampler=kwargs["sampler"])
+    assert [b[1].tolist() for b in rebuilt] == [b[1].tolist() for b in reference]
+
+
+def test_seed_with_a_sampler_names_the_sampler() -> None:
+    sampler = fastddp.DistributedSampler(tensors(), num_replicas=2, rank=0)
+    with pytest.raises(ValueError, match=r"seed=0 orders shuffle=True .* but got sampler=DistributedSampler"):
+        fastddp.PrefetchLoader(tensors(), batch_size=3, shuffle=False, sampler=sampler, seed=0)
+
+
 def test_collate_fn_sees_dataloaders_samples() -> None:
     side_by_side(Noisy, batch_size=4, collate_fn=lambda samples: [s["i"] for s in samples], shuffle=True)
 

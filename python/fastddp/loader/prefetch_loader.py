@@ -114,8 +114,14 @@ class PrefetchLoader(DataLoader):
                            timeout=timeout, multiprocessing_context=multiprocessing_context)
         if seed is not None:
             if not shuffle or sampler is not None or batch_sampler is not None or src.kind == "iterable":
-                raise ValueError("PrefetchLoader: seed= orders shuffle=True over a map-style dataset "
-                                 "without a sampler; drop it, or pass shuffle=True")
+                given = ("an IterableDataset" if src.kind == "iterable" else
+                         f"sampler={type(sampler).__name__}" if sampler is not None else
+                         f"batch_sampler={type(batch_sampler).__name__}" if batch_sampler is not None else
+                         f"shuffle={shuffle!r}")
+                raise ValueError(f"PrefetchLoader: seed={seed!r} orders shuffle=True over a map-style dataset "
+                                 f"without a sampler, but got {given}. Drop seed= where a sampler orders the "
+                                 "data (a DistributedSampler, also the one Lightning's use_distributed_sampler "
+                                 "injects: its own seed applies), or pass shuffle=True without a sampler")
             sampler, shuffle = EpochShuffle(src.dataset, seed), None
         spec = make_spec(src.dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn,
                          pin_memory, drop_last, timeout, worker_init_fn, multiprocessing_context, generator,
@@ -131,7 +137,9 @@ class PrefetchLoader(DataLoader):
                              "by C++ threads, which deliver to CPU or CUDA devices; wrap them in a "
                              f"TensorDataset to have each batch moved to {self.device.type} with .to(), "
                              "or use device=None")
-        self._tensor_options = (device_resident, resident_max_bytes, pin_dataset)
+        # public, as DataLoader's arguments are: code that rebuilds a loader from its attributes
+        # (Lightning's sampler injection) keeps them
+        self.device_resident, self.resident_max_bytes, self.pin_dataset = device_resident, resident_max_bytes, pin_dataset
         self._tensors: Optional[tuple[Optional[tuple[Any, ...]], list[torch.Tensor], bool]] = None
         if pin_dataset or device_resident:
             if not src.gatherable or (pin_dataset and self.device.type != "cuda"):
@@ -166,8 +174,10 @@ class PrefetchLoader(DataLoader):
         """Whether a pass gathers natively (else torch's DataLoader machinery reads it)."""
         if self.device.type not in NATIVE_DEVICE_TYPES:
             return False  # batches are moved there with .to(device)
+        # without workers DataLoader never calls worker_init_fn (Lightning's seed_everything(workers=True)
+        # sets one on every loader)
         native = (self._src.gatherable and self.batch_sampler is not None and self.collate_fn is default_collate
-                  and self.worker_init_fn is None and self.timeout == 0
+                  and (self.worker_init_fn is None or self.num_workers == 0) and self.timeout == 0
                   and (self.multiprocessing_context is None or self.num_workers == 0))
         if not native and self._src.own_form:
             raise ValueError("PrefetchLoader: tensors and .npy paths are batched by gathering rows, with "
@@ -181,10 +191,10 @@ class PrefetchLoader(DataLoader):
         non-contiguous, pinned or resident tensor would otherwise keep the old values, where
         DataLoader reads the current ones); and whether they are on the device."""
         current = self._src.tensors()
-        key = tuple((id(t), change_count(t)) for t in current)
+        options = (self.device_resident, self.resident_max_bytes, self.pin_dataset)
+        key = (tuple((id(t), change_count(t)) for t in current), options)
         if self._tensors is None or self._tensors[0] != key:
-            resident, max_bytes, pin_dataset = self._tensor_options
-            tensors, on_device = prepare_tensors(current, self.device, resident, max_bytes, pin_dataset)
+            tensors, on_device = prepare_tensors(current, self.device, *options)
             # an inference tensor has no version counter (it changes only inside inference
             # mode): a copy of one is made again for every pass, so none is ever stale
             copied_untracked = any(c.is_inference() and p is not c for c, p in zip(current, tensors))
