@@ -9,7 +9,6 @@
 #include <ATen/ops/empty.h>
 #include <c10/core/GradMode.h>
 #include <ATen/ops/tensor.h>
-#include <ATen/ops/zeros.h>
 
 #include <unordered_map>
 
@@ -119,15 +118,20 @@ void Reducer::allocate_bucket_locked(Bucket& bucket, const at::Tensor& first, in
     bucket.buffer = at::empty({total}, options.device(at::kMeta));
     return;
   }
+  // Uninitialised, as torch's reducer allocates its buckets: each reducing backward writes every
+  // slot (its gradient, or zero for a parameter without one) before the bucket's collective, so
+  // the pages are faulted in by the backward that fills them, and a rebuild (new buckets while
+  // the old ones live) does not hold two written copies of the gradients at once.
   // The last c10d bucket carries the fingerprint header after its gradients.
   const int64_t header = last && !bucket.shm ? fingerprint_header_elems(first, compress) : 0;
   if (header > 0) {
-    bucket.wire = at::zeros({total + header}, options);
+    bucket.wire = at::empty({total + header}, options);
+    bucket.wire.narrow(0, total, header).zero_();
     bucket.buffer = bucket.wire.narrow(0, 0, total);
     bucket.header = header;
     return;
   }
-  bucket.buffer = at::zeros({total}, options);
+  bucket.buffer = at::empty({total}, options);
   if (compress) bucket.comm = at::empty({total}, options.dtype(*comm_dtype_));
 }
 

@@ -160,8 +160,7 @@ class Buckets:
 
     def _get_ddp_logging_data(self) -> dict[str, Any]:
         """torch DDP's dict of its configuration and bucket layout (see logging_data.py)."""
-        return logging_data(self, self._params, self._reducer.bucket_indices(),
-                            self._before_rebuild if self._has_rebuilt_buckets else None)
+        return logging_data(self, self._params, self._reducer.bucket_indices(), self._before_rebuild)
 
     @property
     def transport(self) -> str:

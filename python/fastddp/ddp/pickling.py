@@ -46,6 +46,9 @@ class Pickling:
         if "forward_sync_buffers" not in state:  # pickled by a fastddp that stored the old name
             state["forward_sync_buffers"] = state.pop("broadcast_buffers", True)
         state.setdefault("_first_bucket_mb", default_first_bucket_mb())  # pickled before the setting existed
+        if "_has_rebuilt_buckets" not in state:  # pickled by a fastddp that stored the old name
+            state["_has_rebuilt_buckets"] = state.pop("_buckets_rebuilt", False)
+        state.setdefault("_before_rebuild", None)
         nn.Module.__setstate__(self, state)
         self.process_group = dist.group.WORLD
         self.world_size = dist.get_world_size()

@@ -209,7 +209,8 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, Pickling, TorchInputMethods, 
                     named, self.process_group, self.world_size, shared, (bucket_cap_mb, first_bucket_mb))
                 self._sync_module_states(init_sync_buffers)
         self._module_buffers = self._synced_buffers()  # broadcast from rank 0 before forwards
-        self._has_rebuilt_buckets = False
+        self._has_rebuilt_buckets = False  # torch DDP's name (ddp_zero_hook reads it)
+        self._before_rebuild: Optional[tuple[list[int], list[int]]] = None  # see _rebuild_buckets
         self._bucket_caps_mb = caps
         self._describe_as_torch_ddp(bucket_cap_mb)
         self._shm_requested = shm_allreduce
