@@ -3,6 +3,7 @@ its errors, arguments and device paths."""
 
 from __future__ import annotations
 
+import re
 import threading
 from typing import Any
 
@@ -374,6 +375,17 @@ def test_pin_dataset_needs_cuda_device() -> None:
     with pytest.raises(ValueError, match=r"pin_dataset needs tensors or \.npy arrays and a CUDA "
                        r"device \(got a tensors dataset, device cpu\)"):
         fastddp.PrefetchLoader((torch.zeros(4, 2),), batch_size=2, pin_dataset=True)
+
+
+@pytest.mark.parametrize(("option", "message"), [("pin_dataset", "pin_dataset needs tensors or .npy arrays and a CUDA"),
+                                                 ("device_resident", "device_resident needs tensors or .npy arrays")])
+def test_tensor_options_assigned_later_are_checked_at_iter(option: str, message: str) -> None:
+    """The options are public attributes (a loader rebuilt from them keeps them): one assigned
+    after construction where it cannot apply fails at iter() as at construction, not silently."""
+    loader = fastddp.PrefetchLoader([torch.zeros(2)] * 4, batch_size=2)  # a list: not gathered natively
+    setattr(loader, option, True)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        iter(loader)
 
 
 def test_dataloader_arguments_keep_working() -> None:

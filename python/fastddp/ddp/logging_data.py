@@ -59,7 +59,7 @@ def logging_data(ddp: Any, bucketed: list[torch.Tensor], layout: list[list[int]]
         "num_parameter_tensors": len(params),
         "output_device": -1 if ddp.output_device is None else int(ddp.output_device),
         "rank": ddp.rank,
-        "total_parameter_size_bytes": sum(bucket_bytes(params, [list(range(len(params)))])),
+        "total_parameter_size_bytes": sum(p.numel() * p.element_size() for p in params),
         "world_size": ddp.world_size,
     })
     if before_rebuild is not None:

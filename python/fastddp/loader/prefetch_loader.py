@@ -142,10 +142,7 @@ class PrefetchLoader(DataLoader):
         self.device_resident, self.resident_max_bytes, self.pin_dataset = device_resident, resident_max_bytes, pin_dataset
         self._tensors: Optional[tuple[Optional[tuple[Any, ...]], list[torch.Tensor], bool]] = None
         if pin_dataset or device_resident:
-            if not src.gatherable or (pin_dataset and self.device.type != "cuda"):
-                raise ValueError("PrefetchLoader: pin_dataset needs tensors or .npy arrays and a CUDA "
-                                 f"device (got a {src.kind} dataset, device {self.device})" if pin_dataset
-                                 else "PrefetchLoader: device_resident needs tensors or .npy arrays")
+            self._check_tensor_options()
             self._prepared()
         self._epoch = 0
         self._pass_epoch: Optional[int] = None  # the epoch the current pass uses
@@ -184,6 +181,16 @@ class PrefetchLoader(DataLoader):
                              "the default collation and no worker set-up; wrap them in a TensorDataset "
                              "to use collate_fn, worker_init_fn, timeout or multiprocessing_context")
         return native
+
+    def _check_tensor_options(self) -> None:
+        """pin_dataset and device_resident (given, or assigned later: checked again at iter())
+        need tensors to copy; pin_dataset a CUDA device to gather from pinned memory."""
+        if not (self.pin_dataset or self.device_resident):
+            return
+        if not self._src.gatherable or (self.pin_dataset and self.device.type != "cuda"):
+            raise ValueError("PrefetchLoader: pin_dataset needs tensors or .npy arrays and a CUDA "
+                             f"device (got a {self._src.kind} dataset, device {self.device})" if self.pin_dataset
+                             else "PrefetchLoader: device_resident needs tensors or .npy arrays")
 
     def _prepared(self) -> tuple[list[torch.Tensor], bool]:
         """The tensors rows are gathered from (pinned or device copies as configured), made
@@ -241,6 +248,7 @@ class PrefetchLoader(DataLoader):
 
     def _get_iterator(self) -> LoaderIterator:
         """A new iterator (DataLoader's name: its ``__iter__`` and code built on it call this)."""
+        self._check_tensor_options()
         native = self._native()
         if native:
             if self.num_workers != 0:  # DataLoader checks it whenever it makes a worker iterator
