@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import fastddp
 
-from ..ddp_common import compare_models
+from ..ddp_common import compare_models, nccl_world_one
 
 
 def _model() -> nn.Module:
@@ -42,7 +42,8 @@ def _counting_backend(graph_sizes: list[int]) -> Any:
     return backend
 
 
-def _train(cls: type, order: str, kwargs: dict[str, Any], rank: int) -> tuple[nn.Module, list[int], list[str]]:
+def _train(cls: type, order: str, kwargs: dict[str, Any], rank: int,
+           device: str) -> tuple[nn.Module, list[int], list[str]]:
     import torch._dynamo
 
     torch._dynamo.reset()  # each contender compiles from scratch
@@ -51,15 +52,15 @@ def _train(cls: type, order: str, kwargs: dict[str, Any], rank: int) -> tuple[nn
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         if order == "outer":
-            wrapper = cls(_model(), bucket_cap_mb=1, **kwargs)
+            wrapper = cls(_model().to(device), bucket_cap_mb=1, **kwargs)
             model = torch.compile(wrapper, backend=backend)
         else:
-            wrapper = cls(torch.compile(_model(), backend=backend), bucket_cap_mb=1, **kwargs)
+            wrapper = cls(torch.compile(_model().to(device), backend=backend), bucket_cap_mb=1, **kwargs)
             model = wrapper
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         torch.manual_seed(1 + rank)
         for _ in range(4):
-            loss = model(torch.randn(8, 16)).square().mean()
+            loss = model(torch.randn(8, 16, device=device)).square().mean()
             loss.backward()
             opt.step()
             opt.zero_grad()
@@ -68,9 +69,10 @@ def _train(cls: type, order: str, kwargs: dict[str, Any], rank: int) -> tuple[nn
     return wrapper, graph_sizes, [f"{w.category.__name__}: {w.message}" for w in caught]
 
 
-def _compiled_side_by_side(rank: int, world_size: int, order: str, kwargs: dict[str, Any]) -> list[int]:
-    ours, our_graphs, our_warnings = _train(fastddp.DDPWrapper, order, kwargs, rank)
-    ref, ref_graphs, ref_warnings = _train(TorchDDP, order, kwargs, rank)
+def _compiled_side_by_side(rank: int, world_size: int, order: str, kwargs: dict[str, Any],
+                           device: str = "cpu") -> list[int]:
+    ours, our_graphs, our_warnings = _train(fastddp.DDPWrapper, order, kwargs, rank, device)
+    ref, ref_graphs, ref_warnings = _train(TorchDDP, order, kwargs, rank, device)
     compare_models(ours, ref, rtol=0, atol=0)
     assert our_graphs == ref_graphs, (our_graphs, ref_graphs)
     assert our_warnings == ref_warnings, (our_warnings, ref_warnings)
@@ -89,6 +91,18 @@ def test_compiled_module_inside_with_find_unused_parameters(ranks) -> None:
 @pytest.mark.parametrize("kwargs", [{}, {"static_graph": True}], ids=["default", "static_graph"])
 def test_compiled_wrapper_compiles_what_torch_ddp_compiles(ranks, kwargs) -> None:
     ranks.run(_compiled_side_by_side, args=("outer", kwargs))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("passthrough", ["1", "0"], ids=["passthrough", "buckets"])
+@pytest.mark.parametrize("order", ["inner", "outer"])
+def test_compiled_on_nccl_world_one_as_under_torch_ddp(monkeypatch, order: str, passthrough: str) -> None:
+    """On a GPU (NCCL, world 1): the same graphs as under torch DDP and the same parameters, with
+    the gradients passed through and through the buckets (FASTDDP_WORLD1_PASSTHROUGH=0)."""
+    monkeypatch.setenv("FASTDDP_WORLD1_PASSTHROUGH", passthrough)
+    with nccl_world_one():
+        graphs = _compiled_side_by_side(0, 1, order, {}, device="cuda")
+    assert order == "outer" or len(graphs) > 2, graphs
 
 
 def _python_reducer_mode(rank: int, world_size: int) -> str:
