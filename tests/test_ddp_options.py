@@ -312,10 +312,7 @@ def _private_set_static_graph(rank: int, world_size: int) -> None:
     for m in (ours, ref):  # torch's warning, word for word
         with pytest.warns(UserWarning, match="^You've set static_graph to be True, no need to set it again.$"):
             m._set_static_graph()
-    late = fastddp.DDPWrapper(mlp())
-    late(torch.randn(2, 8)).sum().backward()
-    with pytest.raises(RuntimeError, match="before the first backward"):
-        late._set_static_graph()
+    _late_set_static_graph_as_torch()
     # static_graph with find_unused_parameters, in the constructor or later: torch's warnings
     said = []
     for cls in (TorchDDP, fastddp.DDPWrapper):
@@ -328,6 +325,39 @@ def _private_set_static_graph(rank: int, world_size: int) -> None:
     # the same words, named at the same place: torch's line in its constructor, then the script's
     assert len(said[0]) == 2 and said[0] == said[1], said
     assert said[0][0][1].endswith("torch/nn/parallel/distributed.py") and said[0][1][1] == __file__
+
+
+def _late_set_static_graph_as_torch() -> None:
+    """torch's rule: refused once a forward with gradients on, outside no_sync(), has run (its
+    reducer's iteration count), backward or not, in torch's words; after forwards without
+    gradients or under no_sync() it still applies."""
+    def forward_only(m: nn.Module) -> None:
+        m(torch.randn(2, 8))
+
+    def no_sync_step(m: nn.Module) -> None:
+        with m.no_sync():
+            m(torch.randn(2, 8)).sum().backward()
+
+    def no_grad_forward(m: nn.Module) -> None:
+        with torch.no_grad():
+            m(torch.randn(2, 8))
+
+    for before, refused in ((lambda m: m(torch.randn(2, 8)).sum().backward(), True), (forward_only, True),
+                            (no_sync_step, False), (no_grad_forward, False)):
+        outcomes = []
+        for cls in (TorchDDP, fastddp.DDPWrapper):
+            m = cls(mlp())
+            before(m)
+            try:
+                m._set_static_graph()
+                outcomes.append(None)
+            except RuntimeError as e:
+                outcomes.append(str(e))
+        assert (outcomes[0] is not None) == refused, outcomes
+        if refused:
+            assert outcomes[1] is not None and outcomes[1].startswith(outcomes[0]), outcomes
+        else:
+            assert outcomes[1] is None, outcomes
 
 
 def _private_builtin_comm_hook(rank: int, world_size: int) -> None:

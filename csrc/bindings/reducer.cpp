@@ -118,6 +118,10 @@ void bind_reducer(py::module_& m) {
                              py::cpp_function(&fastddp::reducer::Reducer::reductions,
                                               py::call_guard<py::gil_scoped_release>()),
                              "Reduced backwards finished so far.")
+      .def_property_readonly("reducing_forwards",
+                             py::cpp_function(&fastddp::reducer::Reducer::reducing_forwards,
+                                              py::call_guard<py::gil_scoped_release>()),
+                             "Forwards that armed a reduction so far (torch DDP's iteration count).")
       .def_property_readonly("options", &fastddp::reducer::Reducer::options, "The ReducerOptions it was built with.")
       .def_property_readonly("fingerprinting", &fastddp::reducer::Reducer::fingerprinting,
                              "Whether reductions carry fingerprints the ranks compare (a mismatch raises DesyncError).")

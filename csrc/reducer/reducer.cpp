@@ -133,6 +133,11 @@ int64_t Reducer::reductions() const {
   return reductions_;
 }
 
+int64_t Reducer::reducing_forwards() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return reducing_forwards_;
+}
+
 bool Reducer::reduce_avg_locked() {
   if (!reduce_avg_) {
     bool avg = false;
@@ -177,6 +182,7 @@ void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs, bool 
   }
   if (static_graph_ && static_first_iteration_ && expect_sync_ && hooks_seen_ && !callback_queued_)
     refuse_incomplete_static_locked();
+  ++reducing_forwards_;
   reset_for_backward_locked();
   note_reducing_forward_locked();
   if (static_graph_) {

@@ -130,6 +130,11 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // Reduced backwards finished so far.
   int64_t reductions() const;
 
+  // Forwards that armed a reduction so far (prepare_for_backward with sync): torch DDP's
+  // iteration count, which its reducer advances at every forward outside no_sync() with
+  // gradients on, whether or not a backward follows.
+  int64_t reducing_forwards() const;
+
   // torch DDP's rebuild: re-plans the buckets in the order the gradients arrived (group rank
   // 0's order, broadcast over the group so every rank builds the same buckets; parameters that
   // never arrived follow in registration order).
@@ -317,6 +322,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   std::vector<int64_t> arrival_;
   bool record_arrival_ = false;  // layout.h's rebuilds_buckets(); until one reduced backward is recorded
   int64_t reductions_ = 0;       // reduced backwards finished (join()'s stand-ins not counted)
+  int64_t reducing_forwards_ = 0;  // see reducing_forwards()
   double reduction_scale_ = 1.0;  // set_reduction_scale(), for the next reduction only
   bool buckets_hold_grads_ = false;  // see grads_in_buckets()
   int64_t relocations_ = 0;          // buckets moved by ensure_private_locked

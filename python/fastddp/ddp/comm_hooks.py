@@ -121,9 +121,12 @@ class CommHooks:
         if self.static_graph:
             warnings.warn("You've set static_graph to be True, no need to set it again.", stacklevel=2)
             return
-        if self._reducer.reductions:
-            raise RuntimeError("DDPWrapper._set_static_graph() must be called before the first backward pass "
-                               "(as in torch DDP); better, pass static_graph=True to the constructor.")
+        if self._reducer.reducing_forwards or self._reducer.reductions:
+            # torch's words first (scripts and torch's tests match them), then the fix
+            raise RuntimeError("set_static_graph() should be called before training loop starts and after "
+                               "DistributedDataParallel is constructed. (DDPWrapper: a forward with gradients on, "
+                               "outside no_sync(), has run; call _set_static_graph() right after wrapping the "
+                               "model, or pass static_graph=True to the constructor.)")
         sparse.refuse(self._sparse_names, "_set_static_graph()")
         self.static_graph = True
         self._replace_reducer()
