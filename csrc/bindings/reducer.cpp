@@ -118,10 +118,21 @@ void bind_reducer(py::module_& m) {
                              py::cpp_function(&fastddp::reducer::Reducer::reductions,
                                               py::call_guard<py::gil_scoped_release>()),
                              "Reduced backwards finished so far.")
-      .def_property_readonly("reducing_forwards",
-                             py::cpp_function(&fastddp::reducer::Reducer::reducing_forwards,
-                                              py::call_guard<py::gil_scoped_release>()),
-                             "Forwards that armed a reduction so far (torch DDP's iteration count).")
+      .def(
+          "iteration_stats",
+          [](const fastddp::reducer::Reducer& self) {
+            const auto s = self.iteration_stats();
+            py::dict out;
+            out["backward_compute_start"] = s.backward_compute_start;
+            out["backward_compute_end"] = s.backward_compute_end;
+            out["backward_comm_start"] = s.backward_comm_start;
+            out["backward_comm_end"] = s.backward_comm_end;
+            out["buckets_reduced"] = s.buckets_reduced;
+            out["unused_parameter_bytes"] = s.unused_parameter_bytes;
+            out["ready_order"] = s.ready_order;
+            return out;
+          },
+          "The last reducing backward's phase times (ns since the epoch, -1 when not reached) and counts.")
       .def_property_readonly("options", &fastddp::reducer::Reducer::options, "The ReducerOptions it was built with.")
       .def_property_readonly("fingerprinting", &fastddp::reducer::Reducer::fingerprinting,
                              "Whether reductions carry fingerprints the ranks compare (a mismatch raises DesyncError).")

@@ -41,6 +41,7 @@ bool Reducer::continued_by_outer_backward_locked() const {
 }
 
 void Reducer::finalize_locked() {
+  stats_.backward_compute_end = now_ns();
   expect_sync_ = false;
   nosync_steps_ = 0;  // the micro-steps this reduction sums
   const bool static_first = static_graph_ && static_first_iteration_;
@@ -55,10 +56,17 @@ void Reducer::finalize_locked() {
     for (auto& bucket : buckets_) bucket.pending = 0;
   }
   launch_ready_buckets_locked();
+  if (static_first) {
+    // torch DDP's logger sees static_graph's first iteration this way: every bucket launched
+    // from the end-of-backward callback, none counted as reduced, the compute ending after them
+    stats_.buckets_reduced = 0;
+    stats_.backward_compute_end = now_ns();
+  }
   if (passthrough_) {
     // The gradients are autograd's own and a world of one sums nothing: no bucket to wait
     // for, no gradient to put back (parameters unused here keep .grad, as in torch DDP).
     for (auto& bucket : buckets_) bucket.last_allreduce_ms = 0.0;
+    stats_.backward_comm_end = now_ns();
     diag::status().step_finished();
     diag::status().enter(diag::Phase::kOutside);
     return;
@@ -70,6 +78,7 @@ void Reducer::finalize_locked() {
   finish_buckets_locked();
   reduction_scale_ = 1.0;
   write_grads_locked(global_used);
+  stats_.backward_comm_end = now_ns();
   diag::status().step_finished();
   diag::status().enter(diag::Phase::kOutside);
 }

@@ -20,6 +20,7 @@ void Reducer::launch_ready_buckets_locked() {
   // same sequence whatever order its gradients arrive in.
   while (next_launch_ < static_cast<int64_t>(buckets_.size()) && buckets_[next_launch_].pending == 0) {
     const int64_t index = next_launch_++;
+    if (stats_.buckets_reduced++ == 0) stats_.backward_comm_start = now_ns();
     auto& bucket = buckets_[index];
     flush_deferred_locked(bucket);
     if (bucket.comm.defined()) {

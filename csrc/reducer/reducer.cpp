@@ -133,9 +133,9 @@ int64_t Reducer::reductions() const {
   return reductions_;
 }
 
-int64_t Reducer::reducing_forwards() const {
+IterationStats Reducer::iteration_stats() const {
   std::lock_guard<std::mutex> lock(mutex_);
-  return reducing_forwards_;
+  return stats_;
 }
 
 bool Reducer::reduce_avg_locked() {
@@ -182,7 +182,8 @@ void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs, bool 
   }
   if (static_graph_ && static_first_iteration_ && expect_sync_ && hooks_seen_ && !callback_queued_)
     refuse_incomplete_static_locked();
-  ++reducing_forwards_;
+  stats_.reset();
+  stats_.backward_compute_start = now_ns();
   reset_for_backward_locked();
   note_reducing_forward_locked();
   if (static_graph_) {
@@ -262,6 +263,7 @@ void Reducer::mark_unused_locked(int64_t index) {
   copy_grad_to_bucket_locked(index);
   ready_[index] = 1;
   --buckets_[param_bucket_[index]].pending;
+  stats_.unused_parameter_bytes += params_[index].numel() * static_cast<int64_t>(params_[index].element_size());
 }
 
 void Reducer::copy_grad_to_bucket_locked(int64_t index) {
@@ -351,6 +353,7 @@ void Reducer::mark_ready(int64_t index) {
   diag::status().backward_started();  // a reducing backward (no_sync's stay "outside")
   hooks_seen_ = true;
   nosync_forward_pending_ = false;  // a no_sync() forward backwarded with this reduction
+  if (!static_graph_ || !static_first_iteration_) stats_.ready_order.push_back(index);
   if (static_graph_) {
     if (static_first_iteration_) {
       // Count the arrivals; everything is reduced at the end of this backward. (As in torch

@@ -6,6 +6,7 @@
 
 #include "reducer/bucket_visitor.h"
 #include "reducer/fingerprint.h"
+#include "reducer/iteration_stats.h"
 #include "reducer/options.h"
 #include "reducer/shm_allreduce.h"
 
@@ -130,10 +131,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // Reduced backwards finished so far.
   int64_t reductions() const;
 
-  // Forwards that armed a reduction so far (prepare_for_backward with sync): torch DDP's
-  // iteration count, which its reducer advances at every forward outside no_sync() with
-  // gradients on, whether or not a backward follows.
-  int64_t reducing_forwards() const;
+  // The last reducing backward's phase times and bucket count (iteration_stats.h).
+  IterationStats iteration_stats() const;
 
   // torch DDP's rebuild: re-plans the buckets in the order the gradients arrived (group rank
   // 0's order, broadcast over the group so every rank builds the same buckets; parameters that
@@ -322,7 +321,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   std::vector<int64_t> arrival_;
   bool record_arrival_ = false;  // layout.h's rebuilds_buckets(); until one reduced backward is recorded
   int64_t reductions_ = 0;       // reduced backwards finished (join()'s stand-ins not counted)
-  int64_t reducing_forwards_ = 0;  // see reducing_forwards()
+  IterationStats stats_;          // the current (or last) reducing backward's, see iteration_stats()
   double reduction_scale_ = 1.0;  // set_reduction_scale(), for the next reduction only
   bool buckets_hold_grads_ = false;  // see grads_in_buckets()
   int64_t relocations_ = 0;          // buckets moved by ensure_private_locked

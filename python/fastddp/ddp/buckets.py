@@ -152,15 +152,27 @@ class Buckets:
         rule, layout.h): the reducer re-buckets in that order (group rank 0's, so every rank
         issues the same collectives)."""
         self._has_rebuilt_buckets = True
-        # torch DDP's logger keeps the sizes before the rebuild and the order it followed
-        self._before_rebuild = (bucket_bytes(self._params, self._reducer.bucket_indices()),
-                                list(self._reducer.arrival_order()))
+        # torch DDP's logger keeps the sizes before the rebuild
+        self._sizes_before_rebuild = bucket_bytes(self._params, self._reducer.bucket_indices())
         with diag.phase(diag.Phase.REBUILD):
             self._reducer.rebuild_buckets_in_arrival_order()
 
     def _get_ddp_logging_data(self) -> dict[str, Any]:
         """torch DDP's dict of its configuration and bucket layout (see logging_data.py)."""
-        return logging_data(self, self._params, self._reducer.bucket_indices(), self._before_rebuild)
+        return logging_data(self, self._params, self._reducer.bucket_indices(), self._sizes_before_rebuild,
+                            self._run_log)
+
+    def _rebuilt_layout(self) -> Optional[tuple[list[int], list[list[int]]]]:
+        """The buckets' sizes and parameter indices once they were rebuilt (None before)."""
+        if not self._has_rebuilt_buckets:
+            return None
+        layout = self._reducer.bucket_indices()
+        return bucket_bytes(self._params, layout), layout
+
+    def _set_ddp_runtime_logging_sample_rate(self, sample_rate: int) -> None:
+        """torch DDP's: after the first 10 iterations, sample the runtime statistics of
+        ``_get_ddp_logging_data()`` every ``sample_rate`` iterations (default 100)."""
+        self._run_log.set_sample_rate(sample_rate)
 
     @property
     def transport(self) -> str:

@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .._torch_warnings import source_line, warn_at
 from . import sparse
+from .logging_data import RunLog
 
 
 def hook_name(hook: Any) -> str:
@@ -54,6 +55,7 @@ class CommHooks:
 
     _comm_hook: Optional[Callable]
     _python_hook: Optional[tuple[object, Callable]]
+    _run_log: RunLog
     _sparse_names: list[str]
 
     def register_comm_hook(self, state: object, hook: Callable) -> None:
@@ -99,6 +101,7 @@ class CommHooks:
             raise ValueError(f"DDPWrapper.register_comm_hook: {name} conflicts with comm_dtype={self.comm_dtype} "
                              "given to the constructor; use one of the two.")
         self._comm_hook = hook
+        self._run_log.comm_hook = getattr(hook, "__qualname__", name)  # torch's logger's name for it
         if dtype is not None and dtype != self.comm_dtype:
             self.comm_dtype = dtype
             self._replace_reducer()
@@ -114,6 +117,7 @@ class CommHooks:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
         self.register_comm_hook(None, getattr(default_hooks, hooks[kind]))
+        self._run_log.comm_hook = str(comm_hook_type)  # torch's logger names the built-in type
 
     def _set_static_graph(self) -> None:
         """torch DDP's late switch to ``static_graph=True`` (prefer the constructor argument):
@@ -121,12 +125,14 @@ class CommHooks:
         if self.static_graph:
             warnings.warn("You've set static_graph to be True, no need to set it again.", stacklevel=2)
             return
-        if self._reducer.reducing_forwards or self._reducer.reductions:
+        if self._run_log.iterations or self._reducer.reductions:
             # torch's words first (scripts and torch's tests match them), then the fix
-            raise RuntimeError("set_static_graph() should be called before training loop starts and after "
-                               "DistributedDataParallel is constructed. (DDPWrapper: a forward with gradients on, "
-                               "outside no_sync(), has run; call _set_static_graph() right after wrapping the "
-                               "model, or pass static_graph=True to the constructor.)")
+            words = ("set_static_graph() should be called before training loop starts and after "
+                     "DistributedDataParallel is constructed.")
+            self._run_log.note_error(words)
+            raise RuntimeError(f"{words} (DDPWrapper: a forward with gradients on, outside no_sync(), has run; "
+                               "call _set_static_graph() right after wrapping the model, or pass "
+                               "static_graph=True to the constructor.)")
         sparse.refuse(self._sparse_names, "_set_static_graph()")
         self.static_graph = True
         self._replace_reducer()
@@ -169,6 +175,7 @@ class CommHooks:
                              "the shared-memory transport requested with shm_allreduce=True; pass "
                              "shm_allreduce=None (the default).")
         self._comm_hook = hook
+        self._run_log.comm_hook = getattr(hook, "__qualname__", name)  # torch's logger's name for it
         self._python_hook = (state, hook)
         self._replace_reducer()
 

@@ -11,11 +11,14 @@ from torch.distributed.algorithms.join import Join, JoinHook, _JoinConfig
 
 from .. import diag
 from . import sparse
+from .logging_data import RunLog
 
 
 class UnevenInputs:
     """DDPWrapper's side of :class:`~torch.distributed.algorithms.Join` (a part of the wrapper:
     it runs the wrapper's collectives on its process group)."""
+
+    _run_log: RunLog
 
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
              throw_on_early_termination: bool = False) -> Join:
@@ -37,6 +40,7 @@ class UnevenInputs:
                              "static_graph=False, with find_unused_parameters=True if needed.")
         sparse.refuse(self._sparse_names, "join()")
         self._divide_by_initial_world_size = bool(kwargs.get("divide_by_initial_world_size", True))
+        self._run_log.joined = True  # torch's logger records join() (enabled or not)
         return _DDPJoinHook(self)
 
     @property

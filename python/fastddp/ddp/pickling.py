@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .buckets import default_first_bucket_mb
+from .logging_data import RunLog
 
 
 class Pickling:
@@ -48,7 +49,10 @@ class Pickling:
         state.setdefault("_first_bucket_mb", default_first_bucket_mb())  # pickled before the setting existed
         if "_has_rebuilt_buckets" not in state:  # pickled by a fastddp that stored the old name
             state["_has_rebuilt_buckets"] = state.pop("_buckets_rebuilt", False)
-        state.setdefault("_before_rebuild", None)
+        if "_before_rebuild" in state:  # pickled by a fastddp that kept the arrival order beside the sizes
+            before = state.pop("_before_rebuild")
+            state["_sizes_before_rebuild"] = None if before is None else before[0]
+        state.setdefault("_sizes_before_rebuild", None)
         nn.Module.__setstate__(self, state)
         self.process_group = dist.group.WORLD
         self.world_size = dist.get_world_size()
@@ -58,4 +62,5 @@ class Pickling:
         self._shm_requested = None
         self._is_copy = True
         self._bucket_visitors = []  # the copy's consumers register their own
+        self._run_log = RunLog()  # torch's copy starts a new logger
         self._build_reducer()

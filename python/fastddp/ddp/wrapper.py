@@ -22,6 +22,7 @@ from .buckets import Buckets, bucket_limits_mb
 from .comm_hooks import CommHooks
 from .inputs import OutputSink, TorchInputMethods, find_tensors, to_device
 from .join import UnevenInputs
+from .logging_data import RunLog
 from .pickling import Pickling
 from .torch_class import TorchAttributes, refuse_torch_internals
 
@@ -210,7 +211,8 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, Pickling, TorchInputMethods, 
                 self._sync_module_states(init_sync_buffers)
         self._module_buffers = self._synced_buffers()  # broadcast from rank 0 before forwards
         self._has_rebuilt_buckets = False  # torch DDP's name (ddp_zero_hook reads it)
-        self._before_rebuild: Optional[tuple[list[int], list[int]]] = None  # see _rebuild_buckets
+        self._sizes_before_rebuild: Optional[list[int]] = None  # see _rebuild_buckets
+        self._run_log = RunLog()  # what torch DDP's logger records as it runs (logging_data.py)
         self._bucket_caps_mb = caps
         self._describe_as_torch_ddp(bucket_cap_mb)
         self._shm_requested = shm_allreduce
@@ -310,6 +312,7 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, Pickling, TorchInputMethods, 
         grad_enabled = torch.is_grad_enabled()
         if grad_enabled and self.require_backward_grad_sync:
             diag.step_started()
+            self._run_log.forward_starting(self._reducer, self._rebuilt_layout)
         rebuild = grad_enabled and self.require_backward_grad_sync and self._rebuild_due()
         buffers_from = 0
         sync_buffers = self._syncs_buffers() and self.require_forward_param_sync
