@@ -376,7 +376,8 @@ def _misuse_foreign_state(rank: int, world_size: int) -> None:
 
 
 def _misuse_not_callable(rank: int, world_size: int) -> None:
-    with pytest.raises(TypeError, match=r"^DDPWrapper\.register_comm_hook: the hook must be callable"):
+    with pytest.raises(TypeError, match=r"^Communication hook must be callable\. \(DDPWrapper\.register_comm_hook: "
+                       r"got str"):
         fastddp.DDPWrapper(mlp()).register_comm_hook(None, "not a hook")
 
 

@@ -219,7 +219,12 @@ void Reducer::finish_unfinished_reduction() {
     std::string missing;
     for (int64_t i = 0; i < static_cast<int64_t>(params_.size()); ++i)
       if (!ready_[i]) missing += (missing.empty() ? "" : ", ") + names_[i];
-    failed_backward_ = "DDPWrapper: the previous backward pass did not reduce all gradients (static_graph=True): "
+    // torch's sentence first (scripts match it; torch raises it at this forward too)
+    failed_backward_ = "Expected to have finished reduction in the prior iteration before starting a new one. This "
+                       "error indicates that your training graph has changed in this iteration, e.g., one parameter "
+                       "is used in first iteration, but then got unused in the second iteration. this is not "
+                       "compatible with static_graph set to True.\n"
+                       "DDPWrapper: the previous backward pass did not reduce all gradients (static_graph=True): "
                        "these parameters received fewer gradients than in the first iteration: " + missing +
                        ". That backward raised (e.g. out of memory inside backward), or the graph changed: "
                        "static_graph=True needs the same used parameters, each reached the same number of times, "

@@ -7,6 +7,7 @@
 
 #include <ATen/ops/_foreach_copy.h>
 #include <ATen/ops/mul.h>
+#include <c10/util/Logging.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 
@@ -20,6 +21,13 @@
 namespace fastddp::reducer {
 
 namespace {
+
+// torch DDP's words (logged, not raised) for a gradient made by backward(create_graph=True)
+constexpr const char* kCreateGraphWarning =
+    "Using DistributedDataParallel with create_graph=True  is not well-supported. The higher-order gradient will "
+    " not be synchronized across ranks, and backpropagation  through all_reduce operations will not occur. If you "
+    "require  DDP to work with higher-order gradients for your use case,  please ping "
+    "https://github.com/pytorch/pytorch/issues/63929";
 
 // Runs a callback when the autograd engine reaches the node it is attached to.
 class NodeReachedHook : public torch::autograd::FunctionPreHook {
@@ -214,6 +222,7 @@ void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs, bool 
 
 void Reducer::reset_for_backward_locked() {
   hooks_seen_ = false;
+  grads_requiring_grad_ = 0;
   expect_sync_ = true;
   invalidate_visitors_locked();  // what visitors took from an earlier backward is stale
   if (!gradient_as_bucket_view_) {
@@ -287,7 +296,17 @@ void Reducer::copy_grad_to_bucket_locked(int64_t index) {
                     grad.sizes(), ", strides() = ", grad.strides(), "\n", "bucket_view.sizes() = ", view.sizes(),
                     ", strides() = ", view.strides());
   }
-  if (grad.defined()) {
+  if (grad.defined() && grad.requires_grad()) {
+    // backward(create_graph=True) (see mark_ready): the values are averaged (the result is
+    // copied into .grad in place at the end of backward, where autograd records the copy); the
+    // higher-order graph is not reduced.
+    at::NoGradGuard no_grad;
+    if (divide) {
+      at::mul_out(view, grad.detach(), inv_world_tensor_);
+    } else {
+      view.copy_(grad.detach());
+    }
+  } else if (grad.defined()) {
     if (grad.is_alias_of(view)) {
       if (divide) view.mul_(inv_world_);  // accumulated in place (bucket view): pre-divide there
     } else if (batch_copies_ && !divide && grad.layout() == at::kStrided &&
@@ -344,12 +363,18 @@ void Reducer::mark_ready(int64_t index) {
     if (grad.defined() && !grad.is_alias_of(bucket_view(index))) buckets_hold_grads_ = false;
     return;
   }
-  // backward(create_graph=True) leaves a gradient that requires grad; torch DDP fails on it
-  // ("a leaf Variable that requires grad is being used in an in-place operation").
-  TORCH_CHECK(!grad.defined() || !grad.requires_grad(), "DDPWrapper: parameter '", names_[index],
-              "' got a gradient that requires grad (backward(create_graph=True)); DDP reduces plain gradients "
-              "only, and torch DDP fails here too. For a gradient penalty, take the inner gradient with "
-              "torch.autograd.grad(..., create_graph=True) and call backward() without create_graph.");
+  if (grad.defined() && grad.requires_grad()) {
+    // backward(create_graph=True): torch DDP logs its warning and reduces the values of one such
+    // gradient per backward; at a second one it fails ("a leaf Variable that requires grad is
+    // being used in an in-place operation."). The same here, with the reason.
+    C10_LOG_EVERY_N(WARNING, 1000) << kCreateGraphWarning;
+    TORCH_CHECK(++grads_requiring_grad_ == 1, "DDPWrapper: parameter '", names_[index], "' is the second one in "
+                "this backward whose gradient requires grad (backward(create_graph=True)). torch DDP reduces such "
+                "a gradient for one parameter only and fails at the second (\"a leaf Variable that requires grad is "
+                "being used in an in-place operation.\"); DDPWrapper refuses it too. For a gradient penalty, take "
+                "the inner gradient with torch.autograd.grad(..., create_graph=True) and call backward() without "
+                "create_graph.");
+  }
   diag::status().backward_started();  // a reducing backward (no_sync's stay "outside")
   hooks_seen_ = true;
   nosync_forward_pending_ = false;  // a no_sync() forward backwarded with this reduction
@@ -361,10 +386,12 @@ void Reducer::mark_ready(int64_t index) {
       ++hooks_per_backward_[index];
       return;
     }
-    TORCH_CHECK(hooks_left_[index] > 0, "DDPWrapper: parameter '", names_[index], "' received more gradients in "
-                "this backward pass than in the first iteration (", hooks_per_backward_[index], "). "
-                "static_graph=True needs the same graph in every iteration; use find_unused_parameters=True "
-                "instead.");
+    // torch's sentence first (scripts match it), then which parameter
+    TORCH_CHECK(hooks_left_[index] > 0, "Your training graph has changed in this iteration, e.g., one parameter is "
+                "unused in first iteration, but then got used in the second iteration. this is not compatible with "
+                "static_graph set to True. (DDPWrapper: parameter '", names_[index], "' received more gradients in "
+                "this backward pass than in the first iteration (", hooks_per_backward_[index], "); "
+                "use find_unused_parameters=True instead of static_graph=True for a graph that changes.)");
     if (--hooks_left_[index] > 0) return;  // later reentrant passes add to this gradient
   } else if (!callback_queued_) {
     // Queued at the first gradient so that a parameter that never gets one is reported at the

@@ -322,6 +322,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   bool record_arrival_ = false;  // layout.h's rebuilds_buckets(); until one reduced backward is recorded
   int64_t reductions_ = 0;       // reduced backwards finished (join()'s stand-ins not counted)
   IterationStats stats_;          // the current (or last) reducing backward's, see iteration_stats()
+  int64_t grads_requiring_grad_ = 0;  // this backward's gradients made with create_graph=True
   double reduction_scale_ = 1.0;  // set_reduction_scale(), for the next reduction only
   bool buckets_hold_grads_ = false;  // see grads_in_buckets()
   int64_t relocations_ = 0;          // buckets moved by ensure_private_locked

@@ -24,12 +24,13 @@ def hook_name(hook: Any) -> str:
 
 
 def check_annotations(hook: Any, name: str) -> None:
-    """torch DDP's check of a hook's signature, with its exception types: the second argument
-    must be named ``bucket`` (KeyError); an annotated ``bucket`` must be ``dist.GradBucket``, an
-    annotated return type ``torch.futures.Future[torch.Tensor]`` (ValueError; compared as torch
-    compares them)."""
+    """torch DDP's check of a hook, with its exception types and sentences first: it must be
+    callable (TypeError); the second argument must be named ``bucket`` (KeyError); an annotated
+    ``bucket`` must be ``dist.GradBucket``, an annotated return type
+    ``torch.futures.Future[torch.Tensor]`` (ValueError; compared as torch compares them)."""
     if not callable(hook):
-        return  # refused with TypeError where the hook is registered
+        raise TypeError(f"Communication hook must be callable. (DDPWrapper.register_comm_hook: got "
+                        f"{type(hook).__name__}; the hook is called as hook(state, bucket).)")
     try:
         sig = inspect.signature(hook)
     except (TypeError, ValueError):  # no signature to inspect (a builtin): let the call decide
@@ -41,12 +42,13 @@ def check_annotations(hook: Any, name: str) -> None:
                        f"{', '.join(sig.parameters) or 'none'}); torch DDP requires the signature "
                        "hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor].")
     if bucket.annotation not in (inspect.Parameter.empty, dist.GradBucket):
-        raise ValueError(f"DDPWrapper.register_comm_hook: {name}'s bucket argument is annotated "
-                         f"{bucket.annotation!r}; torch DDP requires dist.GradBucket (or no annotation).")
+        raise ValueError(f"Communication hook: bucket annotation should be dist.GradBucket. (DDPWrapper."
+                         f"register_comm_hook: {name}'s bucket argument is annotated {bucket.annotation!r}; "
+                         "annotate it dist.GradBucket or leave the annotation out.)")
     if sig.return_annotation not in (inspect.Signature.empty, torch.futures.Future[torch.Tensor]):
-        raise ValueError(f"DDPWrapper.register_comm_hook: {name} is annotated to return "
-                         f"{sig.return_annotation!r}; a hook returns torch.futures.Future[torch.Tensor] "
-                         "(annotate it so, or leave the annotation out), as torch DDP requires.")
+        raise ValueError(f"Communication hook: return annotation should be torch.futures.Future[torch.Tensor]. "
+                         f"(DDPWrapper.register_comm_hook: {name} is annotated to return "
+                         f"{sig.return_annotation!r}; annotate it so, or leave the annotation out.)")
 
 
 class CommHooks:
@@ -79,7 +81,11 @@ class CommHooks:
             default_hooks.bf16_compress_hook: torch.bfloat16,
         }
         name = hook_name(hook)
-        check_annotations(hook, name)
+        try:
+            check_annotations(hook, name)
+        except (TypeError, ValueError) as error:  # torch's logger keeps these (its _log_and_throw)
+            self._run_log.note_error(f"{type(error)}: {error}")
+            raise
         if self._comm_hook is not None:
             raise RuntimeError("DDPWrapper.register_comm_hook can only be called once (as in torch DDP); "
                                f"{hook_name(self._comm_hook)} is registered already.")
@@ -156,9 +162,6 @@ class CommHooks:
 
     def _register_python_hook(self, state: object, hook: Callable, name: str) -> None:
         """A hook the reducer calls per bucket through torch's Python hook adapter."""
-        if not callable(hook):
-            raise TypeError(f"DDPWrapper.register_comm_hook: the hook must be callable as hook(state, bucket), "
-                            f"got {type(hook).__name__}.")
         try:
             inspect.signature(hook).bind(state, None)
         except TypeError as exc:
