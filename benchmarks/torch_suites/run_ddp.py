@@ -1,18 +1,21 @@
 """torch's own DistributedDataParallel tests (``torch.testing._internal.distributed.
 distributed_test``, shipped in the wheel) run on gloo with DDPWrapper in torch DDP's place.
 
-    python benchmarks/torch_suites/run_ddp.py [--torch] [-k PATTERN] [--json OUT]
+    python benchmarks/torch_suites/run_ddp.py [--torch] [--on-cpu] [-k PATTERN] [--json OUT]
 
-Every ``_DistTestBase`` test whose name mentions DDP runs in torch's own harness (two spawned
-ranks, file:// rendezvous). With ``--torch`` the stock class runs, for the baseline of what
-passes on this machine at all (most DDP cases need GPUs and skip). Prints one line per test and
-a summary; ``--json`` writes ``{test: [outcome, reason]}``. The list of cases that fail only
-with DDPWrapper, with the reason, is kept in docs/compatibility.md.
+Every ``_DistTestBase`` test whose name mentions DDP or whose body uses DistributedDataParallel
+runs in torch's own harness (two spawned ranks, file:// rendezvous). With ``--torch`` the stock
+class runs, for the baseline of what passes on this machine at all (most DDP cases need GPUs
+and skip). ``--on-cpu`` runs the GPU-gated cases on the CPU ranks too (cpu_shims.py, the same
+shims for both classes). Prints one line per test and a summary; ``--json`` writes
+``{test: [outcome, reason]}``. The list of cases that fail only with DDPWrapper, with the
+reason, is kept in docs/compatibility.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import sys
@@ -32,7 +35,13 @@ from torch.testing._internal.distributed import distributed_test as dt
 import fastddp
 
 SWAP = os.environ.get("FASTDDP_SUITE_STOCK") != "1"
-if SWAP:  # every spelling the suite uses: the module global and torch.nn.parallel's attribute
+ON_CPU = os.environ.get("FASTDDP_SUITE_ON_CPU") == "1"
+if ON_CPU:  # in the spawned ranks too: they import this module afresh
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import cpu_shims
+
+    cpu_shims.apply(dt, fastddp.DDPWrapper if SWAP else torch.nn.parallel.DistributedDataParallel)
+elif SWAP:  # every spelling the suite uses: the module global and torch.nn.parallel's attribute
     dt.DistributedDataParallel = fastddp.DDPWrapper
     torch.nn.parallel.DistributedDataParallel = fastddp.DDPWrapper
 
@@ -43,10 +52,20 @@ class TestDDPOnGloo(dt.TestDistBackend, dt.DistributedTest._DistTestBase):
         self._spawn_processes()
 
 
+def _uses_ddp(name: str) -> bool:
+    """The test's name mentions DDP, or its body builds a DistributedDataParallel."""
+    if "ddp" in name.lower() or "distributeddataparallel" in name.lower():
+        return True
+    try:
+        source = inspect.getsource(inspect.unwrap(getattr(TestDDPOnGloo, name)))
+    except (OSError, TypeError):
+        return False
+    return "DistributedDataParallel" in source or "_test_ddp" in source or "_test_DDP" in source
+
+
 def _selected(pattern: str) -> list[str]:
     names = unittest.TestLoader().getTestCaseNames(TestDDPOnGloo)
-    ddp = [n for n in names if "ddp" in n.lower() or "distributeddataparallel" in n.lower()]
-    return [n for n in ddp if pattern.lower() in n.lower()]
+    return [n for n in names if _uses_ddp(n) and pattern.lower() in n.lower()]
 
 
 class _Collect(unittest.TextTestResult):
@@ -80,13 +99,14 @@ class _Collect(unittest.TextTestResult):
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--torch", action="store_true", help="run stock torch DDP (the baseline)")
+    p.add_argument("--on-cpu", action="store_true", help="run the GPU-gated cases on the CPU ranks (cpu_shims.py)")
     p.add_argument("-k", default="", help="only tests whose name contains this")
     p.add_argument("--json", help="write {test: [outcome, reason]} here")
     args = p.parse_args()
-    if args.torch:  # the spawned ranks import this module afresh: tell them through the env
-        os.environ["FASTDDP_SUITE_STOCK"] = "1"
-        os.execv(sys.executable, [sys.executable, *sys.argv[:1],
-                                  *[a for a in sys.argv[1:] if a != "--torch"]])
+    if args.torch or args.on_cpu:  # the spawned ranks import this module afresh: tell them through the env
+        os.environ["FASTDDP_SUITE_STOCK" if args.torch else "FASTDDP_SUITE_ON_CPU"] = "1"
+        flag = "--torch" if args.torch else "--on-cpu"
+        os.execv(sys.executable, [sys.executable, *sys.argv[:1], *[a for a in sys.argv[1:] if a != flag]])
     suite = unittest.TestSuite(TestDDPOnGloo(n) for n in _selected(args.k))
     result = unittest.TextTestRunner(resultclass=_Collect, verbosity=2, stream=sys.stdout).run(suite)
     side = "DDPWrapper" if SWAP else "torch DDP"
