@@ -78,6 +78,7 @@ def apply(distributed_test: Any, wrapper_class: type) -> None:
             super().__init__(module, None, None, *args, **kwargs)
 
     OnCpu.__name__ = OnCpu.__qualname__ = wrapper_class.__name__
+    globals()[OnCpu.__name__] = OnCpu  # where pickle looks a model's class up (cases that pickle one)
     distributed_test.DistributedDataParallel = OnCpu
     torch.nn.parallel.DistributedDataParallel = OnCpu
     _OnCpu().__enter__()  # for the rest of the process: every case runs under it

@@ -101,13 +101,16 @@ def main() -> int:
     p.add_argument("--torch", action="store_true", help="run stock torch DDP (the baseline)")
     p.add_argument("--on-cpu", action="store_true", help="run the GPU-gated cases on the CPU ranks (cpu_shims.py)")
     p.add_argument("-k", default="", help="only tests whose name contains this")
+    p.add_argument("--cases", default="", help="only these tests (comma-separated names, e.g. those a --torch "
+                                               "--json run passed)")
     p.add_argument("--json", help="write {test: [outcome, reason]} here")
     args = p.parse_args()
     if args.torch or args.on_cpu:  # the spawned ranks import this module afresh: tell them through the env
         os.environ["FASTDDP_SUITE_STOCK" if args.torch else "FASTDDP_SUITE_ON_CPU"] = "1"
         flag = "--torch" if args.torch else "--on-cpu"
         os.execv(sys.executable, [sys.executable, *sys.argv[:1], *[a for a in sys.argv[1:] if a != flag]])
-    suite = unittest.TestSuite(TestDDPOnGloo(n) for n in _selected(args.k))
+    wanted = {n for n in args.cases.split(",") if n}
+    suite = unittest.TestSuite(TestDDPOnGloo(n) for n in _selected(args.k) if not wanted or n in wanted)
     result = unittest.TextTestRunner(resultclass=_Collect, verbosity=2, stream=sys.stdout).run(suite)
     side = "DDPWrapper" if SWAP else "torch DDP"
     counts = {k: sum(1 for o, _ in result.outcomes.values() if o == k)

@@ -133,6 +133,10 @@ void bind_reducer(py::module_& m) {
             return out;
           },
           "The last reducing backward's phase times (ns since the epoch, -1 when not reached) and counts.")
+      .def_property_readonly("logged_error",
+                             py::cpp_function(&fastddp::reducer::Reducer::logged_error,
+                                              py::call_guard<py::gil_scoped_release>()),
+                             "The last error raised of those torch DDP's logger keeps (empty if none).")
       .def_property_readonly("options", &fastddp::reducer::Reducer::options, "The ReducerOptions it was built with.")
       .def_property_readonly("fingerprinting", &fastddp::reducer::Reducer::fingerprinting,
                              "Whether reductions carry fingerprints the ranks compare (a mismatch raises DesyncError).")

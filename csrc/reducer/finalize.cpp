@@ -49,7 +49,7 @@ void Reducer::finalize_locked() {
   ++reductions_;
   if (static_first) settle_static_first_locked();
   const std::string missing_error = missing_gradients_locked();
-  TORCH_CHECK(missing_error.empty() || fingerprint_, missing_error);
+  if (!missing_error.empty() && !fingerprint_) fail_logged_locked(missing_error);
   if (!missing_error.empty()) {
     // The other ranks may be waiting in this reduction's collectives: issue them all (what they
     // carry does not matter, this rank raises), with a fingerprint that names what is missing.
@@ -209,7 +209,7 @@ void Reducer::wait_bucket_locked(c10d::Work& work, int64_t index) const {
 
 void Reducer::finish_unfinished_reduction() {
   std::lock_guard<std::mutex> lock(mutex_);
-  TORCH_CHECK(failed_backward_.empty(), failed_backward_);
+  if (!failed_backward_.empty()) fail_logged_locked(failed_backward_);
   if (!expect_sync_ || !hooks_seen_) return;
   if (static_graph_ && !static_first_iteration_ && !callback_queued_) {
     // static_graph finalises a reduction once every expected gradient arrived: this backward
@@ -217,13 +217,18 @@ void Reducer::finish_unfinished_reduction() {
     // of the reduction is issued (the other ranks are told which parameters this rank lacks
     // instead of waiting) and every later forward is refused.
     std::string missing;
-    for (int64_t i = 0; i < static_cast<int64_t>(params_.size()); ++i)
-      if (!ready_[i]) missing += (missing.empty() ? "" : ", ") + names_[i];
-    // torch's sentence first (scripts match it; torch raises it at this forward too)
+    std::string indices;
+    for (int64_t i = 0; i < static_cast<int64_t>(params_.size()); ++i) {
+      if (ready_[i]) continue;
+      missing += (missing.empty() ? "" : ", ") + names_[i];
+      indices += (indices.empty() ? "" : " ") + std::to_string(i);
+    }
+    // torch's sentences first (scripts match them; torch raises them at this forward too)
     failed_backward_ = "Expected to have finished reduction in the prior iteration before starting a new one. This "
                        "error indicates that your training graph has changed in this iteration, e.g., one parameter "
                        "is used in first iteration, but then got unused in the second iteration. this is not "
-                       "compatible with static_graph set to True.\n"
+                       "compatible with static_graph set to True.\nParameter indices which did not receive grad for "
+                       "rank " + std::to_string(process_group_->getRank()) + ": " + indices + "\n"
                        "DDPWrapper: the previous backward pass did not reduce all gradients (static_graph=True): "
                        "these parameters received fewer gradients than in the first iteration: " + missing +
                        ". That backward raised (e.g. out of memory inside backward), or the graph changed: "
@@ -255,7 +260,7 @@ void Reducer::finish_failed_reduction_locked() {
   } catch (const std::exception&) {
     // The missing gradients' report: the other ranks raise theirs; this one raises the cause.
   }
-  TORCH_CHECK(false, failed_backward_);
+  fail_logged_locked(failed_backward_);
 }
 
 void Reducer::refuse_incomplete_static_locked() const {

@@ -146,6 +146,16 @@ IterationStats Reducer::iteration_stats() const {
   return stats_;
 }
 
+std::string Reducer::logged_error() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return logged_error_;
+}
+
+void Reducer::fail_logged_locked(const std::string& message) {
+  logged_error_ = message;
+  TORCH_CHECK(false, message);
+}
+
 bool Reducer::reduce_avg_locked() {
   if (!reduce_avg_) {
     bool avg = false;
@@ -387,11 +397,13 @@ void Reducer::mark_ready(int64_t index) {
       return;
     }
     // torch's sentence first (scripts match it), then which parameter
-    TORCH_CHECK(hooks_left_[index] > 0, "Your training graph has changed in this iteration, e.g., one parameter is "
-                "unused in first iteration, but then got used in the second iteration. this is not compatible with "
-                "static_graph set to True. (DDPWrapper: parameter '", names_[index], "' received more gradients in "
-                "this backward pass than in the first iteration (", hooks_per_backward_[index], "); "
-                "use find_unused_parameters=True instead of static_graph=True for a graph that changes.)");
+    if (hooks_left_[index] <= 0)
+      fail_logged_locked(c10::str(
+          "Your training graph has changed in this iteration, e.g., one parameter is unused in first iteration, but "
+          "then got used in the second iteration. this is not compatible with static_graph set to True. "
+          "(DDPWrapper: parameter '", names_[index], "' received more gradients in this backward pass than in the "
+          "first iteration (", hooks_per_backward_[index], "); use find_unused_parameters=True instead of "
+          "static_graph=True for a graph that changes.)"));
     if (--hooks_left_[index] > 0) return;  // later reentrant passes add to this gradient
   } else if (!callback_queued_) {
     // Queued at the first gradient so that a parameter that never gets one is reported at the

@@ -134,6 +134,10 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // The last reducing backward's phase times and bucket count (iteration_stats.h).
   IterationStats iteration_stats() const;
 
+  // The last error this reducer raised of those torch DDP's logger keeps (its REDUCER_CHECKs:
+  // a changed static graph, an unfinished reduction, parameters without a gradient); empty if none.
+  std::string logged_error() const;
+
   // torch DDP's rebuild: re-plans the buckets in the order the gradients arrived (group rank
   // 0's order, broadcast over the group so every rank builds the same buckets; parameters that
   // never arrived follow in registration order).
@@ -323,6 +327,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   int64_t reductions_ = 0;       // reduced backwards finished (join()'s stand-ins not counted)
   IterationStats stats_;          // the current (or last) reducing backward's, see iteration_stats()
   int64_t grads_requiring_grad_ = 0;  // this backward's gradients made with create_graph=True
+  std::string logged_error_;          // see logged_error()
+  [[noreturn]] void fail_logged_locked(const std::string& message);  // raise it, and keep it
   double reduction_scale_ = 1.0;  // set_reduction_scale(), for the next reduction only
   bool buckets_hold_grads_ = false;  // see grads_in_buckets()
   int64_t relocations_ = 0;          // buckets moved by ensure_private_locked

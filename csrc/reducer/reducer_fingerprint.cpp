@@ -110,7 +110,7 @@ void Reducer::check_fingerprints_locked(const std::string& missing_error) {
     bucket.work.reset();
   }
   if (desync) raise_desync_locked(fp_reported_);
-  TORCH_CHECK(false, missing_error);
+  fail_logged_locked(missing_error);
 }
 
 Fingerprint Reducer::next_fingerprint_locked() {

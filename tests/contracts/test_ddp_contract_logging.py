@@ -130,7 +130,30 @@ def _errors(rank: int, world_size: int) -> None:
     assert outcomes[0] == outcomes[1], outcomes
 
 
+class _Branch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        return self.b(self.a(x)) if use_b else self.a(x)
+
+
+def _reducer_errors(rank: int, world_size: int) -> None:
+    """A static graph that changed: torch's sentence in the error torch's logger keeps."""
+    logged = []
+    for cls in (TorchDDP, fastddp.DDPWrapper):
+        model = cls(_Branch(), static_graph=True)
+        model(torch.randn(2, 4), use_b=False).sum().backward()
+        with pytest.raises(RuntimeError):
+            model(torch.randn(2, 4), use_b=True).sum().backward()
+        data = model._get_ddp_logging_data()
+        logged.append((data.get("has_error"), data.get("error", "")))
+    sentence = "Your training graph has changed in this iteration"
+    assert logged[0][0] == logged[1][0] == 1 and all(sentence in e for _, e in logged), logged
+
+
 @pytest.mark.parametrize("case", [_sampled, _default_rate, _unused_layer, _static_graph, _comm_hook, _builtin_hook,
-                                  _joined, _errors], ids=lambda f: f.__name__.strip("_"))
+                                  _joined, _errors, _reducer_errors], ids=lambda f: f.__name__.strip("_"))
 def test_logging_data_as_torch_ddp(ranks, case) -> None:
     ranks.run(case, world_size=2)

@@ -159,6 +159,7 @@ class Buckets:
 
     def _get_ddp_logging_data(self) -> dict[str, Any]:
         """torch DDP's dict of its configuration and bucket layout (see logging_data.py)."""
+        self._run_log.note_reducer_error(self._reducer.logged_error)
         return logging_data(self, self._params, self._reducer.bucket_indices(), self._sizes_before_rebuild,
                             self._run_log)
 

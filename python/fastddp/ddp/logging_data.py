@@ -59,6 +59,7 @@ class RunLog:
         self.comm_hook: Optional[str] = None
         self.joined = False
         self.error: Optional[str] = None
+        self._reducer_error = ""
         self._forward_start = -1
         self._samples_taken = 0
         self._samples: dict[str, int] = {}
@@ -112,6 +113,11 @@ class RunLog:
     def note_error(self, message: str) -> None:
         """Record an error as torch's logger does for the errors its reducer checks."""
         self.error = message
+
+    def note_reducer_error(self, message: str) -> None:
+        """The C++ reducer's last logged error (``Reducer.logged_error``), kept once it changes."""
+        if message and message != self._reducer_error:
+            self._reducer_error = self.error = message
 
     def entries(self) -> dict[str, Any]:
         """The keys this log adds to ``_get_ddp_logging_data()``."""
