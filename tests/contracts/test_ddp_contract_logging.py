@@ -140,17 +140,25 @@ class _Branch(nn.Module):
 
 
 def _reducer_errors(rank: int, world_size: int) -> None:
-    """A static graph that changed: torch's sentence in the error torch's logger keeps."""
-    logged = []
-    for cls in (TorchDDP, fastddp.DDPWrapper):
+    """A static graph that changed: torch's sentence in the error torch's logger keeps; an
+    error raised after it (unread in between) replaces it."""
+    def changed_graph(cls: type) -> nn.Module:
         model = cls(_Branch(), static_graph=True)
         model(torch.randn(2, 4), use_b=False).sum().backward()
         with pytest.raises(RuntimeError):
             model(torch.randn(2, 4), use_b=True).sum().backward()
-        data = model._get_ddp_logging_data()
-        logged.append((data.get("has_error"), data.get("error", "")))
+        return model
+
+    logged = []
+    for cls in (TorchDDP, fastddp.DDPWrapper):
+        data = changed_graph(cls)._get_ddp_logging_data()
+        later = changed_graph(cls)
+        with pytest.raises(ValueError):
+            later._set_ddp_runtime_logging_sample_rate(0)
+        logged.append((data.get("has_error"), data.get("error", ""), later._get_ddp_logging_data()["error"]))
     sentence = "Your training graph has changed in this iteration"
-    assert logged[0][0] == logged[1][0] == 1 and all(sentence in e for _, e in logged), logged
+    assert logged[0][0] == logged[1][0] == 1 and all(sentence in e for _, e, _ in logged), logged
+    assert logged[0][2] == logged[1][2] and "sample rate" in logged[0][2], logged
 
 
 @pytest.mark.parametrize("case", [_sampled, _default_rate, _unused_layer, _static_graph, _comm_hook, _builtin_hook,

@@ -173,7 +173,7 @@ class Buckets:
     def _set_ddp_runtime_logging_sample_rate(self, sample_rate: int) -> None:
         """torch DDP's: after the first 10 iterations, sample the runtime statistics of
         ``_get_ddp_logging_data()`` every ``sample_rate`` iterations (default 100)."""
-        self._run_log.set_sample_rate(sample_rate)
+        self._run_log.set_sample_rate(sample_rate, self._reducer.logged_error)
 
     @property
     def transport(self) -> str:

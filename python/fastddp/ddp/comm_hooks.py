@@ -84,7 +84,7 @@ class CommHooks:
         try:
             check_annotations(hook, name)
         except (TypeError, ValueError) as error:  # torch's logger keeps these (its _log_and_throw)
-            self._run_log.note_error(f"{type(error)}: {error}")
+            self._run_log.note_error(f"{type(error)}: {error}", self._reducer.logged_error)
             raise
         if self._comm_hook is not None:
             raise RuntimeError("DDPWrapper.register_comm_hook can only be called once (as in torch DDP); "
@@ -135,7 +135,7 @@ class CommHooks:
             # torch's words first (scripts and torch's tests match them), then the fix
             words = ("set_static_graph() should be called before training loop starts and after "
                      "DistributedDataParallel is constructed.")
-            self._run_log.note_error(words)
+            self._run_log.note_error(words, self._reducer.logged_error)
             raise RuntimeError(f"{words} (DDPWrapper: a forward with gradients on, outside no_sync(), has run; "
                                "call _set_static_graph() right after wrapping the model, or pass "
                                "static_graph=True to the constructor.)")

@@ -10,6 +10,7 @@ communication times (the first 10 iterations, then every ``sample_rate``-th), th
 communication hook, ``join()`` and the errors torch's logger keeps. The times are host times
 on every device (torch measures CUDA modules' durations with CUDA events).
 """
+
 from __future__ import annotations
 
 import os
@@ -102,16 +103,18 @@ class RunLog:
         for key, event in _TIMESTAMPS:
             samples[key] = max(int(events[event]), 0)
 
-    def set_sample_rate(self, sample_rate: int) -> None:
-        """torch DDP's ``_set_ddp_runtime_logging_sample_rate``."""
+    def set_sample_rate(self, sample_rate: int, reducer_error: str) -> None:
+        """torch DDP's ``_set_ddp_runtime_logging_sample_rate`` (``reducer_error``: see note_error)."""
         if sample_rate < 1:
             error = ValueError("DDP runtime logging sample rate should be equal or greater than 1")
-            self.note_error(f"{ValueError}: {error}")
+            self.note_error(f"{ValueError}: {error}", reducer_error)
             raise error
         self.sample_rate = int(sample_rate)
 
-    def note_error(self, message: str) -> None:
-        """Record an error as torch's logger does for the errors its reducer checks."""
+    def note_error(self, message: str, reducer_error: str) -> None:
+        """Record an error the wrapper raises, as torch's logger keeps it; ``reducer_error`` is
+        the reducer's logged error at that moment, which came before it."""
+        self.note_reducer_error(reducer_error)
         self.error = message
 
     def note_reducer_error(self, message: str) -> None:
