@@ -169,3 +169,19 @@ def _public_attributes(rank: int, world_size: int) -> list[str]:
 def test_torch_ddp_public_attributes(ranks) -> None:
     assert set(ranks.run(_public_attributes, world_size=1)[0]) <= {
         "logger", "bucket_bytes_cap_default", "bucket_bytes_cap_list"}
+
+
+def _profiled_forwards(rank: int, world_size: int) -> list[int]:
+    """Each forward is torch DDP's ``DistributedDataParallel.forward`` range in a profile."""
+    counts = []
+    for cls in (TorchDDP, fastddp.DDPWrapper):
+        model = cls(_model())
+        with torch.profiler.profile() as prof:
+            for _ in range(3):
+                model(torch.randn(2, 3)).sum().backward()
+        counts.append([e.name for e in prof.events()].count("DistributedDataParallel.forward"))
+    return counts
+
+
+def test_forward_is_torch_ddps_range_in_a_profile(ranks) -> None:
+    assert ranks.run(_profiled_forwards, world_size=1) == [[3, 3]]

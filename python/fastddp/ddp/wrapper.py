@@ -296,7 +296,15 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, Pickling, TorchInputMethods, 
         ``torch.compile`` (of the wrapper, or of the module inside it) only the module is
         compiled, as with torch DDP: the wrapper's own steps run eagerly, and the module runs
         inside torch DDP's ``_inside_ddp_forward()``, so Dynamo's DDPOptimizer splits its graph
-        at ``bucket_bytes_cap`` and buckets are reduced while the compiled backward runs."""
+        at ``bucket_bytes_cap`` and buckets are reduced while the compiled backward runs. A
+        profile shows it as torch DDP's ``DistributedDataParallel.forward`` range."""
+        if torch.autograd.profiler._is_profiler_enabled:  # the range costs an op call: only when profiled
+            with torch.autograd.profiler.record_function("DistributedDataParallel.forward"):
+                return self._module_forward(inputs, kwargs)
+        return self._module_forward(inputs, kwargs)
+
+    @torch.compiler.disable(recursive=False)
+    def _module_forward(self, inputs: tuple, kwargs: dict) -> Any:
         inputs, kwargs, grad_enabled = self._before_module(inputs, kwargs)
         with self._inside_ddp_forward():
             output = self.module(*inputs, **kwargs)
