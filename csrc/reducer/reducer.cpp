@@ -200,8 +200,6 @@ void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs, bool 
   }
   if (static_graph_ && static_first_iteration_ && expect_sync_ && hooks_seen_ && !callback_queued_)
     refuse_incomplete_static_locked();
-  stats_.reset();
-  stats_.backward_compute_start = now_ns();
   reset_for_backward_locked();
   note_reducing_forward_locked();
   if (static_graph_) {
@@ -231,6 +229,8 @@ void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs, bool 
 
 
 void Reducer::reset_for_backward_locked() {
+  stats_.reset();
+  stats_.backward_compute_start = now_ns();  // the forward's end, as torch's logger times it
   hooks_seen_ = false;
   grads_requiring_grad_ = 0;
   expect_sync_ = true;
