@@ -190,7 +190,12 @@ void ShmAllreduce::run() {
       error = std::current_exception();
       leave(kFailed);
     }
-    task.work->complete(error);
+    // The task's tensors go before the waiter wakes: the Reducer counts who holds a bucket's
+    // memory right after wait() (move_lent_grads_locked, ensure_private_locked), and a
+    // reference this thread still held would read as a script keeping a gradient.
+    auto work = std::move(task.work);
+    task = Task{};
+    work->complete(error);
   }
 }
 
