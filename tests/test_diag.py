@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 import traceback
+import weakref
 from datetime import timedelta
 
 import pytest
@@ -115,6 +116,37 @@ def test_stop_returns_when_the_store_stops_answering(capfd) -> None:
         assert "c10d store did not answer" in capfd.readouterr().err
     finally:
         os.kill(server.pid, signal.SIGKILL)  # the left-behind thread's call fails, and it ends
+        server.wait()
+
+
+class _Stack:
+    def __call__(self) -> str:
+        return ""
+
+
+def test_a_watchdog_ended_by_its_store_releases_its_stack_function() -> None:
+    """When the store's host dies, the watchdog's thread ends and holds the watchdog's last
+    reference: the Python stack function goes without the thread waiting for the GIL (a wait
+    that, reached while the interpreter finalizes, ends the thread inside a destructor and
+    aborts the process), and is not leaked either."""
+    server = subprocess.Popen([sys.executable, "-c", _SILENT_STORE], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(server.stdout.readline())
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=5))
+        options = C.WatchdogOptions()
+        options.world, options.threshold_s, options.timeout_s, options.poll_s = 2, 5.0, 600.0, 0.05
+        stack = _Stack()
+        alive = weakref.ref(stack)
+        watchdog = C.Watchdog(store, options, stack)
+        del stack, watchdog  # the thread owns the watchdog now
+        time.sleep(0.3)  # polling the store
+        server.kill()  # its next poll fails and the thread ends
+        deadline = time.monotonic() + 10
+        while alive() is not None and time.monotonic() < deadline:
+            time.sleep(0.05)  # the interpreter runs the pending release between bytecodes
+        assert alive() is None, "the watchdog's stack function was never released"
+    finally:
+        server.kill()
         server.wait()
 
 

@@ -5,6 +5,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <memory>
+#include <stdexcept>
 
 namespace py = pybind11;
 using fastddp::diag::Phase;
@@ -13,14 +14,42 @@ using fastddp::diag::WatchdogOptions;
 
 namespace {
 
-// A Python callable the watchdog may call from its own threads: each call takes the GIL, and
-// the last reference is dropped under the GIL too.
+// Whether Python code can no longer run: the interpreter is finalizing (a thread that takes the
+// GIL then is ended by pthread_exit, which inside a destructor terminates the process) or gone.
+bool interpreter_ending() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return !Py_IsInitialized() || Py_IsFinalizing();
+#else
+  return !Py_IsInitialized() || _Py_IsFinalizing();
+#endif
+}
+
+int decref_pending(void* object) {
+  Py_DECREF(static_cast<PyObject*>(object));
+  return 0;
+}
+
+// Drops a Python reference from any thread without waiting for the GIL: the watchdog's threads
+// can hold the last one, and may end after the interpreter began to finalize. On a thread
+// holding the GIL it is dropped at once; elsewhere it is handed to the interpreter's main thread
+// (Py_AddPendingCall); while the interpreter ends, it is left to the process's exit.
+void drop_reference(py::function* fn) {
+  std::unique_ptr<py::function> owned(fn);
+  if (interpreter_ending()) {
+    (void)owned->release();
+    return;
+  }
+  if (PyGILState_Check()) return;  // owned's destructor drops it here
+  PyObject* object = owned->release().ptr();
+  if (object != nullptr) (void)Py_AddPendingCall(decref_pending, object);  // a full queue leaves it to the exit
+}
+
+// A Python callable the watchdog may call from its own threads: each call takes the GIL unless
+// the interpreter is ending (then it fails, and the report says the stack is not available).
 Watchdog::StackFn stack_function(py::function fn) {
-  std::shared_ptr<py::function> held(new py::function(std::move(fn)), [](py::function* f) {
-    py::gil_scoped_acquire gil;
-    delete f;
-  });
+  std::shared_ptr<py::function> held(new py::function(std::move(fn)), drop_reference);
   return [held]() -> std::string {
+    if (interpreter_ending()) throw std::runtime_error("the Python interpreter is shutting down");
     py::gil_scoped_acquire gil;
     return (*held)().cast<std::string>();
   };
