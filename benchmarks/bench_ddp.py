@@ -7,8 +7,9 @@ same model, data and process group, measured alternately in the same ranks.
 On CPU, fastddp runs twice: with its default transport for co-located ranks (shared memory)
 and on the gloo process group (``shm_allreduce=False``), so both ratios come from one run.
 
-Models: an MLP of ~10 M parameters (few large gradients) and a stack of 100 small linear
-layers (~200 parameters: per-parameter overhead dominates); the per-tensor cost is measured on
+Models: an MLP of ~10 M parameters (few large gradients; also with bf16 parameters in the
+step-time comparison) and a stack of 100 small linear layers (~200 parameters: per-parameter
+overhead dominates); the per-tensor cost is measured on
 a chain of 1024 Linear(32, 32) against the bare model.
 """
 
@@ -45,6 +46,9 @@ def _small() -> nn.Module:
 
 MODELS = {"mlp_10M": (_big, lambda: torch.randn(32, (64 if SMOKE else 2048) // 2)),
           "small_200": (_small, lambda: torch.randn(64, 32))}
+# The step-time comparison also trains the MLP with bf16 parameters (bf16 gradient buckets).
+STEP_MODELS = {**MODELS, "mlp_10M_bf16": (lambda: _big().to(torch.bfloat16),
+                                          lambda: torch.randn(32, (64 if SMOKE else 2048) // 2).bfloat16())}
 
 
 def _mean_hook(state, bucket):
@@ -55,7 +59,7 @@ def _mean_hook(state, bucket):
 
 def _bench(rank: int, world_size: int, name: str, python_hook: bool = False) -> dict:
     torch.set_num_threads(1)
-    factory, make_x = MODELS[name]
+    factory, make_x = STEP_MODELS[name]
     torch.manual_seed(0)
     if python_hook:  # both wrappers call the same Python hook per bucket
         models = {"fastddp": fastddp.DDPWrapper(factory()), "torch": TorchDDP(factory())}
@@ -91,7 +95,7 @@ def _bench(rank: int, world_size: int, name: str, python_hook: bool = False) -> 
                                                                    "tensors": len(list(models["torch"].parameters()))}
 
 
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("name", list(STEP_MODELS))
 def test_ddp_step_time_cpu_world2(name: str) -> None:
     res = run_distributed(_bench, world_size=2, args=(name,), timeout=900)[0]
     result = {"model": name, "params": res["params"], "tensors": res["tensors"], "world_size": 2,

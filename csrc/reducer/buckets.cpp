@@ -104,13 +104,20 @@ void Reducer::move_lent_grads_locked() {
   }
 }
 
+bool Reducer::shm_sums_as_c10d(at::ScalarType dtype) const {
+  // Shared memory sums in fp32/fp64 and rounds once. gloo adds a bf16/fp16 bucket rank by rank,
+  // rounding after each addition: at two ranks that is one rounding of the same exact sum, so
+  // the bits are torch DDP's; at more it is an order of gloo's own, and such a bucket goes
+  // through the process group so that its rounding (and the training that depends on it) stays
+  // exactly torch DDP's.
+  if (dtype == at::kFloat || dtype == at::kDouble) return true;
+  return (dtype == at::kBFloat16 || dtype == at::kHalf) && process_group_->getSize() == 2;
+}
+
 void Reducer::allocate_bucket_locked(Bucket& bucket, const at::Tensor& first, int64_t total, bool last) {
   const bool compress = comm_dtype_ && *comm_dtype_ != first.scalar_type();
-  // Shared memory sums in fp32/fp64 and rounds once. An uncompressed bf16/fp16 bucket goes
-  // through the process group instead, so its rounding (and the training that depends on
-  // it) stays exactly torch DDP's.
   const auto dtype = first.scalar_type();
-  bucket.shm = shm_ && (compress || dtype == at::kFloat || dtype == at::kDouble);
+  bucket.shm = shm_ && (compress || shm_sums_as_c10d(dtype));
   const auto options = first.options().requires_grad(false);
   if (passthrough_ && !bucket.shm) {
     // Nothing is ever copied into it: a shape-only (meta) tensor keeps the layout for

@@ -185,6 +185,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // only (a passthrough world of one), with the fingerprint header (`last` c10d bucket), or
   // plain, plus the compressed wire copy with comm_dtype.
   void allocate_bucket_locked(Bucket& bucket, const at::Tensor& first, int64_t total, bool last);
+  bool shm_sums_as_c10d(at::ScalarType dtype) const;  // shared memory gives the process group's bits
   void make_views_locked(int64_t bucket_index);  // its parameters' gradient views into it
   // Start of a backward (prepare_for_backward): static_graph's first reduction never finalised
   // (its backward did not pass through the forward's outputs) is refused.

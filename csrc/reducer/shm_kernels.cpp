@@ -19,12 +19,21 @@ namespace {
 // blocking on both sides gives the same bits on every rank.
 constexpr int64_t kBlock = 2048;
 
+// A value scaled as torch DDP scales a gradient in its own dtype before the all-reduce
+// (at::mul_out computes in Acc and rounds to T): a no-op for fp32/fp64, a rounding for bf16/fp16.
+template <typename T, typename Acc>
+inline Acc scaled_as_t(T value, Acc scale) {
+  return static_cast<Acc>(static_cast<T>(static_cast<Acc>(value) * scale));
+}
+
 // dst[i] = sum over src of scale * src[k][i], accumulated in Acc in rank order, and the same
-// values into `copy` when it is not null. Each rank's value is scaled before the sum, as torch
-// DDP divides each gradient before its all-reduce: at world size 2 the result has torch's bits
-// also where the sum itself would overflow or the halves are subnormal. dst may be one of the
-// sources: each block is read completely before it is written. Returns the sum of squares of
-// the written values when `squares` (each block is squared, and copied, while it is in L1).
+// values into `copy` when it is not null. Each rank's value is scaled (and rounded to T) before
+// the sum, as torch DDP divides each gradient before its all-reduce: at world size 2 the result
+// has torch's bits also where the sum itself would overflow or the halves are subnormal, and for
+// bf16/fp16 the two rounded halves add exactly in fp32 (or round as the one rounding gloo's sum
+// makes), so one rounding to T gives gloo's result. dst may be one of the sources: each block is
+// read completely before it is written. Returns the sum of squares of the written values when
+// `squares` (each block is squared, and copied, while it is in L1).
 template <typename T, typename Acc>
 double sum_slices(T* dst, T* copy, const std::vector<const T*>& src, int64_t n, Acc scale, bool squares) {
   Acc acc[kBlock];
@@ -34,14 +43,14 @@ double sum_slices(T* dst, T* copy, const std::vector<const T*>& src, int64_t n, 
     const int64_t m = std::min(kBlock, n - base);
     const T* s0 = src[0] + base;
     if (scaled) {
-      for (int64_t i = 0; i < m; ++i) acc[i] = static_cast<Acc>(s0[i]) * scale;
+      for (int64_t i = 0; i < m; ++i) acc[i] = scaled_as_t(s0[i], scale);
     } else {
       for (int64_t i = 0; i < m; ++i) acc[i] = static_cast<Acc>(s0[i]);
     }
     for (size_t k = 1; k < src.size(); ++k) {
       const T* s = src[k] + base;
       if (scaled) {
-        for (int64_t i = 0; i < m; ++i) acc[i] += static_cast<Acc>(s[i]) * scale;
+        for (int64_t i = 0; i < m; ++i) acc[i] += scaled_as_t(s[i], scale);
       } else {
         for (int64_t i = 0; i < m; ++i) acc[i] += static_cast<Acc>(s[i]);
       }

@@ -41,10 +41,11 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, Pickling, TorchInputMethods, 
     and its internal methods raise ``NotImplementedError`` (see ``torch_class.py``).
 
     Extras: ``shm_allreduce`` (default None = auto): when every rank of the group runs on this
-    host with CPU parameters, the gradient buckets live in one shared-memory mapping and each
-    rank sums its slice of every bucket straight from the others' memory instead of sending it
-    through gloo's TCP loopback (fp32/fp64 buckets and compressed ones; an uncompressed
-    bf16/fp16 bucket stays on the process group so its rounding is torch DDP's), and the
+    host with CPU parameters, the buckets are reduced through one shared-memory mapping (each
+    rank sums its slice of every chunk from the others' staging slots) instead of being sent
+    through gloo's TCP loopback (fp32/fp64 buckets, compressed ones, and bf16/fp16 ones at two
+    ranks, where the sum has gloo's bits; at more ranks those stay on the process group so
+    their rounding is torch DDP's), and the
     per-forward buffer broadcast copies rank 0's buffers through the same mapping. Set
     ``FASTDDP_SHM_ALLREDUCE=0`` or pass False to use the process group's backend, True to
     require shared memory. :attr:`transport` says which one is in use.
