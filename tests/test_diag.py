@@ -94,16 +94,23 @@ time.sleep(600)
 """
 
 
+def _client_of(server: subprocess.Popen, timeout: timedelta) -> tuple[dist.TCPStore, object]:
+    """A client of the store ``server`` hosts, and watchdog options polling it every 50 ms as
+    one rank of two."""
+    port = int(server.stdout.readline())
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+    options = C.WatchdogOptions()
+    options.world, options.threshold_s, options.timeout_s, options.poll_s = 2, 5.0, 600.0, 0.05
+    return store, options
+
+
 def test_stop_returns_when_the_store_stops_answering(capfd) -> None:
     """A store cut off from this host (a network cut, a frozen host) leaves the watchdog's
     thread blocked in a store call: stop(), which runs at exit, must still return (and say it
     left the thread behind) instead of holding the process forever."""
     server = subprocess.Popen([sys.executable, "-c", _SILENT_STORE], stdout=subprocess.PIPE, text=True)
     try:
-        port = int(server.stdout.readline())
-        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=600))
-        options = C.WatchdogOptions()
-        options.world, options.threshold_s, options.timeout_s, options.poll_s = 2, 5.0, 600.0, 0.05
+        store, options = _client_of(server, timedelta(seconds=600))
         options.stack_timeout_s = 1.0
         watchdog = C.Watchdog(store, options, lambda: "")
         time.sleep(0.3)  # polling the store
@@ -131,10 +138,7 @@ def test_a_watchdog_ended_by_its_store_releases_its_stack_function() -> None:
     aborts the process), and is not leaked either."""
     server = subprocess.Popen([sys.executable, "-c", _SILENT_STORE], stdout=subprocess.PIPE, text=True)
     try:
-        port = int(server.stdout.readline())
-        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=5))
-        options = C.WatchdogOptions()
-        options.world, options.threshold_s, options.timeout_s, options.poll_s = 2, 5.0, 600.0, 0.05
+        store, options = _client_of(server, timedelta(seconds=5))
         stack = _Stack()
         alive = weakref.ref(stack)
         watchdog = C.Watchdog(store, options, stack)
