@@ -121,8 +121,13 @@ def test_stop_returns_when_the_store_stops_answering(capfd) -> None:
         waited = time.monotonic() - t0
         assert waited < options.poll_s + options.stack_timeout_s + 3 + 2, waited
         assert "c10d store did not answer" in capfd.readouterr().err
-    finally:
         os.kill(server.pid, signal.SIGKILL)  # the left-behind thread's call fails, and it ends
+        deadline = time.monotonic() + 10
+        while not watchdog.store_failed and time.monotonic() < deadline:
+            time.sleep(0.05)  # (c10d's warning of the failed call comes within this test)
+        assert watchdog.store_failed
+    finally:
+        os.kill(server.pid, signal.SIGKILL)
         server.wait()
 
 
