@@ -128,7 +128,7 @@ c10::intrusive_ptr<ShmWork> ShmAllreduce::allreduce_sum(const at::Tensor& t, dou
   const int64_t bytes = t.numel() * static_cast<int64_t>(t.element_size());
   // At least one chunk, so that an empty tensor still meets the peers (and carries a fingerprint).
   const int64_t chunks = std::max<int64_t>(1, (bytes + chunk_bytes_ - 1) / chunk_bytes_);
-  auto work = c10::make_intrusive<ShmWork>();
+  auto work = c10::make_intrusive<ShmWork>(c10d::OpType::ALLREDUCE, "fastddp:shm_all_reduce");
   {
     std::lock_guard<std::mutex> lock(mutex_);
     queue_.push_back(Task{work, t, chunks, scale, next_seq_, {}, sum_of_squares,
@@ -149,7 +149,7 @@ void ShmAllreduce::broadcast_from_root(const std::vector<at::Tensor>& tensors) {
   TORCH_CHECK(bytes <= broadcast_bytes_, "DDPWrapper: module buffers of ", bytes, " bytes do not fit the ",
               broadcast_bytes_, " bytes reserved for them at construction (were buffers replaced by larger ones?)");
   if (tensors.empty()) return;
-  auto work = c10::make_intrusive<ShmWork>();
+  auto work = c10::make_intrusive<ShmWork>(c10d::OpType::BROADCAST, "fastddp:shm_broadcast");
   {
     std::lock_guard<std::mutex> lock(mutex_);
     queue_.push_back(Task{work, at::Tensor(), 0, 1.0, next_seq_++, tensors});

@@ -185,3 +185,25 @@ def _profiled_forwards(rank: int, world_size: int) -> list[int]:
 
 def test_forward_is_torch_ddps_range_in_a_profile(ranks) -> None:
     assert ranks.run(_profiled_forwards, world_size=1) == [[3, 3]]
+
+
+def _profiled_collectives(rank: int, world_size: int) -> dict[str, int]:
+    """A profile of training steps shows the collectives, as torch DDP's show gloo's: on the
+    shared-memory transport one all-reduce per bucket and backward, one buffer broadcast per
+    forward (the BatchNorm's statistics)."""
+    model = fastddp.DDPWrapper(_model(), bucket_cap_mb=0.00001)
+    assert model.transport == "shm", model.bucket_report()["transport_note"]
+    for _ in range(2):  # the buckets are rebuilt at the second forward
+        model(torch.randn(2, 3)).sum().backward()
+    buckets = len(model.bucket_report()["buckets"])
+    with torch.profiler.profile() as prof:
+        for _ in range(3):
+            model(torch.randn(2, 3)).sum().backward()
+    names = [e.name for e in prof.events()]
+    assert buckets > 1
+    return {"all_reduce": names.count("fastddp:shm_all_reduce") // buckets,
+            "broadcast": names.count("fastddp:shm_broadcast")}
+
+
+def test_shared_memory_collectives_are_events_in_a_profile(ranks) -> None:
+    assert ranks.run(_profiled_collectives) == [{"all_reduce": 3, "broadcast": 3}] * 2
