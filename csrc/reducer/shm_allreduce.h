@@ -27,6 +27,7 @@
 #include "reducer/fingerprint.h"
 
 #include <ATen/core/Tensor.h>
+#include <ATen/record_function.h>
 #include <c10/util/intrusive_ptr.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
@@ -50,11 +51,12 @@ struct OpDescriptor;  // a collective as a rank announces it (shm_segment.h)
 // thread also adds up the squares of the reduced values as it writes them (its own slice) and
 // copies them (the peers' slices): the AMP statistics of the bucket without another pass.
 // While a profiler runs, c10d::Work records the collective as an event named `title` (as gloo's
-// are "gloo:all_reduce"), from its launch until the comm thread completes it. No tensor goes
-// with the event: it would hold the bucket's memory until the event ends.
+// are "gloo:all_reduce"), from its launch until the comm thread completes it; without one no
+// title is passed, so c10d sets up no recording for the collective. No tensor goes with the
+// event: it would hold the bucket's memory until the event ends.
 class ShmWork : public c10d::Work {
  public:
-  ShmWork(c10d::OpType type, const char* title) : c10d::Work(-1, type, title) {}
+  ShmWork(c10d::OpType type, const char* title) : c10d::Work(-1, type, at::hasCallbacks() ? title : nullptr) {}
   void complete(std::exception_ptr error) { finish(std::move(error)); }
   // Valid once wait() returned (set by the comm thread before it completes the work).
   double sum_of_squares() const { return sum_of_squares_; }
