@@ -157,8 +157,8 @@ def _refused_2d_mesh(rank: int, world_size: int) -> None:
 
 
 def _refused_bad_caps(rank: int, world_size: int) -> None:
-    with pytest.raises(ValueError, match="bucket_cap_mb_list entry must be > 0"):
-        fastddp.DDPWrapper(nn.Linear(4, 4), bucket_cap_mb_list=[1, 0])
+    with pytest.raises(ValueError, match=r"bucket_cap_mb_list entry must be >= 0 \(0: one parameter per bucket\)"):
+        fastddp.DDPWrapper(nn.Linear(4, 4), bucket_cap_mb_list=[1, -2])
 
 
 def _refused_lazy(rank: int, world_size: int) -> None:

@@ -16,7 +16,7 @@ void check_caps(const ReducerOptions& options) {
   TORCH_CHECK(options.bucket_cap_mb >= 0 && options.first_bucket_mb >= 0, "DDPWrapper: bucket caps must be >= 0, "
               "got bucket_cap_mb=", options.bucket_cap_mb, ", first_bucket_mb=", options.first_bucket_mb);
   for (double cap : options.bucket_caps_mb)
-    TORCH_CHECK(cap > 0, "DDPWrapper: every bucket_cap_mb_list entry must be > 0, got ", cap);
+    TORCH_CHECK(cap >= 0, "DDPWrapper: every bucket_cap_mb_list entry must be >= 0, got ", cap);
 }
 
 std::vector<size_t> listed_caps(const ReducerOptions& options) {

@@ -6,8 +6,10 @@ deprecated arguments."""
 from __future__ import annotations
 
 import warnings
+from decimal import Decimal
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -92,6 +94,49 @@ def _cap_error(rank: int, world_size: int, cap: float) -> list[str]:
 @pytest.mark.parametrize(("cap", "error"), [(float("inf"), "OverflowError"), (float("nan"), "ValueError")])
 def test_non_finite_bucket_cap_mb_raises_torchs_exception_type(ranks, cap, error) -> None:
     assert ranks.run(_cap_error, world_size=1, args=(cap,)) == [[error, error]]
+
+
+def _outcome(cls: type, kwargs: dict[str, Any]) -> tuple:
+    """The exception type of wrapping ``_model()`` with ``kwargs``, or the attributes torch sets
+    from them."""
+    names = ("find_unused_parameters", "gradient_as_bucket_view", "static_graph", "forward_sync_buffers",
+             "broadcast_buffers", "bucket_bytes_cap", "skip_all_reduce_unused_params", "batched_grad_copy")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            ddp = cls(_model(), **kwargs)
+        except Exception as exc:  # the type is what is compared
+            return (type(exc).__name__,)
+    return ("ok",) + tuple(repr(getattr(ddp, n)) for n in names)
+
+
+ODD_VALUES = [
+    {"find_unused_parameters": None}, {"find_unused_parameters": "yes"}, {"find_unused_parameters": np.True_},
+    {"gradient_as_bucket_view": "x"}, {"static_graph": "x"}, {"static_graph": []},
+    {"broadcast_buffers": 0}, {"broadcast_buffers": 2}, {"forward_sync_buffers": "x"},
+    {"forward_sync_buffers": torch.tensor(True)}, {"batched_grad_copy": "x"},
+    {"skip_all_reduce_unused_params": None},
+    {"bucket_cap_mb": Decimal("1.5")}, {"bucket_cap_mb": torch.tensor(1.5)}, {"bucket_cap_mb": -float("inf")},
+    {"bucket_cap_mb": 1e300}, {"bucket_cap_mb": None}, {"bucket_cap_mb": True},
+    {"bucket_cap_mb_list": "25"}, {"bucket_cap_mb_list": ["25"]}, {"bucket_cap_mb_list": [0]},
+    {"bucket_cap_mb_list": [1, float("nan")]}, {"bucket_cap_mb_list": [1, float("inf")]},
+    {"bucket_cap_mb_list": []}, {"bucket_cap_mb_list": [1, None]}, {"bucket_cap_mb_list": (Decimal("0.5"), 2)},
+]
+
+
+def _odd_values(rank: int, world_size: int, kwargs: dict[str, Any]) -> str:
+    ref, ours = _outcome(TorchDDP, kwargs), _outcome(fastddp.DDPWrapper, kwargs)
+    assert ours == ref, (kwargs, ref, ours)
+    return ref[0]
+
+
+@pytest.mark.parametrize("kwargs", ODD_VALUES, ids=lambda kw: ",".join(f"{k}={v!r}" for k, v in kw.items()))
+def test_odd_argument_values_are_taken_or_refused_as_torch_does(ranks, kwargs) -> None:
+    """Values torch DDP takes (None for a flag, a Decimal cap, a 0 entry in bucket_cap_mb_list)
+    are taken, with the attributes torch sets; those it refuses (a string flag, a string cap, a
+    cap beyond 64-bit bytes) raise torch's exception type."""
+    assert ranks.run(_odd_values, world_size=1, args=(kwargs,))[0] in ("ok", "TypeError", "ValueError",
+                                                                        "OverflowError")
 
 
 FLAGS = [{"static_graph": 1}, {"static_graph": 0}, {"find_unused_parameters": 1},

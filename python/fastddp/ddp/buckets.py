@@ -58,7 +58,7 @@ def assign_buckets(params: list[torch.Tensor], bucket_cap_mb: Optional[float] = 
     ``caps_mb`` is torch's ``bucket_cap_mb_list``."""
     caps = [float(c) for c in caps_mb or ()]
     options = _bucket_options(*bucket_limits_mb(bucket_cap_mb, caps), caps)
-    options.find_unused_parameters = find_unused_parameters
+    options.find_unused_parameters = bool(find_unused_parameters)
     options.static_graph = static_graph
     if order is None:
         return C.initial_buckets(list(params), options)
@@ -71,8 +71,8 @@ class Buckets:
 
     def _reducer_options(self) -> Any:
         options = _bucket_options(self._bucket_cap_mb, self._first_bucket_mb, self._bucket_caps_mb)
-        options.gradient_as_bucket_view = self.gradient_as_bucket_view
-        options.find_unused_parameters = self.find_unused_parameters
+        options.gradient_as_bucket_view = bool(self.gradient_as_bucket_view)
+        options.find_unused_parameters = bool(self.find_unused_parameters)
         options.static_graph = self.static_graph
         options.comm_dtype = self.comm_dtype
         # a Python hook reduces through its own collectives; a copy (deepcopy / unpickled)
@@ -96,7 +96,7 @@ class Buckets:
         if previous is not None:  # its hooks would queue a second reduction
             previous.close()
         self._sparse = SparseGradients(self._sparse_names, self._sparse_params, self._reduced_params,
-                                       self.process_group, self.find_unused_parameters)
+                                       self.process_group, bool(self.find_unused_parameters))
         for visitor in self._bucket_visitors:  # a replaced reducer keeps them
             self._reducer.add_bucket_visitor(visitor)
         requested = self._shm_requested

@@ -4,7 +4,6 @@ that every rank built the same model is in rank_check.py.)"""
 
 from __future__ import annotations
 
-import numbers
 import os
 import sys
 import warnings
@@ -44,17 +43,45 @@ def refuse_unsupported(delay_all_reduce_named_params: Any, param_to_hook_all_red
             "reduces them), or use torch's DistributedDataParallel for compiled autograd.")
 
 
+_MIB = 1024 * 1024
+_INT64_MAX = 2**63 - 1
+
+
+def flag(name: str, value: Any) -> bool:
+    """A bool argument as torch DDP's C++ reducer and logger take it (pybind11's conversion):
+    None is False, anything with ``__bool__`` (an int, a numpy bool, a one-element tensor) is
+    its truth value, and the rest (a string, a list) is refused with torch's ``TypeError``."""
+    if value is None or isinstance(value, bool):
+        return bool(value)
+    if getattr(type(value), "__bool__", None) is None:
+        raise TypeError(f"DDPWrapper: {name} must be a bool, got {type(value).__name__} {value!r}")
+    return bool(value)
+
+
+def cap_bytes(name: str, value: Any) -> int:
+    """A bucket cap in MiB converted to bytes as torch DDP converts it (``int(value * 2**20)``):
+    what torch takes (an int, a float, a ``Decimal``, a 0-d tensor) is taken, and what it refuses
+    fails with torch's exception type: a string ``ValueError`` (torch repeats it 2**20 times, then
+    fails converting that), NaN ``ValueError``, an infinity ``OverflowError``, None ``TypeError``,
+    a cap beyond 64-bit bytes ``TypeError`` (torch's reducer constructor's)."""
+    if isinstance(value, (str, bytes)):
+        raise ValueError(f"DDPWrapper: {name} must be a number of MiB (e.g. 25), got "
+                         f"{type(value).__name__} {value!r}")
+    try:
+        n = int(value * _MIB)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise type(e)(f"DDPWrapper: {name} must be a finite number of MiB (e.g. 25), got {value!r} ({e}); a "
+                      "very large cap, e.g. 1e6, puts every parameter in one bucket") from None
+    if n > _INT64_MAX:
+        raise TypeError(f"DDPWrapper: {name}={value!r} MiB is {n} bytes, more than a 64-bit size holds; a cap "
+                        "of 1e6 MiB already puts every parameter in one bucket")
+    return n
+
+
 def bucket_cap(bucket_cap_mb: Any) -> float:
-    """``bucket_cap_mb`` as torch DDP takes it: a real number of MiB, 0 giving each parameter
-    a bucket of its own. A string is refused with torch's exception type (``ValueError``; torch
-    fails converting ``"25" * 2**20`` to int), infinity with torch's ``OverflowError``. A negative
-    cap, which torch takes as 0, is refused as the mistake it is."""
-    if isinstance(bucket_cap_mb, (str, bytes)) or not isinstance(bucket_cap_mb, numbers.Real):
-        raise ValueError(f"DDPWrapper: bucket_cap_mb must be a number of MiB (e.g. 25), got "
-                         f"{type(bucket_cap_mb).__name__} {bucket_cap_mb!r}")
-    if bucket_cap_mb == float("inf"):  # torch's OverflowError converting it to bytes
-        raise OverflowError("DDPWrapper: bucket_cap_mb must be a finite number of MiB, got inf (a "
-                            "very large cap, e.g. 1e6, puts every parameter in one bucket)")
+    """``bucket_cap_mb`` as torch DDP takes it (``cap_bytes``), 0 giving each parameter a bucket
+    of its own. A negative cap, which torch takes as 0, is refused as the mistake it is."""
+    cap_bytes("bucket_cap_mb", bucket_cap_mb)
     if not bucket_cap_mb >= 0:
         raise ValueError(f"DDPWrapper: bucket_cap_mb must be a finite number >= 0 (0: one parameter per "
                          f"bucket), got {bucket_cap_mb}")
@@ -124,11 +151,22 @@ def backend_name(group: dist.ProcessGroup) -> str:
         return group.name().lower()
 
 
-def bucket_caps(bucket_cap_mb_list: Optional[list[float]]) -> Optional[list[float]]:
-    """torch DDP's ``bucket_cap_mb_list`` as floats (None when not given); entries must be > 0."""
-    caps = [float(c) for c in bucket_cap_mb_list] if bucket_cap_mb_list else None
-    if caps is not None and min(caps) <= 0:
-        raise ValueError(f"DDPWrapper: every bucket_cap_mb_list entry must be > 0, got {bucket_cap_mb_list}")
+def bucket_caps(bucket_cap_mb_list: Any) -> Optional[list[float]]:
+    """torch DDP's ``bucket_cap_mb_list`` as floats: None when not given or empty (torch's
+    ``if bucket_cap_mb_list:``); each entry converted as torch converts it (``cap_bytes``), 0
+    giving each parameter a bucket of its own, a negative entry refused as ``bucket_cap_mb``'s."""
+    if isinstance(bucket_cap_mb_list, (str, bytes)):  # torch iterates its characters
+        raise ValueError(f"DDPWrapper: bucket_cap_mb_list must be a list of numbers of MiB (e.g. [25, 50]), "
+                         f"got {type(bucket_cap_mb_list).__name__} {bucket_cap_mb_list!r}")
+    if not bucket_cap_mb_list:
+        return None
+    caps = []
+    for cap in bucket_cap_mb_list:
+        cap_bytes("every bucket_cap_mb_list entry", cap)
+        if not cap >= 0:
+            raise ValueError(f"DDPWrapper: every bucket_cap_mb_list entry must be >= 0 (0: one parameter per "
+                             f"bucket), got {bucket_cap_mb_list}")
+        caps.append(float(cap))
     return caps
 
 
@@ -195,15 +233,18 @@ def _device_of(device_id: Any) -> torch.device:
     return torch.device("cuda", device_id) if isinstance(device_id, int) else torch.device(device_id)
 
 
-def buffer_sync(broadcast_buffers: Optional[bool], forward_sync_buffers: Optional[bool]) -> tuple[bool, bool]:
-    """Whether the buffers are broadcast before forwards and at construction, by torch DDP's
+def buffer_sync(broadcast_buffers: Any, forward_sync_buffers: Any) -> tuple[Any, bool]:
+    """``forward_sync_buffers`` as torch DDP sets it (the value as given: it syncs the buffers
+    before forwards when true) and whether the buffers are synced at construction, by torch's
     (2.13+) rule: forward_sync_buffers replaces broadcast_buffers; given, it decides only the
     per-forward sync and the buffers are synced at construction anyway; else broadcast_buffers
     (default True) decides both."""
     if forward_sync_buffers is not None:
-        return bool(forward_sync_buffers), True
-    both = True if broadcast_buffers is None else bool(broadcast_buffers)
-    return both, both
+        flag("forward_sync_buffers", forward_sync_buffers)
+        return forward_sync_buffers, True
+    if broadcast_buffers is None:
+        return True, True
+    return broadcast_buffers, flag("broadcast_buffers", broadcast_buffers)
 
 
 def deprecated_arguments(broadcast_buffers: Optional[bool], forward_sync_buffers: Optional[bool],

@@ -36,8 +36,9 @@ class SharedSettings:
     def of(find_unused: bool, static_graph: bool, comm_dtype: Optional[torch.dtype], init_sync_buffers: bool,
            forward_sync_buffers: bool, caps: Optional[list[float]]) -> SharedSettings:
         caps_hash = 0 if caps is None else hash(tuple(float(c) for c in caps)) & ((1 << 62) - 1) | 1
-        return SharedSettings(int(find_unused), int(static_graph), -1 if comm_dtype is None else _dtype_code(comm_dtype),
-                              int(init_sync_buffers), int(forward_sync_buffers), caps_hash)
+        return SharedSettings(int(bool(find_unused)), int(bool(static_graph)),
+                              -1 if comm_dtype is None else _dtype_code(comm_dtype),
+                              int(bool(init_sync_buffers)), int(bool(forward_sync_buffers)), caps_hash)
 
 
 def _show(name: str, code: int) -> str:

@@ -96,7 +96,7 @@ class TorchAttributes:
 
     @broadcast_buffers.setter
     def broadcast_buffers(self, value: bool) -> None:
-        self.forward_sync_buffers = bool(value)
+        self.forward_sync_buffers = value  # as given, as torch DDP's setter keeps it
 
     @property
     def reducer(self) -> TorchReducerCalls:

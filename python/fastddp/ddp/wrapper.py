@@ -172,8 +172,14 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, Pickling, TorchInputMethods, 
             raise RuntimeError("DDPWrapper: this torch build has no torch.distributed support.")
         # every collective goes to this group, with its own ranks (see checks.resolve_group)
         self.process_group = checks.resolve_group(process_group, device_mesh)
+        for name, value in (("find_unused_parameters", find_unused_parameters), ("static_graph", static_graph),
+                            ("gradient_as_bucket_view", gradient_as_bucket_view),
+                            ("skip_all_reduce_unused_params", skip_all_reduce_unused_params),
+                            ("batched_grad_copy", batched_grad_copy)):
+            checks.flag(name, value)  # torch's C++ reducer and logger take them as bools
         checks.refuse_unsupported(delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision,
                                   skip_all_reduce_unused_params)
+        self.skip_all_reduce_unused_params = skip_all_reduce_unused_params  # as given, as torch DDP keeps it
         checks.check_comm_dtype(comm_dtype)
         caps = checks.bucket_caps(bucket_cap_mb_list)
         explicit_cap = None if caps or bucket_cap_mb is None else checks.bucket_cap(bucket_cap_mb)
