@@ -345,3 +345,35 @@ def test_sparse_gradients_with_fused_clip_refused() -> None:
         scaler.step(opt, max_grad_norm=1.0)
     scaler.step(opt)
     scaler.update()
+
+
+def _fp16_fused_run(scaler_cls: type, max_grad_norm: float | None = None) -> tuple:
+    torch.manual_seed(0)
+    m = nn.Linear(4, 4).half()
+    o = torch.optim.AdamW(m.parameters(), lr=0.1, fused=True)
+    s = scaler_cls("cpu", init_scale=2.0**14, growth_interval=1)
+    for step in range(3):
+        x = torch.randn(2, 4).half() * (1e4 if step == 1 else 1)  # step 1 overflows: skipped
+        o.zero_grad()
+        s.scale(m(x).float().square().sum()).backward()
+        s.step(o) if max_grad_norm is None else s.step(o, max_grad_norm=max_grad_norm)
+        s.update()
+    return [p.detach().clone() for p in m.parameters()], s.get_scale()
+
+
+def test_float16_gradients_step_a_fused_optimizer_like_torch() -> None:
+    """A fused optimizer unscales float16 gradients in its own kernel: torch's scaler checks
+    them (inf/NaN) in step() without refusing float16, and ours trains the same parameters and
+    scale, also with max_grad_norm (the overflow skipped, the scale backed off and grown).
+    unscale_() still refuses them, as torch's does."""
+    (ref, ref_scale), (ours, scale) = _fp16_fused_run(torch.amp.GradScaler), _fp16_fused_run(fastddp.GradScaler)
+    assert scale == ref_scale == 2.0**15  # grown, backed off (the overflow), grown
+    for a, b in zip(ours, ref):
+        assert torch.equal(a, b)
+    _, clipped_scale = _fp16_fused_run(fastddp.GradScaler, max_grad_norm=0.5)
+    assert clipped_scale == ref_scale
+    m = nn.Linear(4, 4).half()
+    s = fastddp.GradScaler("cpu")
+    s.scale(m(torch.randn(2, 4).half()).float().sum()).backward()
+    with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients"):
+        s.unscale_(torch.optim.AdamW(m.parameters(), fused=True))

@@ -234,7 +234,9 @@ class GradScaler(torch.amp.GradScaler):
             raise RuntimeError("step() has already been called since the last update().")
         ours = grads is not None or ddp is not None or max_grad_norm is not None
         try:
-            g = self._grads(optimizer, grads, ddp)
+            # A fused optimizer unscales in its own kernel, which takes float16 gradients: torch's
+            # scaler then checks them for inf/NaN without refusing float16 (unscale_() does refuse)
+            g = self._grads(optimizer, grads, ddp, unscaling=not getattr(optimizer, "_step_supports_amp_scaling", False))
         except SparseGradients:
             if ours:
                 raise
