@@ -254,17 +254,49 @@ def test_timeout_without_workers_fails_at_iter_as_dataloader() -> None:
             iter(loader)
 
 
-@pytest.mark.parametrize(("value", "error"), [(-1, AssertionError), (1.5, TypeError), (2.0, TypeError)])
+# torch's iterator, deleted half-made after its assertion, reports a missing attribute from
+# its __del__ (its own bug, not a difference to compare).
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize(("value", "error"), [(-1, AssertionError), (1.5, TypeError), (2.0, TypeError),
+                                              (None, TypeError)])
 def test_num_workers_assigned_later_fails_at_iter_as_dataloader(value, error) -> None:
-    # DataLoader checks num_workers only at construction; assigned later, its iterator fails
-    # (an assertion for a negative count, a comparison for a float); ours names the attribute
+    """DataLoader checks num_workers only at construction; assigned later, its worker iterator
+    draws the pass's seed, then fails (an assertion for a negative count, a comparison
+    otherwise); ours fails with the same type after the same draw, naming the attribute."""
+    states = []
     for cls in (DataLoader, fastddp.PrefetchLoader):
-        loader = cls(tensors(), batch_size=2)
+        torch.manual_seed(3)
+        loader = cls(tensors(), batch_size=2, shuffle=True)
         loader.num_workers = value
         with pytest.raises(error):
             next(iter(loader))
+        states.append(torch.random.get_rng_state())
+    assert torch.equal(states[0], states[1]), "the global generator differs after the refusal"
     with pytest.raises(error, match=f"num_workers={value} assigned|got {value} "):
         next(iter(loader))
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize("how", ["workers assigned later", "prefetch_factor None assigned"])
+def test_workers_without_a_prefetch_factor_fail_at_iter_as_dataloader(how: str) -> None:
+    """Workers with prefetch_factor None (a loader made without workers keeps None; or None
+    assigned): DataLoader's worker iterator draws the pass's seed, then fails comparing None;
+    ours raises the same TypeError after the same draw, with the fix."""
+    states, messages = [], []
+    for cls in (DataLoader, fastddp.PrefetchLoader):
+        torch.manual_seed(3)
+        if how == "workers assigned later":
+            loader = cls(tensors(), batch_size=2, shuffle=True)
+            loader.num_workers = 2
+        else:
+            loader = cls(tensors(), batch_size=2, shuffle=True, num_workers=1)
+            loader.prefetch_factor = None
+        with pytest.raises(TypeError) as info:
+            iter(loader)
+        messages.append(str(info.value))
+        states.append(torch.random.get_rng_state())
+    assert messages[1].startswith(messages[0]) and "loader.prefetch_factor = 2" in messages[1], messages
+    assert torch.equal(states[0], states[1]), "the global generator differs after the refusal"
 
 
 @pytest.mark.parametrize("workers", [0, 2])

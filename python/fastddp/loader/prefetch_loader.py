@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, default_collate
 from .._ext import C
 from .iterator import LoaderHooks, LoaderIterator, Progress
 from .passes import NativePass, NativeSettings, Replay, TorchPass, build_runner, with_random_state
-from .plan import reads_ahead_unobserved
+from .plan import draw_base_seed, reads_ahead_unobserved
 from .settings import (
     NATIVE_DEVICE_TYPES,
     change_count,
@@ -253,6 +253,13 @@ class PrefetchLoader(DataLoader):
         if native:
             if self.num_workers != 0:  # DataLoader checks it whenever it makes a worker iterator
                 self.check_worker_number_rationality()
+            try:
+                check_prefetch_factor(check_workers(self.num_workers), self.prefetch_factor)
+            except (AssertionError, TypeError):
+                # DataLoader's worker iterator draws the pass's seed, then fails on num_workers or
+                # prefetch_factor (before it reads the sampler)
+                draw_base_seed(self.generator)
+                raise
             start_warnings(self.pin_memory, self.pin_memory_device, self.num_workers)
             pass_: Any = NativePass(self.batch_sampler, self._src, self._native_settings())
         else:
@@ -260,9 +267,8 @@ class PrefetchLoader(DataLoader):
         if not native:
             self._start(pass_, True)
         else:
-            try:  # DataLoader's worker iterator fails on a bad prefetch_factor after its seed draw
-                self._start(pass_, True)  # a non-integer one fails the first reads (NativePass._read)
-                check_prefetch_factor(check_workers(self.num_workers), self.prefetch_factor)
+            try:  # a non-integer prefetch_factor fails the first reads, after the seed draw (NativePass._read)
+                self._start(pass_, True)
             except (AssertionError, TypeError):
                 pass_.close()
                 raise

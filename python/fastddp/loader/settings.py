@@ -140,8 +140,15 @@ def _warn_as_dataloader(message: str, num_workers: Any) -> None:
 def check_prefetch_factor(num_workers: int, prefetch_factor: Any) -> None:
     """DataLoader accepts ``prefetch_factor=0`` with workers at construction (and takes any
     value assigned later); its worker iterator then fails an assertion, after drawing the
-    pass's seed. The same assertion, at the same point of a native pass."""
-    if num_workers > 0 and prefetch_factor is not None and prefetch_factor <= 0:
+    pass's seed. The same assertion, at the same point of a native pass; and, for None assigned
+    with workers (or workers assigned to a loader made without, whose prefetch_factor stays
+    None), its comparison's TypeError."""
+    if num_workers > 0 and prefetch_factor is None:
+        raise TypeError("'<=' not supported between instances of 'NoneType' and 'int' (PrefetchLoader: "
+                        f"prefetch_factor is None with num_workers={num_workers}, which DataLoader's worker "
+                        "iterator fails on; assign a positive int, e.g. loader.prefetch_factor = 2, "
+                        "DataLoader's default, or give num_workers to the constructor)")
+    if num_workers > 0 and prefetch_factor <= 0:
         raise AssertionError("prefetch_factor must be greater than 0 for MultiProcessingDataLoaderIter "
                              f"(PrefetchLoader: prefetch_factor={prefetch_factor!r} with num_workers="
                              f"{num_workers}; leave it None for 2 batches a worker, or give a positive int)")
