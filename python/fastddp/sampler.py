@@ -193,6 +193,11 @@ class DistributedSampler(TorchDistributedSampler):
                 raise TypeError(f"slice indices must be integers or None or have an __index__ method "
                                 f"(DistributedSampler: {name}={value!r} is not an integer; assign an "
                                 "int)") from None
+        if not 0 <= operator.index(self.rank) < operator.index(self.num_replicas):
+            # torch's slice then holds fewer than num_samples indices: its size assertion fails
+            raise AssertionError(f"DistributedSampler: rank={self.rank} assigned after construction is outside "
+                                 f"[0, {self.num_replicas - 1}] for num_replicas={self.num_replicas}; assign this "
+                                 "process's rank")
 
     def indices(self) -> torch.Tensor:
         """This rank's indices for the current epoch (all of them, ignoring any resume

@@ -102,7 +102,7 @@ def test_iterator_keeps_the_epoch_it_was_created_in() -> None:
 
 @pytest.mark.parametrize(("attr", "value"), [("seed", 99), ("epoch", 7), ("shuffle", False),
                                              ("seed", 2.5), ("epoch", "x"), ("rank", 1.0), ("rank", 0.9),
-                                             ("num_replicas", 3.0), ("rank", True)])
+                                             ("num_replicas", 3.0), ("rank", True), ("rank", 5), ("rank", -1)])
 @pytest.mark.parametrize("shuffle", [True, False])
 def test_attributes_set_directly_are_read_by_the_next_iter(attr, value, shuffle) -> None:
     # a float rank or num_replicas: torch's slicing TypeError at iter() (ours names it)
