@@ -267,7 +267,12 @@ def test_float_indices_are_refused_as_dataloader_refuses_them() -> None:
         ({"batch_size": 0}, ValueError, "batch_size should be a positive integer value, but got batch_size=0"),
         ({"batch_size": None, "drop_last": True}, ValueError, "batch_size=None option disables auto-batching"),
         ({"num_workers": -1}, ValueError, "num_workers option should be non-negative"),
-        ({"prefetch": 0}, ValueError, "prefetch must be an integer >= 1, got 0"),
+        ({"prefetch": 0}, ValueError, r"prefetch must be an integer in \[1, 2147483647\] .*, got 0"),
+        ({"prefetch": 10**20}, ValueError, r"prefetch must be an integer in \[1, 2147483647\]"),
+        ({"shuffle": True, "seed": 1.5}, TypeError, "seed must be an integer, got float 1.5"),
+        ({"shuffle": True, "seed": True}, TypeError, "seed must be an integer, got bool True"),
+        ({"device_resident": "yes"}, ValueError, "device_resident must be True, False or \"auto\", got 'yes'"),
+        ({"device_resident": 1}, ValueError, "device_resident must be True, False or \"auto\", got 1"),
         ({"shuffle": True, "sampler": SequentialSampler(range(N))}, ValueError, "mutually exclusive"),
     ],
 )
@@ -275,6 +280,17 @@ def test_bad_arguments(kwargs, exc, message) -> None:
     x, y = _data()
     with pytest.raises(exc, match=message):
         fastddp.PrefetchLoader(TensorDataset(x, y), **kwargs)
+
+
+@pytest.mark.parametrize("epoch", [1.5, "2", True])
+def test_set_epoch_takes_an_integer(epoch) -> None:
+    """int() would truncate 1.5 silently; a numpy integer is an integer."""
+    x, y = _data()
+    loader = fastddp.PrefetchLoader(TensorDataset(x, y), batch_size=2, shuffle=True, seed=0)
+    with pytest.raises(TypeError, match=f"set_epoch: epoch must be an integer, got {type(epoch).__name__}"):
+        loader.set_epoch(epoch)
+    loader.set_epoch(np.int64(3))
+    assert loader.epoch == 3
 
 
 def test_mismatched_tensors() -> None:

@@ -17,8 +17,10 @@ from .settings import (
     NATIVE_DEVICE_TYPES,
     change_count,
     check_extras,
+    check_integer,
     check_own_form,
     check_prefetch_factor,
+    check_resident,
     check_workers,
     largest_batch,
     make_spec,
@@ -113,6 +115,7 @@ class PrefetchLoader(DataLoader):
             check_own_form(batch_size=batch_size, collate_fn=collate_fn, worker_init_fn=worker_init_fn,
                            timeout=timeout, multiprocessing_context=multiprocessing_context)
         if seed is not None:
+            seed = check_integer("PrefetchLoader", "seed", seed)
             if not shuffle or sampler is not None or batch_sampler is not None or src.kind == "iterable":
                 given = ("an IterableDataset" if src.kind == "iterable" else
                          f"sampler={type(sampler).__name__}" if sampler is not None else
@@ -185,6 +188,7 @@ class PrefetchLoader(DataLoader):
     def _check_tensor_options(self) -> None:
         """pin_dataset and device_resident (given, or assigned later: checked again at iter())
         need tensors to copy; pin_dataset a CUDA device to gather from pinned memory."""
+        check_resident(self.device_resident)
         if not (self.pin_dataset or self.device_resident):
             return
         if not self._src.gatherable or (self.pin_dataset and self.device.type != "cuda"):
@@ -340,9 +344,10 @@ class PrefetchLoader(DataLoader):
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch; forwarded to the sampler's ``set_epoch`` (or the batch sampler's,
         or the ``set_epoch`` of the sampler inside a batch sampler)."""
-        if int(epoch) != self.epoch:
+        epoch = check_integer("PrefetchLoader.set_epoch", "epoch", epoch)
+        if epoch != self.epoch:
             self._replay = Replay()
-        self._epoch = int(epoch)
+        self._epoch = epoch
         for s in epoch_targets(self.sampler, self.batch_sampler):
             s.set_epoch(epoch)
 

@@ -61,9 +61,32 @@ def check_extras(device: Union[str, torch.device, None], prefetch: Optional[int]
         # not an integer fails at iter(), as DataLoader's iterator fails on it
         workers, factor = _index_or(num_workers, 0), _index_or(prefetch_factor, 2)
         return dev, max(1, factor * workers) if workers > 0 else 4
-    if isinstance(prefetch, bool) or _index_or(prefetch, 0) < 1:
-        raise ValueError(f"PrefetchLoader: prefetch must be an integer >= 1, got {prefetch!r}")
+    if isinstance(prefetch, bool) or not 1 <= _index_or(prefetch, 0) <= _MAX_RING:
+        raise ValueError(f"PrefetchLoader: prefetch must be an integer in [1, {_MAX_RING}] (ring slots, each "
+                         f"holding a batch), got {prefetch!r}")
     return dev, operator.index(prefetch)
+
+
+_MAX_RING = 2**31 - 1  # the native ring's slot count is a C int
+
+
+def check_integer(owner: str, name: str, value: Any) -> int:
+    """``value`` as an integer argument of fastddp's own (``seed``, an epoch): an int, a numpy
+    or 0-d tensor integer; a float (silently truncated by ``int()``), a bool or a string is a
+    TypeError naming it."""
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise TypeError(f"{owner}: {name} must be an integer, got {type(value).__name__} {value!r}")
+
+
+def check_resident(value: Any) -> Union[bool, str]:
+    """``device_resident``: True, False or ``"auto"``."""
+    if isinstance(value, bool) or value == "auto":
+        return value
+    raise ValueError(f"PrefetchLoader: device_resident must be True, False or \"auto\", got {value!r}")
 
 
 def _index_or(value: Any, default: int) -> int:
