@@ -93,6 +93,23 @@ def test_default_hooks_match_torch_ddp(ranks, hook: str, transport: str) -> None
     ranks.run(_hook_parity, world_size=2, args=(transport, hook))
 
 
+def _hook_on_another_group(rank: int, world_size: int) -> None:
+    """A built-in hook whose state is another process group (here one of the same ranks) reduces
+    over that group, as torch DDP's does: bit for bit torch's training."""
+    group = dist.new_group(list(range(world_size)))
+    torch.manual_seed(1234)
+    a, b = mlp(), mlp()
+    b.load_state_dict(a.state_dict())
+    ours, ref = fastddp.DDPWrapper(a), TorchDDP(b)
+    ours.register_comm_hook(group, default_hooks.allreduce_hook)
+    ref.register_comm_hook(group, default_hooks.allreduce_hook)
+    train_both(ours, ref, rand_vec, steps=3, tol=EXACT)
+
+
+def test_builtin_hook_with_another_group_as_state_trains_as_torch(ranks) -> None:
+    ranks.run(_hook_on_another_group, world_size=2)
+
+
 @pytest.mark.parametrize("transport", ["shm", "c10d"])
 @pytest.mark.parametrize("hook", ["fp16", "bf16"])
 def test_comm_dtype_trains_as_the_compression_hook(ranks, hook: str, transport: str) -> None:
@@ -370,9 +387,17 @@ def _misuse_conflicting_comm_dtype(rank: int, world_size: int) -> None:
 
 
 def _misuse_foreign_state(rank: int, world_size: int) -> None:
-    other = fastddp.DDPWrapper(mlp())
-    with pytest.raises(_ERRORS, match="state must be None or this wrapper's process group"):
-        other.register_comm_hook(object(), default_hooks.allreduce_hook)
+    """A built-in hook given a state that is not a process group: registered, and its backward
+    fails as torch's does (the hook runs as it is, with its state)."""
+    failures = []
+    for cls in (TorchDDP, fastddp.DDPWrapper):
+        torch.manual_seed(0)
+        model = cls(mlp())
+        model.register_comm_hook(object(), default_hooks.allreduce_hook)
+        with pytest.raises(Exception) as info:
+            model(torch.randn(2, 8)).sum().backward()
+        failures.append(type(info.value))
+    assert failures[0] is failures[1] is AttributeError, failures
 
 
 def _misuse_not_callable(rank: int, world_size: int) -> None:

@@ -95,13 +95,11 @@ class CommHooks:
                                "switches hooks mid-training); register it right after wrapping the model.")
         if hook is not default_hooks.allreduce_hook:  # the others change what a sparse gradient becomes
             sparse.refuse(self._sparse_names, f"the communication hook {name}")
-        if not any(hook is k for k in known):
+        if not any(hook is k for k in known) or (state is not None and state is not self.process_group):
+            # torch's hook runs as it is, with its state: a built-in hook given another group
+            # reduces over that group (and fails in backward as under torch on a state that is none)
             self._register_python_hook(state, hook, name)
             return
-        if state is not None and state is not self.process_group:
-            raise ValueError("DDPWrapper.register_comm_hook: state must be None or this wrapper's process "
-                             f"group for {name} (the built-in hooks reduce over the wrapper's group), got "
-                             f"{type(state).__name__}.")
         dtype = known[hook]
         if dtype is not None and self.comm_dtype not in (None, dtype):
             raise ValueError(f"DDPWrapper.register_comm_hook: {name} conflicts with comm_dtype={self.comm_dtype} "
