@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 torch_req=${FASTDDP_TORCH:-torch==2.14.1}
 echo "==> installing ${torch_req} and build/test tools"
-"$PY" -m pip install -q "$torch_req" "scikit-build-core>=0.10" ninja "cmake>=3.26" numpy tqdm pyyaml matplotlib \
+"$PY" -m pip install -q "$torch_req" "scikit-build-core>=0.10" ninja "cmake>=3.26" numpy tqdm pyyaml matplotlib tensorboard \
   pytest pytest-benchmark pytest-timeout expecttest
 echo "==> building fastddp (FASTDDP_WITH_CUDA=${FASTDDP_WITH_CUDA:-auto})"
 "$PY" -m pip install -q --no-build-isolation --no-deps --force-reinstall .

@@ -153,6 +153,8 @@ def test_debug_in_the_config_file_shows_the_traceback(tmp_path) -> None:
         (["--sync-batchnorm", "--multi-gpu", "dp"], 1, r"^--sync-batchnorm only applies to --multi-gpu "
                                                        r"ddp .* this run is --multi-gpu dp"),
         (["--backend", "gloo"], 0, r"^--backend gloo only applies to --multi-gpu ddp"),
+        (["--timeout", "30"], 0, r"^--timeout 30\.0 only applies to --multi-gpu ddp \(it sets how long a "
+                                 r"collective of the DDP ranks waits for a lost rank\)"),
         (["--amp-dtype", "fp16"], 0, r"^--amp-dtype fp16 sets the autocast dtype but AMP is off by "
                                      r"default without a GPU; add --amp to train in mixed precision, "
                                      r"or drop --amp-dtype"),
@@ -381,3 +383,25 @@ def test_directory_in_place_of_a_run_file_is_refused_at_start(tmp_path) -> None:
                                          r"where the run writes a file of that name; move it "
                                          r"away, or choose another --save-dir$"):
         check_save_dir(tmp_path)
+
+
+def test_lock_file_name_taken_by_a_directory_is_refused_at_start(tmp_path) -> None:
+    from fastddp.train.save_dir import check_save_dir
+
+    (tmp_path / ".fastddp.lock").mkdir()
+    with pytest.raises(UsageError, match=rf"{re.escape(str(tmp_path / '.fastddp.lock'))} is a directory "
+                                         r"where the run writes a file of that name"):
+        check_save_dir(tmp_path)
+
+
+def test_file_in_place_of_the_tensorboard_directory_is_refused_at_start(tmp_path) -> None:
+    """--tensorboard writes its events into save_dir/tensorboard/: a file there is named before
+    the run writes anything, not a FileExistsError traceback after config.json."""
+    from fastddp.train.save_dir import check_save_dir
+
+    (tmp_path / "tensorboard").write_text("x")
+    check_save_dir(tmp_path)  # without --tensorboard the file is nobody's business
+    with pytest.raises(UsageError, match=rf"^--save-dir {re.escape(str(tmp_path))}: "
+                                         rf"{re.escape(str(tmp_path / 'tensorboard'))} is a file where the "
+                                         r"run writes a directory of that name; move it away"):
+        check_save_dir(tmp_path, ("tensorboard",))

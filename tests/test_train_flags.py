@@ -164,8 +164,37 @@ def test_tensorboard_writes_events_or_says_why_not(tmp_path, data_path) -> None:
         return
     events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
     events.Reload()
-    assert len(events.Scalars("train/loss")) == 12  # --log-interval 1: every step
-    assert len(events.Scalars("val/f1")) == 2
+    assert [e.step for e in events.Scalars("train/loss")] == list(range(1, 13))  # --log-interval 1
+    assert [e.step for e in events.Scalars("epoch/val_f1")] == [6, 12]  # where each epoch ended
+
+
+def _steps(save: Path, tag: str) -> list[int]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(save / "tensorboard"))
+    events.Reload()
+    return [e.step for e in events.Scalars(tag)]
+
+
+def test_tensorboard_of_a_resumed_run_shows_each_step_once(tmp_path, data_path) -> None:
+    """A resume hides the events a killed attempt wrote after its last checkpoint (here: a
+    whole epoch after the checkpoint that the resume loads), so no step shows twice; --resume
+    none keeps the earlier run's events aside with its other files."""
+    pytest.importorskip("tensorboard")
+    save = tmp_path / "run"
+    flags = ["--tensorboard", "--log-interval", "1"]
+    _train(save, data_path, [*flags, "--epochs", "1"])
+    kept = (save / "last.pt").read_bytes()
+    _train(save, data_path, [*flags, "--epochs", "2", "--resume", "auto"])
+    (save / "last.pt").write_bytes(kept)  # as if the second epoch's checkpoint never landed
+    (save / "last.pt.prev").unlink(missing_ok=True)
+    _, out = _train(save, data_path, [*flags, "--epochs", "2", "--resume", "auto"])
+    assert "resumed from" in out, out
+    assert _steps(save, "train/loss") == list(range(1, 13))
+    assert _steps(save, "epoch/train_loss") == [6, 12]
+    _, out = _train(save, data_path, [*flags, "--epochs", "1", "--resume", "none"])
+    assert "tensorboard." in out and len(list(save.glob("tensorboard.*.bak"))) == 1, out
+    assert _steps(save, "train/loss") == list(range(1, 7))
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
@@ -193,3 +222,16 @@ def test_find_unused_parameters(tmp_path, data_path) -> None:
     assert "unused.weight" in out and "find_unused_parameters" in out, out[-3000:]
     got, _ = _train(tmp_path / "with", data_path, [*flags, "--find-unused-parameters"], world=2)
     assert got["step"] == 3
+
+
+def test_curves_are_written_like_the_other_files(tmp_path, data_path) -> None:
+    """curves.png goes through the run's writer (a temporary file renamed over it), as
+    summary.json does: a curves.png that is a link to a full device is replaced, and the run
+    ends with its summary (drawn straight into the link it failed with ENOSPC and a traceback)."""
+    save = tmp_path / "run"
+    save.mkdir()
+    (save / "curves.png").symlink_to("/dev/full")
+    _train(save, data_path, ["--epochs", "1"])
+    assert not (save / "curves.png").is_symlink()
+    assert (save / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (save / "summary.json").is_file()

@@ -28,7 +28,9 @@ def data_path(tmp_path_factory) -> str:
     (Path(path) / "tiny_half.py").write_text(
         "from torch.utils.data import TensorDataset\n\nfrom tiny_har import make\n\n\n"
         "def first_half():\n    train, test = make()\n"
-        "    return TensorDataset(*(t[:96] for t in train.tensors)), test\n")
+        "    return TensorDataset(*(t[:96] for t in train.tensors)), test\n\n\n"
+        "def shifted():\n    train, test = make()\n"
+        "    return TensorDataset(train.tensors[0] + 1, train.tensors[1]), test\n")
     return path
 
 
@@ -61,7 +63,8 @@ def _resume(one_epoch: Path, tmp_path: Path, data_path: str, extra: list[str],
     (["--amp"], "--amp off (this run: on)"),
     (["--dataset", "tiny_half:first_half"], "training samples (--dataset, --data-dir) 192 "
                                               "(this run: 96)"),
-], ids=["lr", "batch-size", "seed", "weight-decay", "amp", "data"])
+    (["--dataset", "tiny_half:shifted"], "training and validation data (--dataset, --data-dir): samples "),
+], ids=["lr", "batch-size", "seed", "weight-decay", "amp", "data-size", "data-values"])
 def test_resume_with_other_settings_is_refused_and_writes_nothing(
         one_epoch, tmp_path, data_path, extra, named) -> None:
     before = _files(one_epoch)
@@ -70,8 +73,9 @@ def test_resume_with_other_settings_is_refused_and_writes_nothing(
     lines = [ln for ln in out.splitlines() if ln.strip()]
     assert len(lines) == 1 and "Traceback" not in out, out
     assert lines[0].startswith(f"fastddp.train: error: {save / 'last.pt'} was written by a run "
-                               f"with other settings: {named}. Resuming it would continue "
-                               "neither that run nor this one; give the checkpoint's values"), out
+                               f"with other settings: {named}"), out
+    assert re.search(r"\(this run: [^)]+\)\. Resuming it would continue neither that run nor this one; "
+                     "give the checkpoint's values", lines[0]), out
     assert "start a new run with --resume none" in lines[0]
     after = _files(save)
     assert after == before  # no config.json, metrics.csv or checkpoint rewritten

@@ -64,7 +64,7 @@ def with_unused():
     return WithUnused()
 '''
 ARGS = ["--dataset", "tiny_har:make", "--epochs", "3", "--batch-size", "32", "--no-progress",
-        "--num-workers", "1", "--timeout", "20"]
+        "--num-workers", "1"]
 
 
 def write_data(directory: Path) -> str:
@@ -82,7 +82,7 @@ def launch(save: Path, data_path: str, extra: list[str], exit_after: int = 0,
     envs: list[dict[str, str]] = [dict(env or {})]
     if world > 1:
         port = str(free_port())
-        argv = [*argv, "--multi-gpu", "ddp"]
+        argv = [*argv, "--multi-gpu", "ddp", "--timeout", "20"]
         envs = [dict(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world),
                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
                      **(env or {}))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 import sys
+from pathlib import Path
+from typing import Any
 
 from .cli import UsageError, build_parser, parse_args, validate
 from .signals import Terminated
@@ -59,6 +61,13 @@ def _prints_usage_error(exc: UsageError, started: bool, rank: int) -> bool:
     return rank == 0 or not exc.shared
 
 
+def _resume_hint(args: Any) -> str:
+    """What to do after an interrupted run: resume, when it left a checkpoint to resume."""
+    if args is not None and (Path(args.save_dir) / "last.pt").exists():
+        return "Resume with --resume auto"
+    return "No checkpoint was written yet: the next run starts from epoch 1"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse flags, validate them, train. Input the user can fix (a flag, a config file, a
     checkpoint, a full disk) ends with one line on stderr and exit status 2; ``--debug`` or
@@ -70,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     from .checkpoint import CheckpointWriteError
 
     rank = int(os.environ.get("RANK", "0"))
-    debug, started = _debug(argv), False
+    debug, started, args = _debug(argv), False, None
     try:
         args = parse_args(argv)
         debug = debug or args.debug  # --debug may come from the config file too
@@ -97,12 +106,12 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         print(f"fastddp.train: rank {rank}: interrupted (SIGINT, Ctrl-C) after finishing the "
-              "checkpoints in progress. Resume with --resume auto", file=sys.stderr, flush=True)
+              f"checkpoints in progress. {_resume_hint(args)}", file=sys.stderr, flush=True)
         return 130
     except Terminated:
         print(f"fastddp.train: rank {rank}: stopped by SIGTERM (torchrun stops the other ranks "
               "when one fails; a scheduler may have preempted the job) after finishing the "
-              "checkpoints in progress. Resume with --resume auto", file=sys.stderr, flush=True)
+              f"checkpoints in progress. {_resume_hint(args)}", file=sys.stderr, flush=True)
         return 128 + 15
     except Exception as exc:
         world = int(os.environ.get("WORLD_SIZE", "1"))

@@ -355,7 +355,7 @@ def latest(path: str | os.PathLike,
     if finished and not refused:
         raise CheckpointError("; ".join(skipped) + "; no checkpoint in "
                               f"{Path(path).parent} verifies. Move the files away or start "
-                              "fresh with --resume none (which overwrites them)")
+                              "fresh with --resume none (which keeps them as .bak)")
     return None
 
 

@@ -27,7 +27,8 @@ MIN_TIMEOUT = 1.0
 DDP_ONLY = {"comm_dtype": ("none", "DDPWrapper's all-reduce"),
             "find_unused_parameters": (False, "DDPWrapper's gradient reduction"),
             "sync_batchnorm": (False, "BatchNorm statistics across the DDP ranks"),
-            "backend": ("auto", "the process group of the DDP ranks")}
+            "backend": ("auto", "the process group of the DDP ranks"),
+            "timeout": (300.0, "how long a collective of the DDP ranks waits for a lost rank")}
 
 
 # The flags that decide what a run computes. A checkpoint records them (with the values the
@@ -40,10 +41,11 @@ RESUME_FLAGS = ("lr", "scale_lr", "weight_decay", "warmup_epochs", "batch_size",
                 "grad_accum_steps", "seed", "clip_grad", "amp", "amp_dtype", "class_weights",
                 "comm_dtype", "sync_batchnorm")
 DERIVED_LABELS = {"lr_scaled": "learning rate after --scale-lr and the world size",
-                  "train_samples": "training samples (--dataset, --data-dir)"}
+                  "train_samples": "training samples (--dataset, --data-dir)",
+                  "data": "training and validation data (--dataset, --data-dir):"}
 
 # Settings that follow from others: named only when those others agree.
-FOLLOWS = {"lr_scaled": ("lr", "scale_lr"), "amp_dtype": ("amp",)}
+FOLLOWS = {"lr_scaled": ("lr", "scale_lr"), "amp_dtype": ("amp",), "data": ("train_samples",)}
 
 
 def resume_flags(args: argparse.Namespace) -> dict[str, Any]:
@@ -69,8 +71,8 @@ def resume_conflict(saved: dict[str, Any], current: dict[str, Any], source: str)
              f"(this run: {_show(current[k])})" for k in differ]
     return (f"{source} was written by a run with other settings: {', '.join(named)}. Resuming "
             "it would continue neither that run nor this one; give the checkpoint's values to "
-            "continue it, or start a new run with --resume none (which overwrites the files in "
-            "--save-dir) or another --save-dir")
+            "continue it, or start a new run with --resume none (which keeps the earlier run's files "
+            "in --save-dir as .bak) or another --save-dir")
 
 
 def under_torchrun() -> bool:

@@ -102,8 +102,10 @@ def end_epoch(r: Run, epoch: int, epoch_time: float, t_start: float) -> None:
              f"acc {row['val_acc']:.4f} F1 {row['val_f1']:.4f} | {epoch_time:.1f}s "
              f"{row['samples_per_s']:.0f} samples/s")
     if r.writer is not None:
+        # at the step the epoch ended, as the per-step train/loss: one axis, so a resume's
+        # purge (make_tensorboard) hides a killed attempt's epoch rows too
         for k in ("train_loss", "train_acc", "val_loss", "val_acc", "val_f1", "lr"):
-            r.writer.add_scalar(k.replace("_", "/", 1), row[k], epoch + 1)
+            r.writer.add_scalar(f"epoch/{k}", row[k], state.step)
     # In this order (one writer thread keeps it): best.pt is never older than the best
     # epoch last.pt knows, metrics.csv never newer than last.pt.
     if ctx.is_main and is_best:

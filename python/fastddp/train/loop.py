@@ -48,6 +48,7 @@ from .save_dir import check_save_dir, save_dir_lock
 from .setup import (
     Context,
     class_weights,
+    data_identity,
     load_data,
     log,
     lr_lambda,
@@ -129,7 +130,7 @@ def _train(args: argparse.Namespace, ctx: Context, saver: checkpoint.CheckpointW
     problem: list[Optional[str]] = [None]
     if ctx.is_main:
         try:
-            created = check_save_dir(save_dir)
+            created = check_save_dir(save_dir, ("tensorboard",) if args.tensorboard else ())
             held.enter_context(save_dir_lock(save_dir, created))
         except UsageError as exc:
             problem[0] = str(exc)
@@ -151,7 +152,8 @@ def _train(args: argparse.Namespace, ctx: Context, saver: checkpoint.CheckpointW
                      "this run writes its own")
         write_config(save_dir, args, ctx, r.amp, r.amp_dtype)
     log_header(r)
-    r.writer = make_tensorboard(save_dir, args, ctx)
+    # the checkpoint's own step was logged before it was saved: what came later is hidden
+    r.writer = make_tensorboard(save_dir, args, ctx, purge_step=r.state.step + 1 if resumed else 0)
     r.monitor = GpuMonitor(ctx.device) if ctx.device.type == "cuda" else None
     t_start = time.perf_counter() - trained_before(r.state.history, partial)
     for epoch in range(r.state.start_epoch, args.epochs):
@@ -210,7 +212,8 @@ def build(args: argparse.Namespace, ctx: Context, save_dir: Path,
     weight = class_weights(train_set, ctx.device) if args.class_weights == "auto" else None
     settings = {**resume_flags(args), "amp": amp, "lr_scaled": lr,
                 "amp_dtype": {torch.float16: "fp16", torch.bfloat16: "bf16"}[amp_dtype] if amp else None,
-                "train_samples": len(train_set) if hasattr(train_set, "__len__") else None}
+                "train_samples": len(train_set) if hasattr(train_set, "__len__") else None,
+                "data": data_identity(args, train_set, test_set)}
     state = TrainState(model, optimizer, scheduler, scaler, loader, mode=args.model or args.mode,
                        world=ctx.world, settings=settings,
                        run_id=os.environ.get("TORCHELASTIC_RUN_ID"))
@@ -376,7 +379,10 @@ def finish(r: Run, total: float, samples_total: int, quiet: bool = False) -> dic
         "save_dir": str(r.save_dir.resolve()),
     }
     if ctx.is_main:
-        if history and not plot_curves(r.save_dir, history):
+        curves = plot_curves(history) if history else None
+        if curves is not None:
+            r.saver.write(curves, r.save_dir / "curves.png")
+        elif history:
             log(ctx, "note: curves.png not drawn: matplotlib is not installed "
                      "(pip install matplotlib; metrics.csv holds the same numbers)")
         # through the writer thread: never on disk before the checkpoints it summarises

@@ -58,8 +58,8 @@ def metrics_csv(history: list[dict[str, Any]]) -> bytes:
 def keep_aside(path: Path) -> Optional[Path]:
     """Rename ``path`` to ``<name>.<time>.bak`` (``<name>.<time>.<n>.bak`` when that exists),
     so that a file the run would overwrite or leave looking current is kept; returns the new
-    path, or None when there is no ``path``."""
-    if not path.is_file():
+    path, or None when there is no ``path`` (a file, or a directory such as ``tensorboard/``)."""
+    if not (path.is_file() or path.is_dir()):
         return None
     stamp = time.strftime('%Y%m%d-%H%M%S')
     kept, n = path.with_name(f"{path.name}.{stamp}.bak"), 1
@@ -90,7 +90,7 @@ def keep_foreign_metrics(save_dir: Path, history: list[dict[str, Any]]) -> Optio
 FINAL_FILES = ("summary.json", "curves.png")
 # What a run that starts from its first epoch (--resume none) over an earlier run with a
 # history would overwrite besides those: that run's history, best weights and flags.
-EARLIER_RUN_FILES = ("metrics.csv", "best.pt", "config.json")
+EARLIER_RUN_FILES = ("metrics.csv", "best.pt", "config.json", "tensorboard")
 
 
 def keep_earlier_files(save_dir: Path, names: tuple[str, ...]) -> dict[str, Path]:
@@ -111,16 +111,17 @@ def summary_is_current(save_dir: Path, history: list[dict[str, Any]]) -> bool:
     return bool(history) and isinstance(summary, dict) and summary.get("final") == history[-1]
 
 
-def plot_curves(save_dir: Path, history: list[dict[str, Any]]) -> bool:
-    """Draws loss, accuracy and macro-F1 per epoch into ``curves.png``; False when matplotlib
-    is not installed (nothing is drawn then)."""
+def plot_curves(history: list[dict[str, Any]]) -> Optional[bytes]:
+    """Loss, accuracy and macro-F1 per epoch, drawn as the PNG bytes of ``curves.png`` (written
+    like the run's other files: atomically, a failure named in one line); None when matplotlib
+    is not installed."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return False
+        return None
     epochs = [r["epoch"] for r in history]
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
     axes[0].plot(epochs, [r["train_loss"] for r in history], label="train")
@@ -136,12 +137,17 @@ def plot_curves(save_dir: Path, history: list[dict[str, Any]]) -> bool:
         ax.legend()
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(save_dir / "curves.png", dpi=100)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=100)
     plt.close(fig)
-    return True
+    return png.getvalue()
 
 
-def make_tensorboard(save_dir: Path, args, ctx: Context):
+def make_tensorboard(save_dir: Path, args, ctx: Context, purge_step: int):
+    """The run's SummaryWriter (main rank, --tensorboard). Events in its directory at
+    ``purge_step`` and later (the first step after the checkpoint a run resumes; 0 for a fresh
+    run), written by an attempt that was killed before its next checkpoint, are hidden from
+    TensorBoard, so no step shows twice."""
     if not (args.tensorboard and ctx.is_main):
         return None
     try:
@@ -150,7 +156,7 @@ def make_tensorboard(save_dir: Path, args, ctx: Context):
         log(ctx, "note: --tensorboard needs the tensorboard package (pip install tensorboard); "
                  "continuing without it")
         return None
-    return SummaryWriter(str(save_dir / "tensorboard"))
+    return SummaryWriter(str(save_dir / "tensorboard"), purge_step=purge_step)
 
 
 def progress(loader, ctx: Context, args, epoch: int):

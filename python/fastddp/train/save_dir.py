@@ -4,6 +4,7 @@ removed again when the run created it and ends before writing anything into it."
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,25 +19,34 @@ RUN_FILE_SUFFIXES = ("", ".tmp", ".prev", ".prev.tmp")
 LOCK_NAME = ".fastddp.lock"
 
 
-def check_save_dir(save_dir: Path) -> Optional[Path]:
+def check_save_dir(save_dir: Path, subdirs: tuple[str, ...] = ()) -> Optional[Path]:
     """Refuse a --save-dir the run cannot write its files in (before epoch 1): a file, an
-    unwritable directory, or one holding a directory where a file of the run goes. Creates it
-    if missing and returns the outermost directory it created (``save_dir`` or one of its
-    parents), None when ``save_dir`` existed."""
+    unwritable or full directory, or one holding a directory where a file of the run goes (the
+    lock file too) or a file where a directory of the run goes (``subdirs``: ``tensorboard``).
+    Creates it if missing and returns the outermost directory it created (``save_dir`` or one
+    of its parents), None when ``save_dir`` existed."""
     if save_dir.exists() and not save_dir.is_dir():
         raise UsageError(f"--save-dir {save_dir}: is a file, not a directory; choose a directory "
                          "(it is created if missing)")
     created = _first_missing(save_dir)
+    probe = save_dir / ".write-test"
     try:
         save_dir.mkdir(parents=True, exist_ok=True)
-        probe = save_dir / ".write-test"
         probe.write_bytes(b"0" * 4096)
         probe.unlink()
     except OSError as exc:
-        raise UsageError(f"--save-dir {save_dir}: cannot write there ({exc.strerror or exc}); "
-                         "choose a writable directory") from None
+        with contextlib.suppress(OSError):
+            probe.unlink()
+        fix = ("free space there or choose another directory" if exc.errno == errno.ENOSPC
+               else "choose a writable directory")
+        raise UsageError(f"--save-dir {save_dir}: cannot write there ({exc.strerror or exc}); {fix}") from None
     in_the_way = [save_dir / f"{name}{suffix}" for name in RUN_FILES
                   for suffix in RUN_FILE_SUFFIXES if (save_dir / f"{name}{suffix}").is_dir()]
+    in_the_way += [save_dir / LOCK_NAME] if (save_dir / LOCK_NAME).is_dir() else []
+    files = [save_dir / name for name in subdirs if (save_dir / name).exists() and not (save_dir / name).is_dir()]
+    if files:
+        raise UsageError(f"--save-dir {save_dir}: {', '.join(map(str, files))} is a file where the run writes "
+                         "a directory of that name; move it away, or choose another --save-dir")
     if in_the_way:
         raise UsageError(f"--save-dir {save_dir}: {', '.join(map(str, in_the_way))} "
                          f"{'is a directory' if len(in_the_way) == 1 else 'are directories'} "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import math
 import os
 import random
@@ -132,6 +133,22 @@ def load_data(args: argparse.Namespace) -> tuple[Any, Any]:
     else:
         data = har.synthetic_har(seed=0)
     return (TensorDataset(data.x_train, data.y_train), TensorDataset(data.x_test, data.y_test))
+
+
+def data_identity(args: argparse.Namespace, train: Any, test: Any) -> str:
+    """What a checkpoint records of the data it was trained on, so that a resume on other data
+    is refused: a hash of the samples when both sets are TensorDatasets (the embedded data and
+    UCI HAR have the same sizes, and the same data may move to another --data-dir), else the
+    --dataset and --data-dir flags that made them."""
+    tensors = [t for data in (train, test) for t in getattr(data, "tensors", [None])]
+    if any(not isinstance(t, torch.Tensor) for t in tensors):
+        return f"--dataset {args.dataset or 'unset'}, --data-dir {args.data_dir or 'unset'}"
+    digest = hashlib.blake2b(digest_size=8)
+    for t in tensors:
+        t = t.detach().cpu().contiguous()
+        digest.update(f"{t.dtype}{tuple(t.shape)}".encode())
+        digest.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+    return f"samples {digest.hexdigest()}"
 
 
 def check_dataset(data: Any, split: str, args: argparse.Namespace) -> None:
