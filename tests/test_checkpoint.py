@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -88,6 +89,21 @@ def test_writer_error_names_the_file_and_keeps_the_previous(tmp_path, asynchrono
         saver.flush()
     saver.close()  # the error was raised once; closing does not raise it again
     assert checkpoint.load(path)["epoch"] == 1
+
+
+def test_writer_check_raises_a_failed_write_without_waiting(tmp_path) -> None:
+    """check() (called by the training loop every step) raises the background write's error
+    as soon as it happened, without a flush: a full disk stops training within a step."""
+    saver = checkpoint.CheckpointWriter()
+    (tmp_path / "last.pt.tmp").symlink_to("/dev/full")  # the write fails with ENOSPC
+    saver.save(_state(1), tmp_path / "last.pt")
+    deadline = time.monotonic() + 30
+    with pytest.raises(checkpoint.CheckpointWriteError, match=r"last\.pt could not be written \(No space"):
+        while time.monotonic() < deadline:
+            saver.check()
+            time.sleep(0.001)
+    saver.close()
+    assert not (tmp_path / "last.pt").exists()
 
 
 def _legacy_save(state: dict, path) -> None:

@@ -164,8 +164,8 @@ class CheckpointWriter:
     leak into the file; the rest happens behind the caller's back. A file is on disk once
     :meth:`flush` or :meth:`close` returned; a crash before that leaves the previous checkpoint
     in place (the write is atomic either way). A write error is raised by the next
-    :meth:`save`, :meth:`flush` or :meth:`close`. ``asynchronous=False`` writes in
-    :meth:`save` itself.
+    :meth:`save`, :meth:`write`, :meth:`check`, :meth:`flush` or :meth:`close`.
+    ``asynchronous=False`` writes in :meth:`save` itself.
     """
 
     def __init__(self, asynchronous: bool = True) -> None:
@@ -191,6 +191,12 @@ class CheckpointWriter:
             self._thread = threading.Thread(target=self._run, name="fastddp-checkpoint-writer")
             self._thread.start()
         self._queue.put((data, Path(path), keep_previous))
+
+    def check(self) -> None:
+        """Raise a failed write's error now, without waiting for the writes still queued (the
+        training loop calls it every step, so a full disk stops the run within a step of the
+        failed write instead of at the next checkpoint)."""
+        self._raise_pending()
 
     def flush(self) -> None:
         """Wait until every checkpoint given so far is on disk; raise a failed write's error."""

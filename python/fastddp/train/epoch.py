@@ -60,6 +60,7 @@ def run_epoch(r: Run, epoch: int, partial: Optional[Partial]) -> float:
 def after_step(r: Run, loss: torch.Tensor, bar: Any) -> None:
     """Logging and the mid-epoch checkpoint after an optimizer step."""
     args, ctx, step = r.args, r.ctx, r.state.step
+    r.saver.check()  # a checkpoint write that failed since the last step
     if step % args.log_interval == 0:
         elapsed = r.sums.elapsed()
         loss_value = float(loss.detach())  # one sync per log interval, not per step
