@@ -84,6 +84,9 @@ void bind_reducer(py::module_& m) {
                              "'shm' (co-located CPU ranks, shared memory) or 'c10d'.")
       .def_property_readonly("passthrough", &fastddp::reducer::Reducer::passthrough,
                              "A world of one without comm_dtype: gradients are left where autograd put them.")
+      .def("hold_grads_in_buckets", &fastddp::reducer::Reducer::hold_grads_in_buckets,
+           "Copy gradients reduced in place into their bucket slots (lending .grad from there) and keep "
+           "every later backward's gradients in the buckets.")
       .def_property_readonly("grads_in_buckets", &fastddp::reducer::Reducer::grads_in_buckets,
                              "Whether param.grad are views into bucket_buffers() after a reduced backward.")
       .def_property_readonly("has_comm_hook", &fastddp::reducer::Reducer::has_comm_hook,

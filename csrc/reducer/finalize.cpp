@@ -149,8 +149,13 @@ void Reducer::finish_buckets_locked() {
 void Reducer::write_grads_locked(const at::Tensor& global_used) {
   const int32_t* gu = global_used.defined() ? global_used.data_ptr<int32_t>() : nullptr;
   bool all_views = true;
+  bool direct = false;
   for (int64_t i = 0; i < static_cast<int64_t>(params_.size()); ++i) {
     if (gu && gu[i] == 0) continue;  // unused on every rank: .grad untouched, as in torch DDP
+    if (direct_[i]) {  // reduced in place: .grad holds the result, its slot nothing
+      direct = true;
+      continue;
+    }
     if (!gradient_as_bucket_view_) {
       all_views = lend_or_copy_locked(i) && all_views;
       continue;
@@ -159,7 +164,8 @@ void Reducer::write_grads_locked(const at::Tensor& global_used) {
     const auto& view = bucket_view(i);
     if (!grad.defined() || !grad.is_alias_of(view)) grad = grad_view_locked(i);
   }
-  buckets_hold_grads_ = all_views;
+  views_but_direct_ = all_views;
+  buckets_hold_grads_ = all_views && !direct;
 }
 
 bool Reducer::lend_or_copy_locked(int64_t index) {

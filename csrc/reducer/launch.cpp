@@ -54,6 +54,12 @@ void Reducer::launch_ready_buckets_locked() {
 c10::intrusive_ptr<c10d::Work> Reducer::allreduce_wire_locked(Bucket& bucket, bool squares,
                                                               const Fingerprint* fingerprint) {
   at::Tensor wire = bucket.comm.defined() ? bucket.comm : bucket.wire.defined() ? bucket.wire : bucket.buffer;
+  if (bucket.shm && bucket.direct) {
+    std::vector<at::Tensor> holders;
+    auto pieces = direct_pieces_locked(bucket, &holders);
+    return shm_->allreduce_sum(std::move(pieces), std::move(holders), bucket.buffer.scalar_type(), inv_world_, squares,
+                               fingerprint);
+  }
   if (bucket.shm) return shm_->allreduce_sum(wire, bucket.comm.defined() ? 1.0 : inv_world_, squares, fingerprint);
   c10d::AllreduceOptions opts;
   opts.reduceOp = reduce_avg_locked() ? c10d::ReduceOp::AVG : c10d::ReduceOp::SUM;

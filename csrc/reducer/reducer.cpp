@@ -107,6 +107,7 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
   hooks_left_.assign(n, 0);
   lent_.assign(n, c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>(at::Tensor().getIntrusivePtr()));
   lent_from_.assign(n, nullptr);
+  direct_.assign(n, 0);
   unset_at_forward_.assign(n, 0);
   unused_now_.assign(n, 0);
   missing_now_.assign(n, 0);
@@ -241,7 +242,9 @@ void Reducer::reset_for_backward_locked() {
   callback_queued_ = false;
   next_launch_ = 0;
   std::fill(ready_.begin(), ready_.end(), 0);
+  std::fill(direct_.begin(), direct_.end(), 0);
   for (auto& b : buckets_) {
+    b.direct = false;
     b.pending = static_cast<int64_t>(b.params.size());
     b.work.reset();
     b.hook_future.reset();
@@ -317,7 +320,10 @@ void Reducer::copy_grad_to_bucket_locked(int64_t index) {
       view.copy_(grad.detach());
     }
   } else if (grad.defined()) {
-    if (grad.is_alias_of(view)) {
+    if (reduces_in_place_locked(index, grad, view)) {
+      direct_[index] = 1;  // .grad stays autograd's (or the script's) tensor and receives the result
+      buckets_[param_bucket_[index]].direct = true;
+    } else if (grad.is_alias_of(view)) {
       if (divide) view.mul_(inv_world_);  // accumulated in place (bucket view): pre-divide there
     } else if (batch_copies_ && !divide && grad.layout() == at::kStrided &&
                grad.scalar_type() == view.scalar_type() && grad.device() == view.device() &&
@@ -483,6 +489,7 @@ void Reducer::shadow_reduction() {
     ensure_private_locked(index, /*lent_counts=*/true);  // .grad stays as it is, as in torch DDP
     auto& bucket = buckets_[index];
     (bucket.comm.defined() ? bucket.comm : bucket.buffer).zero_();
+    bucket.direct = false;  // zero contributions: the flat buffer, not the last backward's .grad
     if (comm_hook_) {
       bucket.hook_future = run_comm_hook_locked(index);
     } else if (fingerprint_ && index + 1 == static_cast<int64_t>(buckets_.size())) {
@@ -503,6 +510,57 @@ void Reducer::shadow_reduction() {
   for (auto& work : works) work->wait();
   for (int64_t index = 0; index < static_cast<int64_t>(buckets_.size()); ++index)
     if (buckets_[index].hook_future) take_comm_hook_result_locked(index);
+}
+
+bool Reducer::reduces_in_place_locked(int64_t index, const at::Tensor& grad, const at::Tensor& view) const {
+  // Below this a gradient's copy costs less than the piece it would add to the collective.
+  constexpr int64_t kMinBytes = 64 * 1024;
+  const auto& bucket = buckets_[param_bucket_[index]];
+  return bucket.shm && !bucket.comm.defined() && !gradient_as_bucket_view_ && !passthrough_ && !comm_hook_ &&
+         visitors_.empty() && !buckets_requested_ && reduction_scale_ == 1.0 &&
+         grad.numel() * static_cast<int64_t>(grad.element_size()) >= kMinBytes && plain_like(grad, view) &&
+         grad.is_non_overlapping_and_dense() && !grad.is_alias_of(view);
+}
+
+std::vector<ShmPiece> Reducer::direct_pieces_locked(const Bucket& bucket, std::vector<at::Tensor>* holders) const {
+  std::vector<ShmPiece> pieces;
+  const int64_t elem = static_cast<int64_t>(bucket.buffer.element_size());
+  char* base = static_cast<char*>(bucket.buffer.data_ptr());
+  int64_t run = 0;  // start of the flat-buffer run not yet emitted
+  holders->push_back(bucket.buffer);
+  for (size_t slot = 0; slot < bucket.params.size(); ++slot) {
+    const int64_t i = bucket.params[slot];
+    if (!direct_[i]) continue;
+    const int64_t offset = bucket.offsets[slot];
+    if (offset > run) pieces.push_back({base + run * elem, offset - run});
+    const auto& grad = params_[i].grad();
+    // A dense gradient with the slot's strides: from its first element on, its memory holds
+    // the slot's elements in the slot's order.
+    pieces.push_back({static_cast<char*>(grad.data_ptr()), grad.numel()});
+    holders->push_back(grad);
+    run = offset + grad.numel();
+  }
+  if (bucket.buffer.numel() > run) pieces.push_back({base + run * elem, bucket.buffer.numel() - run});
+  return pieces;
+}
+
+void Reducer::hold_grads_in_buckets() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  buckets_requested_ = true;
+  bool all_views = views_but_direct_;
+  for (int64_t i = 0; i < static_cast<int64_t>(params_.size()); ++i) {
+    if (!direct_[i]) continue;
+    direct_[i] = 0;
+    auto& grad = params_[i].mutable_grad();
+    const auto& view = bucket_view(i);
+    view.copy_(grad);
+    if (unshared_like(grad, view)) {
+      lend_locked(i);
+    } else {
+      all_views = false;
+    }
+  }
+  buckets_hold_grads_ = all_views;
 }
 
 std::vector<at::Tensor> Reducer::bucket_buffers() const {

@@ -39,6 +39,7 @@ struct Bucket {
   at::Tensor wire;
   int64_t header = 0;
   bool shm = false;              // reduced through shared memory (else through c10d)
+  bool direct = false;           // this backward: some gradients are reduced in place in .grad (direct_)
   int64_t pending = 0;           // parameters not yet ready in this backward
   // Batched copies: parameters whose gradient waits in .grad to be copied into the bucket
   // with one multi-tensor copy when the bucket is full (instead of one copy each).
@@ -111,6 +112,11 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void finish_unfinished_reduction();
 
   std::vector<at::Tensor> bucket_buffers() const;
+  // The buckets made to hold the gradients, for a consumer of the flat buffers
+  // (DDPWrapper.bucket_buffers()): the gradients the last backward reduced in place in .grad
+  // (shared memory, see reduces_in_place_locked) are copied into their slots, .grad lent from
+  // there where nobody else holds it, and every later backward copies them into the buckets.
+  void hold_grads_in_buckets();
 
   // Uneven inputs (DDPWrapper.join()): on a rank that ran out of data, issues the collectives
   // of one reduced backward (every bucket's all-reduce in index order, then the used-parameter
@@ -208,8 +214,17 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // through fail_collective.
   void wait_bucket_locked(c10d::Work& work, int64_t index) const;
   void mark_unused_locked(int64_t index);
-  // Moves the parameter's .grad into its bucket slot divided by the world size (zero if None).
+  // Moves the parameter's .grad into its bucket slot divided by the world size (zero if None),
+  // or marks it to be reduced where it is (reduces_in_place_locked).
   void copy_grad_to_bucket_locked(int64_t index);
+  // Whether `grad` (parameter `index`'s) is reduced in place in its own memory instead of being
+  // copied into its bucket slot first: a large dense gradient laid out as the slot, in a bucket
+  // the shared-memory transport reduces uncompressed, with nothing that reads the flat buffers
+  // (no communication hook, no visitor, no bucket_buffers() consumer, no join() rescaling).
+  bool reduces_in_place_locked(int64_t index, const at::Tensor& grad, const at::Tensor& view) const;
+  // The memory of a bucket with gradients reduced in place: runs of the flat buffer between
+  // them, and the gradients themselves; `holders` keep it alive.
+  std::vector<ShmPiece> direct_pieces_locked(const Bucket& bucket, std::vector<at::Tensor>* holders) const;
   void launch_ready_buckets_locked();
   void flush_deferred_locked(Bucket& bucket);
   // Issues the bucket's all-reduce on its wire tensor (bucket.comm if compressed, else
@@ -341,6 +356,10 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // this backward (a new tensor; its memory is shared at most with the engine's own buffer), so
   // the hook can lend the slot at once and free it, instead of holding it to the end.
   std::vector<char> unset_at_forward_;
+  // This backward: the parameter's .grad is reduced in place (its bucket slot is not written).
+  std::vector<char> direct_;
+  bool views_but_direct_ = false;    // the last write_grads_locked: all_views over the others
+  bool buckets_requested_ = false;   // hold_grads_in_buckets() ran: no gradient reduced in place
   std::vector<std::shared_ptr<BucketVisitor>> visitors_;
 
   // Fingerprints (see fingerprint.h and options.h).

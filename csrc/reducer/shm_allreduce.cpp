@@ -61,7 +61,10 @@ inline bool reached(uint32_t value, uint32_t seq) { return static_cast<int32_t>(
 
 struct ShmAllreduce::Task {
   c10::intrusive_ptr<ShmWork> work;
-  at::Tensor tensor;  // all-reduce: reduced in place
+  std::vector<ShmPiece> pieces;     // all-reduce: the elements reduced in place, in order
+  std::vector<at::Tensor> holders;  // all-reduce: what keeps the pieces' memory alive
+  int64_t numel;                    // all-reduce: elements over all pieces
+  at::ScalarType dtype;
   int64_t chunks;     // all-reduce: chunks, one sequence number each from seq on
   double scale;
   uint32_t seq;
@@ -122,17 +125,29 @@ c10::intrusive_ptr<ShmWork> ShmAllreduce::allreduce_sum(const at::Tensor& t, dou
                                                         const Fingerprint* fingerprint) {
   TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), "DDPWrapper: shared-memory all-reduce needs a contiguous "
               "CPU tensor, got ", t.device(), t.is_contiguous() ? "" : " (non-contiguous)");
-  const auto dtype = t.scalar_type();
+  std::vector<ShmPiece> pieces{{static_cast<char*>(t.data_ptr()), t.numel()}};
+  return allreduce_sum(std::move(pieces), {t}, t.scalar_type(), scale, sum_of_squares, fingerprint);
+}
+
+c10::intrusive_ptr<ShmWork> ShmAllreduce::allreduce_sum(std::vector<ShmPiece> pieces, std::vector<at::Tensor> holders,
+                                                        at::ScalarType dtype, double scale, bool sum_of_squares,
+                                                        const Fingerprint* fingerprint) {
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kBFloat16 || dtype == at::kHalf,
               "DDPWrapper: shared-memory all-reduce supports float32/float64/bfloat16/float16, got ", dtype);
-  const int64_t bytes = t.numel() * static_cast<int64_t>(t.element_size());
+  int64_t numel = 0;
+  for (const auto& p : pieces) {
+    TORCH_CHECK(p.numel >= 0 && (p.data != nullptr || p.numel == 0), "DDPWrapper: shared-memory all-reduce piece "
+                "of ", p.numel, " elements at ", static_cast<const void*>(p.data));
+    numel += p.numel;
+  }
+  const int64_t bytes = numel * static_cast<int64_t>(c10::elementSize(dtype));
   // At least one chunk, so that an empty tensor still meets the peers (and carries a fingerprint).
   const int64_t chunks = std::max<int64_t>(1, (bytes + chunk_bytes_ - 1) / chunk_bytes_);
   auto work = c10::make_intrusive<ShmWork>(c10d::OpType::ALLREDUCE, "fastddp:shm_all_reduce");
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    queue_.push_back(Task{work, t, chunks, scale, next_seq_, {}, sum_of_squares,
-                          fingerprint ? std::optional<Fingerprint>(*fingerprint) : std::nullopt});
+    queue_.push_back(Task{work, std::move(pieces), std::move(holders), numel, dtype, chunks, scale, next_seq_, {},
+                          sum_of_squares, fingerprint ? std::optional<Fingerprint>(*fingerprint) : std::nullopt});
     next_seq_ += static_cast<uint32_t>(chunks);
   }
   cv_.notify_one();
@@ -152,7 +167,7 @@ void ShmAllreduce::broadcast_from_root(const std::vector<at::Tensor>& tensors) {
   auto work = c10::make_intrusive<ShmWork>(c10d::OpType::BROADCAST, "fastddp:shm_broadcast");
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    queue_.push_back(Task{work, at::Tensor(), 0, 1.0, next_seq_++, tensors});
+    queue_.push_back(Task{work, {}, {}, 0, at::kFloat, 0, 1.0, next_seq_++, tensors});
   }
   cv_.notify_one();
   work->wait();
@@ -401,8 +416,8 @@ void ShmAllreduce::exchange_fingerprint(const Task& task) {
 }
 
 void ShmAllreduce::execute(const Task& task) {
-  describe_own_op({task.tensor.numel() * static_cast<int64_t>(task.tensor.element_size()), task.seq, kAllreduceOp,
-                   static_cast<int32_t>(task.tensor.scalar_type())});
+  describe_own_op({task.numel * static_cast<int64_t>(c10::elementSize(task.dtype)), task.seq, kAllreduceOp,
+                   static_cast<int32_t>(task.dtype)});
   double sumsq = 0.0;
   for (int64_t c = 0; c < task.chunks; ++c) sumsq += execute_chunk(task, c, task.seq + static_cast<uint32_t>(c));
   task.work->set_sum_of_squares(sumsq);
@@ -411,27 +426,50 @@ void ShmAllreduce::execute(const Task& task) {
   wait_peers(kDone, task.seq + static_cast<uint32_t>(task.chunks - 1));
 }
 
+namespace {
+
+// Calls fn(data, k, count) for the collective's elements [lo, lo + n), piece by piece: `data`
+// points at element lo + k in its piece's memory, and `count` elements follow it there.
+template <class Fn>
+void for_each_run(const std::vector<ShmPiece>& pieces, int64_t elem, int64_t lo, int64_t n, Fn&& fn) {
+  int64_t start = 0;
+  for (const auto& piece : pieces) {
+    const int64_t end = start + piece.numel;
+    if (end > lo && start < lo + n) {
+      const int64_t a = std::max(lo, start), b = std::min(lo + n, end);
+      fn(piece.data + (a - start) * elem, a - lo, b - a);
+    }
+    if (end >= lo + n) return;
+    start = end;
+  }
+}
+
+}  // namespace
+
 // One chunk of an all-reduce, through staging slot chunk % 2 of every rank: copy in the slices
 // the peers reduce, ready, reduce my slice (my own values read in place) into my gradients and
 // my slot, reduced, copy the peers' reduced slices into my gradients, done. Returns the chunk's
-// sum of squares, added in rank order so that every rank arrives at the same bits.
+// sum of squares, added in rank order so that every rank arrives at the same bits (one piece:
+// a visitor that wants the squares keeps the bucket's gradients in its flat buffer).
 double ShmAllreduce::execute_chunk(const Task& task, int64_t chunk, uint32_t seq) {
-  const auto dtype = task.tensor.scalar_type();
+  const auto dtype = task.dtype;
   const int64_t elem = static_cast<int64_t>(c10::elementSize(dtype));
   const int64_t per_chunk = chunk_bytes_ / elem;
   const int64_t first = chunk * per_chunk;
-  const int64_t n = std::max<int64_t>(0, std::min(per_chunk, task.tensor.numel() - first));
-  char* data = static_cast<char*>(task.tensor.data_ptr()) + first * elem;
+  const int64_t n = std::max<int64_t>(0, std::min(per_chunk, task.numel - first));
   const int64_t stage_offset = (chunk % 2) * chunk_bytes_;
   char* mine = segment_->region(rank_) + stage_offset;
   auto lo = [&](int r) { return n * r / world_; };
   const int64_t my_lo = lo(rank_), my_hi = lo(rank_ + 1), my_n = my_hi - my_lo;
   // This slot last held chunk - 2: every peer must be done reading it.
   if (chunk >= 2) wait_peers(kDone, seq - 2);
-  if (n > 0) {  // an empty tensor's data pointer may be null
-    std::memcpy(mine, data, static_cast<size_t>(my_lo * elem));
-    std::memcpy(mine + my_hi * elem, data + my_hi * elem, static_cast<size_t>((n - my_hi) * elem));
-  }
+  auto copy_in = [&](int64_t at) {
+    return [&, at](char* data, int64_t k, int64_t count) {
+      std::memcpy(mine + (at + k) * elem, data, static_cast<size_t>(count * elem));
+    };
+  };
+  for_each_run(task.pieces, elem, first, my_lo, copy_in(0));
+  for_each_run(task.pieces, elem, first + my_hi, n - my_hi, copy_in(my_hi));
   if (chunk == 0 && task.fingerprint) {
     auto& slot = segment_->slot(rank_);
     std::copy(task.fingerprint->words.begin(), task.fingerprint->words.end(), slot.fingerprint);
@@ -443,19 +481,24 @@ double ShmAllreduce::execute_chunk(const Task& task, int64_t chunk, uint32_t seq
   if (chunk == 0 && task.fingerprint) exchange_fingerprint(task);
   // Reduce my slice from every peer's slot and my own gradients into my gradients, and into my
   // slot for the peers (they read only their own slices of my slot until I publish `reduced`).
-  std::vector<const char*> slices(world_);
-  for (int j = 0; j < world_; ++j) slices[j] = segment_->region(j) + stage_offset + my_lo * elem;
-  slices[rank_] = data + my_lo * elem;
   const bool sq = task.sum_of_squares;
   std::vector<double> slice_squares(world_, 0.0);
-  slice_squares[rank_] = reduce_slice(dtype, data + my_lo * elem, mine + my_lo * elem, slices, my_n, task.scale, sq);
+  std::vector<const char*> slices(world_);
+  for_each_run(task.pieces, elem, first + my_lo, my_n, [&](char* data, int64_t k, int64_t count) {
+    for (int j = 0; j < world_; ++j) slices[j] = segment_->region(j) + stage_offset + (my_lo + k) * elem;
+    slices[rank_] = data;
+    slice_squares[rank_] += reduce_slice(dtype, data, mine + (my_lo + k) * elem, slices, count, task.scale, sq);
+  });
   publish(kReduced, seq);
   // Copy the other ranks' reduced slices into my gradients.
   for (int k = 1; k < world_; ++k) {
     const int j = (rank_ + k) % world_;
     wait_for(j, kReduced, seq);
     const int64_t j_lo = lo(j), j_n = lo(j + 1) - j_lo;
-    slice_squares[j] = copy_slice(dtype, data + j_lo * elem, segment_->region(j) + stage_offset + j_lo * elem, j_n, sq);
+    const char* reduced = segment_->region(j) + stage_offset;
+    for_each_run(task.pieces, elem, first + j_lo, j_n, [&](char* data, int64_t i, int64_t count) {
+      slice_squares[j] += copy_slice(dtype, data, reduced + (j_lo + i) * elem, count, sq);
+    });
   }
   publish(kDone, seq);
   double sumsq = 0.0;

@@ -70,6 +70,14 @@ class ShmWork : public c10d::Work {
   bool fingerprint_mismatch_ = false;
 };
 
+// A contiguous run of a collective's elements in a rank's memory. An all-reduce's elements are
+// the concatenation of its pieces, in order: a bucket's flat buffer is one piece; a bucket whose
+// large gradients are reduced in place in their .grad tensors is several.
+struct ShmPiece {
+  char* data;
+  int64_t numel;
+};
+
 class ShmAllreduce {
  public:
   // Collective over `pg` (every rank must call it). Returns nullptr on every rank when some
@@ -102,6 +110,12 @@ class ShmAllreduce {
   // (ShmWork::fingerprint_mismatch). Every rank passes one for the same collectives.
   c10::intrusive_ptr<ShmWork> allreduce_sum(const at::Tensor& t, double scale = 1.0, bool sum_of_squares = false,
                                             const Fingerprint* fingerprint = nullptr);
+  // The same over `pieces` of `dtype` elements (the same total on every rank; each rank may cut
+  // its memory into other pieces). `holders` keep the pieces' memory alive until the collective
+  // ends; the comm thread lets go of them before the work completes.
+  c10::intrusive_ptr<ShmWork> allreduce_sum(std::vector<ShmPiece> pieces, std::vector<at::Tensor> holders,
+                                            at::ScalarType dtype, double scale, bool sum_of_squares,
+                                            const Fingerprint* fingerprint);
 
   // Copies group rank 0's `tensors` (any CPU tensors, at most broadcast_bytes() in all) into
   // every other rank's, in the same sequence as the all-reduces; returns when done here.

@@ -187,9 +187,15 @@ class Buckets:
         else holds a gradient without it), or, in a world of one where
         nothing is bucketed (see the class documentation), the parameters' ``.grad`` tensors
         themselves (those that exist). Sparse gradients (``nn.Embedding(sparse=True)``) are never
-        among them: for a model with such layers, use the parameters' ``.grad``."""
+        among them: for a model with such layers, use the parameters' ``.grad``.
+
+        On the shared-memory transport large gradients are reduced in place in ``.grad``, their
+        bucket slots left unwritten; the first call brings them into the buckets (``.grad``
+        becomes an alias of its slot, as above) and keeps every later backward's gradients
+        there."""
         if self._reducer.passthrough:
             return [p.grad for p in self._params if p.grad is not None]
+        self._reducer.hold_grads_in_buckets()
         return self._reducer.bucket_buffers()
 
     def reduced_parameters(self) -> list[torch.nn.Parameter]:
