@@ -64,6 +64,9 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, Pickling, TorchInputMethods, 
     (``bucket_report()["relocations"]``). With True, ``.grad`` is the bucket view itself. New
     gradients are copied into their buckets; on a GPU with one multi-tensor copy per full
     bucket (``FASTDDP_BATCH_GRAD_COPIES=0|1`` forces one copy per gradient / batched copies).
+    On the shared-memory transport a gradient of 64 KiB or more is reduced in place in
+    ``.grad`` instead (its own memory, as under torch DDP), unless something reads the flat
+    buffers (a communication hook, compression, a bucket visitor, :meth:`bucket_buffers`).
 
     ``process_group`` may be any ``ProcessGroup`` (a ``dist.new_group`` subgroup, or one built on
     a store without a default group): every collective goes to it, with its own ranks.
