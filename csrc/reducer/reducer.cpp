@@ -552,7 +552,12 @@ void Reducer::hold_grads_in_buckets() {
     if (!direct_[i]) continue;
     direct_[i] = 0;
     auto& grad = params_[i].mutable_grad();
+    if (!grad.defined()) continue;  // set to None since (zero_grad): nothing to bring in
     const auto& view = bucket_view(i);
+    if (!plain_like(grad, view)) {  // replaced since by a tensor of another layout
+      all_views = false;
+      continue;
+    }
     view.copy_(grad);
     if (unshared_like(grad, view)) {
       lend_locked(i);

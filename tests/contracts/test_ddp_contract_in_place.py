@@ -128,6 +128,30 @@ def test_bucket_buffers_hold_the_gradients_once_asked_for(ranks) -> None:
     ranks.run(_bucket_buffers_asked_for, world_size=2)
 
 
+def _bucket_buffers_after_zero_grad(rank: int, world_size: int) -> None:
+    """bucket_buffers() asked for after zero_grad(set_to_none=True) let the reduced gradients
+    go: nothing to bring in, and the next steps train as torch's with the buckets holding them."""
+    ours, ref = _pair()
+    opts = tuple(torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, ref))
+    g = torch.Generator().manual_seed(13 + rank)
+    _step((ours, ref), opts, _batch(g), set_to_none=True)
+    for opt in opts:
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    assert len(ours.bucket_buffers()) == len(ours._reducer.bucket_buffers())
+    assert all(p.grad is None for p in ours.module.parameters())
+    for _ in range(2):
+        _step((ours, ref), opts, _batch(g), set_to_none=True)
+        assert ours._reducer.grads_in_buckets
+        compare_models(ours, ref, grads=True, **EXACT)
+        for opt in opts:
+            opt.step()
+
+
+def test_bucket_buffers_after_the_gradients_were_let_go(ranks) -> None:
+    ranks.run(_bucket_buffers_after_zero_grad, world_size=2)
+
+
 def _gradient_assigned_by_the_script(rank: int, world_size: int) -> None:
     """A tensor assigned to .grad stays .grad and receives the reduced result (torch copies it
     in; here the reduction writes it in place)."""
