@@ -1,7 +1,8 @@
 """``fastddp.DDPWrapper``: the Module face of the drop-in for
 ``torch.nn.parallel.DistributedDataParallel`` (constructor, forward, ``no_sync``, pickling). Its
 parts live beside it: argument checks (checks.py), the reducer and its buckets (buckets.py),
-communication hooks (comm_hooks.py) and uneven inputs (join.py)."""
+communication hooks (comm_hooks.py), uneven inputs (join.py) and the broadcast of parameters
+and buffers (broadcast.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .. import diag
 from . import checks, rank_check, sparse
-from .broadcast import broadcast_coalesced
+from .broadcast import ModuleStateSync
 from .buckets import Buckets, bucket_limits_mb
 from .comm_hooks import CommHooks
 from .inputs import OutputSink, TorchInputMethods, find_tensors, to_device
@@ -28,8 +29,8 @@ from .torch_class import TorchAttributes, refuse_torch_internals
 
 
 @refuse_torch_internals
-class DDPWrapper(Buckets, CommHooks, UnevenInputs, Pickling, TorchInputMethods, TorchAttributes,
-                 DistributedDataParallel):
+class DDPWrapper(Buckets, CommHooks, UnevenInputs, ModuleStateSync, Pickling, TorchInputMethods,
+                 TorchAttributes, DistributedDataParallel):
     """Distributed data parallelism with the constructor and behaviour of
     :class:`torch.nn.parallel.DistributedDataParallel`.
 
@@ -265,40 +266,6 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, Pickling, TorchInputMethods, 
         self._reduced_params = [p for _, p in named]
         return named
 
-    def _current_buffers(self) -> list[torch.Tensor]:
-        """The module's buffers now: a forward may have replaced one (``self.avg = self.avg *
-        0.9 + ...`` rebinds the name to a new tensor), and the broadcast must reach the tensor
-        the module uses, as torch DDP re-reads them before each broadcast."""
-        self._module_buffers = self._synced_buffers()
-        return self._module_buffers
-
-    def _synced_params(self) -> list[torch.Tensor]:
-        """The module's parameters that are kept equal across ranks (all but the ignored)."""
-        return [p.data for n, p in self.module.named_parameters() if n not in self.parameters_to_ignore]
-
-    def _synced_buffers(self) -> list[torch.Tensor]:
-        """The module's buffers that are broadcast from rank 0 (all but the ignored)."""
-        return list(self.named_module_buffers.values())
-
-    def will_sync_module_buffers(self) -> bool:
-        """Whether the next forward syncs the module's buffers (torch DDP's rule: buffer sync
-        on, buffers to sync, and the last forward a reducing one; a world of one then has
-        nothing to send)."""
-        return self.require_forward_param_sync and self.forward_sync_buffers and bool(self._module_buffers)
-
-    @torch.no_grad()
-    def _sync_module_states(self, buffers: bool = True) -> None:
-        """Broadcast parameters (and buffers) from rank 0 (one collective per dtype/device)."""
-        if self.world_size == 1:
-            return
-        tensors = self._synced_params() + (self._synced_buffers() if buffers else [])
-        self._broadcast_coalesced(tensors)
-
-    def _broadcast_coalesced(self, tensors: list[torch.Tensor], src: int = 0) -> None:
-        """Broadcast ``tensors`` from group rank ``src``, one collective per (device, dtype)."""
-        with diag.phase(diag.Phase.BROADCAST):
-            broadcast_coalesced(tensors, self.process_group, src)
-
     # ------------------------------------------------------------------ forward / no_sync
     @torch.compiler.disable(recursive=False)
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
@@ -377,24 +344,6 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, Pickling, TorchInputMethods, 
         self._reducer.prepare_for_backward(find_tensors(output) if wants_outputs else [], sync)
         if sync:
             self._sparse.prepare_for_backward()
-
-    @torch.no_grad()
-    def _sync_buffers_before_forward(self, src: int) -> None:
-        """Group rank ``src``'s buffers into every rank's (``src`` is 0 but inside join(), where
-        rank 0 may have joined with stale buffers): co-located CPU ranks copy them through
-        shared memory (while they fit the room reserved at construction), others over c10d.
-        As in torch DDP, the copy keeps each buffer's autograd version counter, so a graph that
-        saved a buffer (a mask, BatchNorm's statistics) in an earlier forward still backwards."""
-        buffers = self._current_buffers()
-        with torch.autograd._unsafe_preserve_version_counter(tuple(buffers)):
-            if not self._join_config.enable:
-                with diag.phase(diag.Phase.BROADCAST):
-                    if self._reducer.broadcast_buffers(buffers):
-                        return
-            self._broadcast_coalesced(buffers, src=src)
-
-    def _syncs_buffers(self) -> bool:
-        return self.forward_sync_buffers and self.world_size > 1 and bool(self._module_buffers)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
