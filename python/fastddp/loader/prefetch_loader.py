@@ -12,15 +12,16 @@ from torch.utils.data import DataLoader, default_collate
 from .._ext import C
 from .iterator import LoaderHooks, LoaderIterator, Progress
 from .passes import NativePass, NativeSettings, Replay, TorchPass, build_runner, with_random_state
-from .plan import draw_base_seed, reads_ahead_unobserved
+from .plan import reads_ahead_unobserved
 from .settings import (
     NATIVE_DEVICE_TYPES,
     change_count,
     check_extras,
     check_integer,
     check_own_form,
-    check_prefetch_factor,
     check_resident,
+    check_seed,
+    check_worker_iterator,
     check_workers,
     largest_batch,
     make_spec,
@@ -115,16 +116,7 @@ class PrefetchLoader(DataLoader):
             check_own_form(batch_size=batch_size, collate_fn=collate_fn, worker_init_fn=worker_init_fn,
                            timeout=timeout, multiprocessing_context=multiprocessing_context)
         if seed is not None:
-            seed = check_integer("PrefetchLoader", "seed", seed)
-            if not shuffle or sampler is not None or batch_sampler is not None or src.kind == "iterable":
-                given = ("an IterableDataset" if src.kind == "iterable" else
-                         f"sampler={type(sampler).__name__}" if sampler is not None else
-                         f"batch_sampler={type(batch_sampler).__name__}" if batch_sampler is not None else
-                         f"shuffle={shuffle!r}")
-                raise ValueError(f"PrefetchLoader: seed={seed!r} orders shuffle=True over a map-style dataset "
-                                 f"without a sampler, but got {given}. Drop seed= where a sampler orders the "
-                                 "data (a DistributedSampler, also the one Lightning's use_distributed_sampler "
-                                 "injects: its own seed applies), or pass shuffle=True without a sampler")
+            seed = check_seed(seed, shuffle, sampler, batch_sampler, src.kind == "iterable")
             sampler, shuffle = EpochShuffle(src.dataset, seed), None
         spec = make_spec(src.dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn,
                          pin_memory, drop_last, timeout, worker_init_fn, multiprocessing_context, generator,
@@ -254,23 +246,15 @@ class PrefetchLoader(DataLoader):
         """A new iterator (DataLoader's name: its ``__iter__`` and code built on it call this)."""
         self._check_tensor_options()
         native = self._native()
-        if native:
-            if self.num_workers != 0:  # DataLoader checks it whenever it makes a worker iterator
-                self.check_worker_number_rationality()
-            try:
-                check_prefetch_factor(check_workers(self.num_workers), self.prefetch_factor)
-            except (AssertionError, TypeError):
-                # DataLoader's worker iterator draws the pass's seed, then fails on num_workers or
-                # prefetch_factor (before it reads the sampler)
-                draw_base_seed(self.generator)
-                raise
-            start_warnings(self.pin_memory, self.pin_memory_device, self.num_workers)
-            pass_: Any = NativePass(self.batch_sampler, self._src, self._native_settings())
-        else:
-            pass_ = TorchPass(*build_runner(self, self._src.dataset, self._src.kind == "iterable"), self.device)
         if not native:
+            pass_: Any = TorchPass(*build_runner(self, self._src.dataset, self._src.kind == "iterable"), self.device)
             self._start(pass_, True)
         else:
+            if self.num_workers != 0:  # DataLoader checks it whenever it makes a worker iterator
+                self.check_worker_number_rationality()
+            check_worker_iterator(self.num_workers, self.prefetch_factor, self.generator)
+            start_warnings(self.pin_memory, self.pin_memory_device, self.num_workers)
+            pass_ = NativePass(self.batch_sampler, self._src, self._native_settings())
             try:  # a non-integer prefetch_factor fails the first reads, after the seed draw (NativePass._read)
                 self._start(pass_, True)
             except (AssertionError, TypeError):

@@ -11,6 +11,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader
 
 from .._torch_warnings import source_line, warn_at
+from .plan import draw_base_seed
 
 
 def make_spec(dataset: Any, *args: Any, **kwargs: Any) -> DataLoader:
@@ -80,6 +81,22 @@ def check_integer(owner: str, name: str, value: Any) -> int:
         except TypeError:
             pass
     raise TypeError(f"{owner}: {name} must be an integer, got {type(value).__name__} {value!r}")
+
+
+def check_seed(seed: Any, shuffle: Any, sampler: Any, batch_sampler: Any, iterable: bool) -> int:
+    """``seed=``: an integer, and only where it orders the pass (``shuffle=True`` over a
+    map-style dataset without a sampler)."""
+    seed = check_integer("PrefetchLoader", "seed", seed)
+    if not shuffle or sampler is not None or batch_sampler is not None or iterable:
+        given = ("an IterableDataset" if iterable else
+                 f"sampler={type(sampler).__name__}" if sampler is not None else
+                 f"batch_sampler={type(batch_sampler).__name__}" if batch_sampler is not None else
+                 f"shuffle={shuffle!r}")
+        raise ValueError(f"PrefetchLoader: seed={seed!r} orders shuffle=True over a map-style dataset "
+                         f"without a sampler, but got {given}. Drop seed= where a sampler orders the "
+                         "data (a DistributedSampler, also the one Lightning's use_distributed_sampler "
+                         "injects: its own seed applies), or pass shuffle=True without a sampler")
+    return seed
 
 
 def check_resident(value: Any) -> Union[bool, str]:
@@ -175,6 +192,17 @@ def check_prefetch_factor(num_workers: int, prefetch_factor: Any) -> None:
         raise AssertionError("prefetch_factor must be greater than 0 for MultiProcessingDataLoaderIter "
                              f"(PrefetchLoader: prefetch_factor={prefetch_factor!r} with num_workers="
                              f"{num_workers}; leave it None for 2 batches a worker, or give a positive int)")
+
+
+def check_worker_iterator(num_workers: Any, prefetch_factor: Any, generator: Optional[torch.Generator]) -> None:
+    """``num_workers`` and ``prefetch_factor`` as DataLoader's worker iterator meets them when a
+    pass starts: it draws the pass's seed from ``generator`` (the global one when None), then
+    fails on either (before it reads the sampler), so a refusal here makes that draw first."""
+    try:
+        check_prefetch_factor(check_workers(num_workers), prefetch_factor)
+    except (AssertionError, TypeError):
+        draw_base_seed(generator)
+        raise
 
 
 def largest_batch(batch_sampler: Any, rows: int) -> int:
