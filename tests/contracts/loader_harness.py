@@ -123,3 +123,24 @@ def side_by_side(make_dataset: Callable[[], Any], passes: int = 2, between: Call
     assert torch.equal(ref_state, our_state), "the global generator differs after the passes"
     if ref_gen is not None:
         assert torch.equal(ref_gen, our_gen), "the given generator differs after the passes"
+
+
+def refusals_at_iter(make_loader: Callable[[type], Any], error: type[BaseException],
+                     call: Callable[[Any], Any] = iter) -> list[str]:
+    """``call(loader)`` (``iter`` by default) for a DataLoader and a PrefetchLoader made by
+    ``make_loader(cls)`` from the same global seed: both raise ``error`` and leave the global
+    generator in the same state (DataLoader's draws before the failure included). Returns the
+    two messages, DataLoader's first."""
+    messages, states = [], []
+    for cls in (DataLoader, fastddp.PrefetchLoader):
+        torch.manual_seed(1234)
+        loader = make_loader(cls)
+        try:
+            call(loader)
+        except error as exc:
+            messages.append(str(exc))
+        else:
+            raise AssertionError(f"{cls.__name__}: {call.__name__} did not raise {error.__name__}")
+        states.append(torch.random.get_rng_state())
+    assert torch.equal(states[0], states[1]), "the global generator differs after the refusal"
+    return messages

@@ -27,6 +27,7 @@ from tests.contracts.loader_harness import (
     Noisy,
     Stream,
     outcomes,
+    refusals_at_iter,
     same,
     side_by_side,
     tensors,
@@ -250,16 +251,9 @@ def test_float_prefetch_factor_with_workers_fails_at_iter_as_dataloader(factor: 
     """DataLoader takes a float prefetch_factor at construction; its iterator fails with
     TypeError when it requests prefetch_factor * num_workers batches, after drawing the pass's
     seed. PrefetchLoader raises the same at the same point, naming the argument."""
-    states, messages = [], []
-    for cls in (DataLoader, fastddp.PrefetchLoader):
-        torch.manual_seed(1234)
-        loader = cls(tensors(), batch_size=4, shuffle=True, num_workers=1, prefetch_factor=factor)
-        with pytest.raises(TypeError) as info:
-            iter(loader)
-        messages.append(str(info.value))
-        states.append(torch.random.get_rng_state())
+    messages = refusals_at_iter(
+        lambda cls: cls(tensors(), batch_size=4, shuffle=True, num_workers=1, prefetch_factor=factor), TypeError)
     assert messages[1].startswith(messages[0]) and "give prefetch_factor as a positive int" in messages[1], messages
-    assert torch.equal(states[0], states[1]), "the global generator differs after the refusal"
 
 
 @pytest.mark.parametrize("workers", [0, 2])
