@@ -3,6 +3,7 @@ of 6 steps on 192 samples; one and two gloo ranks), not by its presence in ``--h
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import re
@@ -156,22 +157,21 @@ def test_save_interval_longer_than_an_epoch_is_named(tmp_path, data_path) -> Non
 
 def test_tensorboard_writes_events_or_says_why_not(tmp_path, data_path) -> None:
     _, out = _train(tmp_path / "run", data_path, ["--tensorboard", "--log-interval", "1"])
-    try:
-        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    except ImportError:
+    if importlib.util.find_spec("tensorboard") is None:
         assert "--tensorboard needs the tensorboard package (pip install tensorboard)" in out
         assert not (tmp_path / "run" / "tensorboard").exists()
         return
-    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
-    events.Reload()
-    assert [e.step for e in events.Scalars("train/loss")] == list(range(1, 13))  # --log-interval 1
-    assert [e.step for e in events.Scalars("epoch/val_f1")] == [6, 12]  # where each epoch ended
+    assert _steps(tmp_path / "run", "train/loss") == list(range(1, 13))  # --log-interval 1
+    # where each epoch ended, in a run of their own
+    assert _steps(tmp_path / "run", "epoch/val_f1") == [6, 12]
 
 
 def _steps(save: Path, tag: str) -> list[int]:
+    """The steps of ``tag``'s events as TensorBoard shows them: ``epoch/*`` from
+    ``save``/tensorboard/epoch, the others from ``save``/tensorboard."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    events = EventAccumulator(str(save / "tensorboard"))
+    events = EventAccumulator(str(save / "tensorboard" / ("epoch" if tag.startswith("epoch/") else "")))
     events.Reload()
     return [e.step for e in events.Scalars(tag)]
 
@@ -194,6 +194,28 @@ def test_tensorboard_of_a_resumed_run_shows_each_step_once(tmp_path, data_path) 
     assert _steps(save, "epoch/train_loss") == [6, 12]
     _, out = _train(save, data_path, [*flags, "--epochs", "1", "--resume", "none"])
     assert "tensorboard." in out and len(list(save.glob("tensorboard.*.bak"))) == 1, out
+    assert _steps(save, "train/loss") == list(range(1, 7))
+
+
+def test_tensorboard_epoch_figures_after_a_checkpoint_at_the_epochs_last_step_show_once(
+        tmp_path, data_path) -> None:
+    """--save-interval 6 checkpoints step 6, the first epoch's last, before that epoch's
+    figures are logged at step 6; a kill before the epoch's own checkpoint lands resumes from
+    the step-6 checkpoint and logs them again: the resume hides the killed attempt's."""
+    pytest.importorskip("tensorboard")
+    save = tmp_path / "run"
+    flags = ["--tensorboard", "--log-interval", "1", "--save-interval", "6", "--sync-checkpoints",
+             "--epochs", "1"]
+    codes, out = trainer_runs.run(save, data_path, flags, base=BASE,
+                                  env={"FASTDDP_FAULT_KILL_AFTER_STEP": "6"})
+    assert codes == [-9], out
+    at_step_6 = (save / "last.pt").read_bytes()  # inside epoch 1, after its last step
+    _train(save, data_path, [*flags, "--resume", "auto"])  # the epoch's figures at step 6
+    (save / "last.pt").write_bytes(at_step_6)  # as if the epoch's checkpoint never landed
+    (save / "last.pt.prev").unlink(missing_ok=True)
+    _, out = _train(save, data_path, [*flags, "--resume", "auto"])
+    assert "resumed from" in out, out
+    assert _steps(save, "epoch/val_f1") == [6]
     assert _steps(save, "train/loss") == list(range(1, 7))
 
 

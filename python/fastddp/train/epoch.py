@@ -73,8 +73,8 @@ def after_step(r: Run, loss: torch.Tensor, bar: Any) -> None:
                      f"samples/s {sps:.0f}")
         if r.monitor is not None:
             r.monitor.sample()
-        if r.writer is not None:
-            r.writer.add_scalar("train/loss", loss_value, step)
+        if r.board is not None:
+            r.board.step_scalar("train/loss", loss_value, step)
     if args.save_interval and step % args.save_interval == 0:
         save_checkpoint(r, r.sums.partial())
         inject_fault("STEP", step, ctx, r.saver)  # reliability tests: die mid-epoch
@@ -102,11 +102,9 @@ def end_epoch(r: Run, epoch: int, epoch_time: float, t_start: float) -> None:
              f"acc {row['train_acc']:.4f} | val loss {row['val_loss']:.4f} "
              f"acc {row['val_acc']:.4f} F1 {row['val_f1']:.4f} | {epoch_time:.1f}s "
              f"{row['samples_per_s']:.0f} samples/s")
-    if r.writer is not None:
-        # at the step the epoch ended, as the per-step train/loss: one axis, so a resume's
-        # purge (make_tensorboard) hides a killed attempt's epoch rows too
-        for k in ("train_loss", "train_acc", "val_loss", "val_acc", "val_f1", "lr"):
-            r.writer.add_scalar(f"epoch/{k}", row[k], state.step)
+    if r.board is not None:  # at the step the epoch ended, on the per-step figures' axis
+        r.board.epoch_scalars({k: row[k] for k in ("train_loss", "train_acc", "val_loss", "val_acc",
+                                                   "val_f1", "lr")}, state.step)
     # In this order (one writer thread keeps it): best.pt is never older than the best
     # epoch last.pt knows, metrics.csv never newer than last.pt.
     if ctx.is_main and is_best:

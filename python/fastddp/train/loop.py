@@ -33,7 +33,9 @@ from .models import build_model
 from .outputs import (
     EARLIER_RUN_FILES,
     FINAL_FILES,
+    TENSORBOARD_DIRS,
     GpuMonitor,
+    TensorBoard,
     keep_earlier_files,
     keep_foreign_metrics,
     log_header,
@@ -79,7 +81,7 @@ class Run:
     step: TrainStep
     sums: EpochSums
     graphed: Optional[GraphedStep] = None
-    writer: Any = None
+    board: Optional[TensorBoard] = None
     monitor: Optional[GpuMonitor] = None
 
 
@@ -130,7 +132,7 @@ def _train(args: argparse.Namespace, ctx: Context, saver: checkpoint.CheckpointW
     problem: list[Optional[str]] = [None]
     if ctx.is_main:
         try:
-            created = check_save_dir(save_dir, ("tensorboard",) if args.tensorboard else ())
+            created = check_save_dir(save_dir, TENSORBOARD_DIRS if args.tensorboard else ())
             held.enter_context(save_dir_lock(save_dir, created))
         except UsageError as exc:
             problem[0] = str(exc)
@@ -152,8 +154,7 @@ def _train(args: argparse.Namespace, ctx: Context, saver: checkpoint.CheckpointW
                      "this run writes its own")
         write_config(save_dir, args, ctx, r.amp, r.amp_dtype)
     log_header(r)
-    # the checkpoint's own step was logged before it was saved: what came later is hidden
-    r.writer = make_tensorboard(save_dir, args, ctx, purge_step=r.state.step + 1 if resumed else 0)
+    r.board = make_tensorboard(save_dir, args, ctx, r.state.step, resumed, r.state.epoch_done)
     r.monitor = GpuMonitor(ctx.device) if ctx.device.type == "cuda" else None
     t_start = time.perf_counter() - trained_before(r.state.history, partial)
     for epoch in range(r.state.start_epoch, args.epochs):
@@ -392,6 +393,6 @@ def finish(r: Run, total: float, samples_total: int, quiet: bool = False) -> dic
             log(ctx, f"done: best val acc {summary['best_val_acc']:.4f} F1 {r.state.best_f1:.4f} "
                      f"| {total:.1f}s, {summary['samples_per_s']:.0f} samples/s, effective "
                      f"batch {summary['effective_batch']} | files in {summary['save_dir']}{gpu}")
-    if r.writer is not None:
-        r.writer.close()
+    if r.board is not None:
+        r.board.close()
     return summary

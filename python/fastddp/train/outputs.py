@@ -143,20 +143,55 @@ def plot_curves(history: list[dict[str, Any]]) -> Optional[bytes]:
     return png.getvalue()
 
 
-def make_tensorboard(save_dir: Path, args, ctx: Context, purge_step: int):
-    """The run's SummaryWriter (main rank, --tensorboard). Events in its directory at
-    ``purge_step`` and later (the first step after the checkpoint a run resumes; 0 for a fresh
-    run), written by an attempt that was killed before its next checkpoint, are hidden from
-    TensorBoard, so no step shows twice."""
+TENSORBOARD_DIRS = ("tensorboard", "tensorboard/epoch")  # the per-step and the per-epoch events
+
+
+class TensorBoard:
+    """The run's TensorBoard events (main rank, --tensorboard): per-step figures in
+    ``tensorboard/`` and each epoch's figures in ``tensorboard/epoch/`` (TensorBoard shows the
+    two as runs of one log directory), both at the step the figure belongs to.
+
+    A resumed run hides what an attempt killed after the checkpoint it loads wrote (TensorBoard
+    purges a directory's events from a step on), so no figure shows twice: per-step events from
+    the checkpoint's step + 1 on (that step's own were logged before the checkpoint); epoch
+    events from the checkpoint's step on when it was taken inside an epoch, as a checkpoint at
+    an epoch's last step precedes that epoch's figures. Each directory has its own purge, which
+    is why the epoch figures live in a directory of their own."""
+
+    def __init__(self, save_dir: Path, step: int, resumed: bool, epoch_done: bool) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        step_purge = step + 1 if resumed else 0
+        epoch_purge = step + 1 if resumed and epoch_done else step if resumed else 0
+        self._steps = SummaryWriter(str(save_dir / TENSORBOARD_DIRS[0]), purge_step=step_purge)
+        self._epochs = SummaryWriter(str(save_dir / TENSORBOARD_DIRS[1]), purge_step=epoch_purge)
+
+    def step_scalar(self, tag: str, value: float, step: int) -> None:
+        self._steps.add_scalar(tag, value, step)
+
+    def epoch_scalars(self, figures: dict[str, float], step: int) -> None:
+        """The figures of the epoch that ended at ``step``, each as ``epoch/<name>``."""
+        for name, value in figures.items():
+            self._epochs.add_scalar(f"epoch/{name}", value, step)
+
+    def close(self) -> None:
+        self._steps.close()
+        self._epochs.close()
+
+
+def make_tensorboard(save_dir: Path, args, ctx: Context, step: int, resumed: bool,
+                     epoch_done: bool) -> Optional[TensorBoard]:
+    """The run's :class:`TensorBoard` (main rank, --tensorboard), None otherwise. ``step`` and
+    ``epoch_done`` are those of the checkpoint a ``resumed`` run loaded."""
     if not (args.tensorboard and ctx.is_main):
         return None
     try:
-        from torch.utils.tensorboard import SummaryWriter
+        import torch.utils.tensorboard  # noqa: F401
     except ImportError:
         log(ctx, "note: --tensorboard needs the tensorboard package (pip install tensorboard); "
                  "continuing without it")
         return None
-    return SummaryWriter(str(save_dir / "tensorboard"), purge_step=purge_step)
+    return TensorBoard(save_dir, step, resumed, epoch_done)
 
 
 def progress(loader, ctx: Context, args, epoch: int):
