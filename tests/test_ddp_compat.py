@@ -161,3 +161,34 @@ def test_find_unused_parameters_hint_on_stderr_like_torch_ddp(tmp_path, used: st
     torch_hints, our_hints = hints(stderr_of("torch")), hints(stderr_of("ours"))
     assert len(torch_hints) == (1 if used == "all_used" else 0), torch_hints
     assert our_hints == torch_hints  # torch's words: logs are searched for them
+
+
+_TEARDOWN_SCRIPT = """
+import gc, os, sys, torch, torch.distributed as dist
+import fastddp
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+model = fastddp.DDPWrapper(torch.nn.Linear(4, 4))
+opt = torch.optim.AdamW(model.parameters())  # the first optimizer imports torch._dynamo
+model(torch.randn(2, 4)).sum().backward()
+opt.step()
+fastddp.diag.stop()  # the stall watchdog holds the group until exit
+del model, opt
+dist.destroy_process_group()
+gc.collect()
+names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+print(sum(n.startswith("pt_gloo") or n.startswith("gloo") for n in names))
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc")
+def test_destroy_process_group_ends_the_gloo_threads_in_a_script_that_imports_fastddp(tmp_path) -> None:
+    """torch.distributed.nn.functional binds the default group as its collectives' default
+    argument when first imported (the first optimizer does, through torch._dynamo). Imported
+    after init_process_group it keeps the group, and gloo's threads, alive past
+    destroy_process_group(): a gloo thread still freeing a collective's tensors when the
+    interpreter finalizes aborts the process ("terminate called without an active exception").
+    fastddp imports it first, so the group ends with destroy_process_group()."""
+    out = subprocess.run([sys.executable, "-c", _TEARDOWN_SCRIPT, str(tmp_path / "init")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-1] == "0", out.stdout + out.stderr

@@ -14,7 +14,19 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+import torch.distributed
+
 from ._ext import C as _C
+
+if torch.distributed.is_available():
+    # torch.distributed.nn.functional binds the default process group as its collectives'
+    # default argument when first imported, and torch._dynamo imports it (the first optimizer a
+    # process builds does, so does DDPWrapper's torch.compile marking). Imported after
+    # init_process_group, it keeps the group alive past destroy_process_group(), and with it
+    # gloo's threads: one still freeing a collective's tensors when the interpreter finalizes
+    # aborts the process ("terminate called without an active exception"). Imported here, in a
+    # script that imports fastddp before it makes a group, the defaults are None.
+    import torch.distributed.nn
 
 __version__ = "0.1.0"
 
