@@ -257,14 +257,3 @@ def test_curves_are_written_like_the_other_files(tmp_path, data_path) -> None:
     assert not (save / "curves.png").is_symlink()
     assert (save / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (save / "summary.json").is_file()
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="auto keeps freed memory on CPU runs only")
-@pytest.mark.parametrize("given, applied", [([], "keep"), (["--host-memory", "release"], "release")])
-def test_host_memory_kept_on_cpu_runs_unless_released(tmp_path, data_path, given, applied) -> None:
-    """--host-memory auto keeps freed memory on a CPU run (tests/test_host_memory.py checks what
-    that does to glibc); the header line and config.json say which applies."""
-    _, out = _train(tmp_path / "run", data_path, given)
-    assert f"host-memory={applied}" in out.splitlines()[0], out
-    config = json.loads((tmp_path / "run" / "config.json").read_text())
-    assert config["host_memory_resolved"] == applied

@@ -12,6 +12,8 @@ contenders, fastddp's for DDPWrapper).
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import dataclasses
 import gc
 import math
@@ -27,7 +29,6 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import fastddp
-from fastddp.train import host_memory
 
 from .models import Workload, workload
 
@@ -228,7 +229,7 @@ def time_rounds(rank: int, world_size: int, case: Case, schedule: Schedule) -> R
     mine = TIMED[rank // case.ranks]
     device = torch.device(case.device_type)  # on a GPU machine every rank shares GPU 0
     if device.type == "cpu" and ALLOCATOR == "keep":
-        host_memory.keep_freed_memory()  # docs/benchmarks.md, "The allocator"
+        _keep_freed_memory()
     wl = workload(case.name, device, Path(case.scratch), case.smoke)
     c = build(mine, new_model(wl, device), device, case.precision, groups[rank // case.ranks])
     for i in range(3):  # warm-up: allocations, bucket rebuilds, oneDNN plans
@@ -254,12 +255,18 @@ def _rss_bytes(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
-# The timed CPU ranks' allocator: "glibc" (its defaults, as a script of the user's own runs) or
-# "keep" (freed memory kept for the next step, as fastddp.train does on the CPU:
-# fastddp.train.host_memory).
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4  # <malloc.h>
+# The timed CPU ranks' allocator: "glibc" (its defaults, as a training job runs) or "keep"
+# (freed memory kept for the next step, see _keep_freed_memory).
 ALLOCATOR = os.environ.get("FASTDDP_ZOO_ALLOCATOR", "glibc")
 if ALLOCATOR not in ("glibc", "keep"):
     raise ValueError(f"FASTDDP_ZOO_ALLOCATOR={ALLOCATOR!r}: use 'glibc' (default) or 'keep'")
+
+
+def _mallopt(param: int, value: int) -> None:
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    if libc.mallopt(param, value) != 1:
+        raise RuntimeError(f"mallopt({param}, {value}) failed")
 
 
 def _map_large_allocations() -> None:
@@ -267,7 +274,18 @@ def _map_large_allocations() -> None:
     the system when freed. By default glibc raises that threshold as large blocks are freed and
     keeps later ones in its heap, so peak RSS depended on the order of earlier frees and moved
     by several MiB between runs of the same contender."""
-    host_memory.mallopt(host_memory.M_MMAP_THRESHOLD, 64 << 10)  # also turns off the dynamic threshold
+    _mallopt(_M_MMAP_THRESHOLD, 64 << 10)  # setting it also turns off the dynamic threshold
+
+
+def _keep_freed_memory() -> None:
+    """Make glibc keep freed memory for the next step (``FASTDDP_ZOO_ALLOCATOR=keep``), as
+    jemalloc and tcmalloc do: every allocation comes from the heap (none gets a mapping of its
+    own) and the heap is never trimmed. With glibc's defaults a step page-faults wherever the
+    allocator gave back what the step before freed: the bare model's gradients, freed by
+    ``zero_grad(set_to_none=True)`` and made again by the next backward, and the optimizer's
+    temporaries (docs/benchmarks.md, "The allocator")."""
+    _mallopt(_M_MMAP_MAX, 0)
+    _mallopt(_M_TRIM_THRESHOLD, 1 << 30)
 
 
 def _warm_contender(kind: str, device: torch.device, precision: str,

@@ -9,7 +9,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-from . import host_memory
 from .config import load_config
 from .errors import UsageError
 from .models import MODES, load_factory
@@ -153,10 +152,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("input pipeline")
     g.add_argument("--num-workers", type=int, default=2, help="loader threads per process")
-    g.add_argument("--host-memory", choices=["auto", "keep", "release"], default="auto",
-                   help="freed host memory: keep it for the next step (no page faults on each "
-                        "step's large tensors; glibc) or release it as the C library does; "
-                        "auto: keep when training on the CPU with glibc")
 
     g = p.add_argument_group("output")
     g.add_argument("--save-dir", default="runs/har", help="checkpoints, metrics, plots")
@@ -256,9 +251,6 @@ def validate(args: argparse.Namespace, cuda_count: int) -> None:
     if args.max_nan_steps < 1:
         raise UsageError(f"--max-nan-steps must be >= 1 (1 stops at the first non-finite loss), "
                          f"got {args.max_nan_steps}")
-    if args.host_memory == "keep" and not host_memory.glibc():
-        raise UsageError("--host-memory keep needs glibc (it sets glibc's mallopt), and this "
-                         "process runs on another C library; use --host-memory release, or auto")
     if args.save_interval < 0:
         raise UsageError(f"--save-interval must be >= 0 (0: a checkpoint per epoch only), "
                          f"got {args.save_interval}")

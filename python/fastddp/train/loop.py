@@ -24,7 +24,7 @@ from torch.utils.data import TensorDataset
 import fastddp
 
 from .._net import finish_collectives
-from . import checkpoint, host_memory, signals
+from . import checkpoint, signals
 from .cli import resume_flags
 from .epoch import end_epoch, run_epoch
 from .errors import UsageError
@@ -96,10 +96,6 @@ def autocast_factory(amp: bool, dtype: torch.dtype,
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     ctx = setup_distributed(args)
-    if args.host_memory == "keep" or (args.host_memory == "auto" and ctx.device.type == "cpu"
-                                      and host_memory.glibc()):
-        host_memory.keep_freed_memory()
-        ctx.host_memory = "keep"
     # Rank 0 writes checkpoints in the background (the other ranks would wait for it).
     saver = checkpoint.CheckpointWriter(asynchronous=not getattr(args, "sync_checkpoints", False))
     # SIGTERM (torchrun stopping the survivors of a failed rank, a preemption) raises

@@ -32,7 +32,7 @@ def log_header(r: Run) -> None:
              f"mode={args.model or args.mode} amp={amp} "
              f"batch={args.batch_size}x{ctx.world}x{accum}={args.batch_size * ctx.world * accum} "
              f"lr={r.lr:g} steps/epoch={r.steps_per_epoch} "
-             f"cuda-graph={'on' if r.graphed is not None else 'off'} host-memory={ctx.host_memory}")
+             f"cuda-graph={'on' if r.graphed is not None else 'off'}")
     if args.save_interval > r.steps_per_epoch:
         log(ctx, f"note: --save-interval {args.save_interval} is more than the {r.steps_per_epoch} "
                  "steps of an epoch: no checkpoint inside an epoch, one at each epoch's end")
@@ -40,8 +40,7 @@ def log_header(r: Run) -> None:
 
 def write_config(save_dir: Path, args, ctx: Context, amp: bool, amp_dtype) -> None:
     cfg = {k: v for k, v in vars(args).items()}
-    cfg.update(world_size=ctx.world, device=str(ctx.device), host_memory_resolved=ctx.host_memory,
-               amp_resolved=amp,
+    cfg.update(world_size=ctx.world, device=str(ctx.device), amp_resolved=amp,
                amp_dtype_resolved=str(amp_dtype), torch=torch.__version__,
                fastddp=fastddp.__version__, python=sys.version.split()[0])
     checkpoint.write_file(json.dumps(cfg, indent=1, default=str).encode(), save_dir / "config.json")

@@ -32,7 +32,6 @@ class Context:
     local_rank: int = 0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     distributed: bool = False
-    host_memory: str = "release"  # what this process's allocator does with freed memory
 
     @property
     def is_main(self) -> bool:
