@@ -61,6 +61,13 @@ SCHEDULE = (Schedule(1, 1, 0.0) if SMOKE else
 # (the GPU idles while the other contenders run their blocks).
 GPU_SCHEDULE = Schedule(1, 1, 0.0) if SMOKE else Schedule(rounds=7, min_steps=4, block_s=0.3)
 MEM_STEPS = 1 if SMOKE else 3
+# Sets of processes per CPU case, one after the other, their rounds pooled. Under glibc's
+# defaults a process's allocation history decides whether a step page-faults its large
+# temporaries again (docs/benchmarks.md, the zoo's notes), so one set's contenders can be
+# luckier than another's; rounds within one set do not average that out, more sets do.
+LAUNCHES = int(os.environ.get("FASTDDP_ZOO_LAUNCHES", "1"))
+if LAUNCHES < 1:
+    raise ValueError(f"FASTDDP_ZOO_LAUNCHES={LAUNCHES}: give 1 or more sets of processes per case")
 CASES = [pytest.param(n, p, id=f"{n}-{p}") for n in NAMES for p in PRECISIONS]
 CASES.append(pytest.param("mlp50m", "fp32", id="mlp50m-fp32"))  # the memory reference
 
@@ -110,9 +117,12 @@ def _case(name: str, precision: str, device_type: str, world_size: int, backend:
         pytest.skip(f"{name}: torch has no float16 kernel for this model on {device_type}")
     case = Case(name, precision, device_type, world_size, backend, str(scratch), SMOKE)
     # the barriers between blocks go over gloo; each contender's ranks reduce over `backend`
-    with busy_neighbour(neighbour):
-        per_rank = run_distributed(time_rounds, world_size * len(TIMED), backend="gloo",
-                                   timeout=3600, args=(case, SCHEDULE))
+    per_rank: list = []
+    for _ in range(LAUNCHES):
+        with busy_neighbour(neighbour):
+            ranks = run_distributed(time_rounds, world_size * len(TIMED), backend="gloo",
+                                    timeout=3600, args=(case, SCHEDULE))
+        per_rank = [a.then(b) for a, b in zip(per_rank, ranks)] if per_rank else ranks
     mem = {}
     for kind in MEMORY:
         peaks = run_distributed(peak_memory, world_size, backend=backend, timeout=1800,
@@ -157,6 +167,10 @@ def _row(name: str, precision: str, device_type: str, world_size: int, backend: 
         if ALLOCATOR == "keep":
             suffix += "-keep-allocator"
             row["command"] = "FASTDDP_ZOO_ALLOCATOR=keep " + row["command"]
+        row["launches"] = LAUNCHES
+        if LAUNCHES > 1:
+            suffix += f"-{LAUNCHES}-launches"
+            row["command"] = f"FASTDDP_ZOO_LAUNCHES={LAUNCHES} " + row["command"]
     record("zoo", f"{device_type}-{backend}-w{world_size}-{name}-{precision}{suffix}", row)
     return row
 

@@ -115,6 +115,13 @@ class Rounds:
     own_cpu_s: float  # CPU seconds this process used over them
     machine_busy_s: float  # busy CPU seconds of the whole machine over them
 
+    def then(self, later: Rounds) -> Rounds:
+        """These rounds followed by ``later``'s (the same rank in a later set of processes):
+        the rounds of both, their seconds added; ``steps`` stays this set's."""
+        return Rounds({k: v + later.times.get(k, []) for k, v in self.times.items()}, self.steps,
+                      self.wall_s + later.wall_s, self.own_cpu_s + later.own_cpu_s,
+                      self.machine_busy_s + later.machine_busy_s)
+
 
 def _timed_block(run: Callable[[], None], device: torch.device) -> float:
     """Seconds ``run`` takes, started on every rank together (a barrier)."""
