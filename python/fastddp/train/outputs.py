@@ -161,8 +161,10 @@ class TensorBoard:
     def __init__(self, save_dir: Path, step: int, resumed: bool, epoch_done: bool) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        step_purge = step + 1 if resumed else 0
-        epoch_purge = step + 1 if resumed and epoch_done else step if resumed else 0
+        step_purge = epoch_purge = 0  # a fresh run: nothing of this run's before it
+        if resumed:
+            step_purge = step + 1
+            epoch_purge = step + 1 if epoch_done else step
         self._steps = SummaryWriter(str(save_dir / TENSORBOARD_DIRS[0]), purge_step=step_purge)
         self._epochs = SummaryWriter(str(save_dir / TENSORBOARD_DIRS[1]), purge_step=epoch_purge)
 
@@ -186,7 +188,7 @@ def make_tensorboard(save_dir: Path, args, ctx: Context, step: int, resumed: boo
     if not (args.tensorboard and ctx.is_main):
         return None
     try:
-        import torch.utils.tensorboard  # noqa: F401
+        from torch.utils.tensorboard import SummaryWriter  # noqa: F401  (needs tensorboard)
     except ImportError:
         log(ctx, "note: --tensorboard needs the tensorboard package (pip install tensorboard); "
                  "continuing without it")
