@@ -230,6 +230,32 @@ def _copy_on_one_rank(rank: int, world_size: int) -> None:
     dist.barrier()
 
 
+def _local_only_hook(state, bucket):  # unannotated: torch checks the annotation, a string here
+    """A communication hook that reduces nothing: each rank keeps its own gradients."""
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
+def _copy_drops_comm_hook(rank: int, world_size: int) -> None:
+    """torch's copy is built without the original's communication hook (plain averaging) and
+    takes a hook of its own; the original keeps its hook."""
+    import copy
+
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    for hook in (default_hooks.fp16_compress_hook, _local_only_hook):
+        ours, ref = make_pair(mlp, {})
+        for m in (ours, ref):
+            m.register_comm_hook(None, hook)
+        train_both(*(copy.deepcopy(m) for m in (ours, ref)), rand_vec, steps=2)
+        ours_c, ref_c = copy.deepcopy(ours), copy.deepcopy(ref)
+        for m in (ours_c, ref_c):
+            m.register_comm_hook(None, default_hooks.bf16_compress_hook)
+        train_both(ours_c, ref_c, rand_vec, steps=2)
+        train_both(ours, ref, rand_vec, steps=1)
+
+
 def _copy_subgroup_refused(rank: int, world_size: int) -> None:
     """A wrapper on another process group cannot be pickled (as with torch DDP): one clear error."""
     import copy
@@ -239,7 +265,8 @@ def _copy_subgroup_refused(rank: int, world_size: int) -> None:
         copy.deepcopy(sub)
 
 
-@pytest.mark.parametrize("case", [_copy_deepcopy, _copy_pickle, _copy_on_one_rank, _copy_subgroup_refused],
+@pytest.mark.parametrize("case", [_copy_deepcopy, _copy_pickle, _copy_on_one_rank, _copy_drops_comm_hook,
+                                  _copy_subgroup_refused],
                          ids=lambda f: f.__name__[len("_copy_"):])
 def test_deepcopy_and_pickle_like_torch_ddp(ranks, case) -> None:
     ranks.run(case, world_size=2)

@@ -52,7 +52,7 @@ class ModuleStateSync:
     @torch.no_grad()
     def _sync_module_states(self, buffers: bool = True) -> None:
         """Broadcast parameters (and buffers) from rank 0 (one collective per dtype/device)."""
-        if self.world_size == 1:
+        if self._world_size == 1:
             return
         tensors = self._synced_params() + (self._synced_buffers() if buffers else [])
         self._broadcast_coalesced(tensors)
@@ -78,4 +78,4 @@ class ModuleStateSync:
             self._broadcast_coalesced(buffers, src=src)
 
     def _syncs_buffers(self) -> bool:
-        return self.forward_sync_buffers and self.world_size > 1 and bool(self._module_buffers)
+        return self.forward_sync_buffers and self._world_size > 1 and bool(self._module_buffers)

@@ -103,7 +103,7 @@ class Buckets:
         note = self._reducer.transport_note
         own_failure = note.startswith(("shm_open", "reserving", "segment", "mmap", "cannot"))
         if requested is None and self._reducer.transport != "shm" and (
-                own_failure or (self.rank == 0 and note.startswith("rank "))):
+                own_failure or (self._rank == 0 and note.startswith("rank "))):
             # Wanted and possible in principle, but the mapping failed: the failing rank (and
             # rank 0) say so.
             warnings.warn(f"DDPWrapper: all-reducing through the process group, not shared memory: {note}",
@@ -122,10 +122,10 @@ class Buckets:
     def _shm_wish(self, params: list[torch.Tensor], requested: Optional[bool]) -> Optional[bool]:
         """None: no shared-memory handshake (one process, or not a CPU model). Otherwise this
         rank's wish, agreed with the other ranks' in the handshake."""
-        if self.world_size == 1 or not params or any(p.device.type != "cpu" for p in params):
+        if self._world_size == 1 or not params or any(p.device.type != "cpu" for p in params):
             if requested:
                 raise ValueError("DDPWrapper: shm_allreduce=True needs CPU parameters and more than one "
-                                 f"process (world size {self.world_size}, devices "
+                                 f"process (world size {self._world_size}, devices "
                                  f"{sorted({str(p.device) for p in params})})")
             return None
         if requested is not None:
@@ -241,7 +241,7 @@ class Buckets:
                 "allreduce_ms": times[b] if times[b] >= 0 else None,
                 "transport": "shm" if shm[b] else "c10d",
             })
-        return {"world_size": self.world_size, "bucket_cap_mb": self._bucket_cap_mb,
+        return {"world_size": self._world_size, "bucket_cap_mb": self._bucket_cap_mb,
                 "transport": self._reducer.transport, "transport_note": self._reducer.transport_note,
                 "first_bucket_mb": self._first_bucket_mb, "comm_dtype": str(self.comm_dtype),
                 "passthrough": self._reducer.passthrough, "batch_copies": self._reducer.batch_copies,

@@ -59,9 +59,9 @@ class UnevenInputs:
         gradients, rebuild the buckets and sync the buffers in this iteration, how many ranks
         are active, and the highest active rank (the source of the buffers). A joined rank
         adds zeros."""
-        flags = torch.zeros(3 + self.world_size, dtype=torch.int64)
+        flags = torch.zeros(3 + self._world_size, dtype=torch.int64)
         if active:
-            flags[0], flags[1], flags[2], flags[3 + self.rank] = int(sync), int(rebuild), int(sync_buffers), 1
+            flags[0], flags[1], flags[2], flags[3 + self._rank] = int(sync), int(rebuild), int(sync_buffers), 1
         flags = flags.to(self.join_device)
         with diag.phase(diag.Phase.JOIN):
             dist.all_reduce(flags, group=self.process_group)
@@ -84,7 +84,7 @@ class UnevenInputs:
     def _sync_final_model(self, is_last_joiner: bool) -> None:
         """After join(): every rank takes the parameters and buffers of the highest-ranked
         last joiner (the ranks that joined early skipped optimizer steps)."""
-        flags = torch.tensor([self.rank if is_last_joiner else -1], dtype=torch.int64,
+        flags = torch.tensor([self._rank if is_last_joiner else -1], dtype=torch.int64,
                              device=self.join_device)
         with diag.phase(diag.Phase.JOIN):
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.process_group)

@@ -190,9 +190,9 @@ def logging_data(ddp: Any, bucketed: list[torch.Tensor], layout: list[list[int]]
         "is_multi_device_module": int(ddp.is_multi_device_module),
         "num_parameter_tensors": len(params),
         "output_device": -1 if ddp.output_device is None else int(ddp.output_device),
-        "rank": ddp.rank,
+        "rank": ddp.process_group.rank(),
         "total_parameter_size_bytes": sum(p.numel() * p.element_size() for p in params),
-        "world_size": ddp.world_size,
+        "world_size": ddp.process_group.size(),
     })
     data.update(run.entries())
     return data

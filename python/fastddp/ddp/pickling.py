@@ -18,8 +18,8 @@ class Pickling:
     """``__getstate__``/``__setstate__`` of the wrapper; it provides ``_build_reducer``."""
 
     process_group: Any
-    world_size: int
-    rank: int
+    _world_size: int
+    _rank: int
     _build_reducer: Callable[[], None]
 
     def __getstate__(self) -> dict[str, Any]:
@@ -38,6 +38,10 @@ class Pickling:
         state = dict(self.__dict__)
         for name in ("process_group", "_reducer", "_sparse", "device_mesh", "_bucket_visitors"):
             state.pop(name, None)
+        # torch's copy builds a reducer without the communication hook (plain averaging, and
+        # the copy may register one of its own): so does this one.
+        state["_comm_hook"], state["_python_hook"] = None, None
+        state["comm_dtype"] = state.get("_comm_dtype_arg")
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -53,10 +57,16 @@ class Pickling:
             before = state.pop("_before_rebuild")
             state["_sizes_before_rebuild"] = None if before is None else before[0]
         state.setdefault("_sizes_before_rebuild", None)
+        if "_comm_dtype_arg" not in state:  # pickled with its hook and without the constructor's comm_dtype
+            state["_comm_dtype_arg"] = state["comm_dtype"] if state.get("_comm_hook") is None else None
+            state["_comm_hook"], state["_python_hook"] = None, None
+            state["comm_dtype"] = state["_comm_dtype_arg"]
+        for name in ("rank", "world_size"):  # pickled by a fastddp that stored them public
+            state.pop(name, None)
         nn.Module.__setstate__(self, state)
         self.process_group = dist.group.WORLD
-        self.world_size = dist.get_world_size()
-        self.rank = dist.get_rank()
+        self._world_size = dist.get_world_size()
+        self._rank = dist.get_rank()
         # A copy is often made on one rank only (an EMA or evaluation model): its reducer must
         # not negotiate shared memory, a collective the other ranks would never join.
         self._shm_requested = None

@@ -196,6 +196,7 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, ModuleStateSync, Pickling, To
         self.static_graph = bool(static_graph)  # torch DDP sets True through _set_static_graph()
         self._output_sink = OutputSink()
         self.comm_dtype = comm_dtype
+        self._comm_dtype_arg = comm_dtype  # a built-in hook may change comm_dtype; a copy drops the hook
         if device_mesh is not None:  # torch DDP sets the attribute only for a mesh
             self.device_mesh = device_mesh
         self.batched_grad_copy = batched_grad_copy
@@ -203,8 +204,8 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, ModuleStateSync, Pickling, To
         # torch DDP's rule for the per-forward buffer sync: a forward syncs the buffers only when
         # the forward before it was a reducing one (grad enabled, outside no_sync); the first does
         self.require_forward_param_sync = True
-        self.world_size = self.process_group.size()
-        self.rank = self.process_group.rank()
+        self._world_size = self.process_group.size()
+        self._rank = self.process_group.rank()
         diag.ensure_started(stall_threshold_s)  # before the first collective, so its hangs are reported
         checks.check_lazy(module)
         self.output_device = output_device  # normalised by _select_parameters
@@ -218,7 +219,7 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, ModuleStateSync, Pickling, To
                                               init_sync_buffers, self.forward_sync_buffers, caps)
             with diag.phase(diag.Phase.SETUP):
                 self._bucket_cap_mb, self._first_bucket_mb = rank_check.verify_across_ranks(
-                    named, self.process_group, self.world_size, shared, (bucket_cap_mb, first_bucket_mb))
+                    named, self.process_group, self._world_size, shared, (bucket_cap_mb, first_bucket_mb))
                 self._sync_module_states(init_sync_buffers)
         self._module_buffers = self._synced_buffers()  # broadcast from rank 0 before forwards
         self._has_rebuilt_buckets = False  # torch DDP's name (ddp_zero_hook reads it)
@@ -309,11 +310,11 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, ModuleStateSync, Pickling, To
                 sync, rebuild, active=True, sync_buffers=sync_buffers)
             if work is not None:
                 work.wait()
-            if sync and not self._divide_by_initial_world_size and n_active < self.world_size \
+            if sync and not self._divide_by_initial_world_size and n_active < self._world_size \
                     and self._python_hook is None:
                 # average over the ranks still training instead of the initial world size (a
                 # Python hook does its own division, as under torch DDP)
-                self._reducer.set_reduction_scale(self.world_size / n_active)
+                self._reducer.set_reduction_scale(self._world_size / n_active)
         if rebuild:
             self._rebuild_buckets()
         if sync_buffers:
