@@ -141,7 +141,7 @@ def test_torch_ddp_internal_methods_raise_naming_themselves(ranks) -> None:
 def _public_attributes(rank: int, world_size: int) -> list[str]:
     """Every public attribute torch DDP's constructor sets: the same value on a DDPWrapper
     (buffers compared by identity with each model's own), or, for the ones that belong to
-    torch's C++ reducer and logger, an AttributeError that says so."""
+    torch's C++ reducer and logger, an AttributeError that says so; and no other public attribute."""
     ref, ours = _pair()
     own = {"logger", "bucket_bytes_cap_default", "bucket_bytes_cap_list"}
     missing = []
@@ -161,6 +161,8 @@ def _public_attributes(rank: int, world_size: int) -> list[str]:
             assert {k: id(b) for k, b in mine.items()} == {k: id(b) for k, b in ours.module.named_buffers()}
         elif name not in ("module", "process_group", "buffer_hook", "ddp", "reducer"):  # each model's own
             assert theirs == mine, (name, theirs, mine)
+    # and no public attribute torch's lacks (hasattr would tell them apart), but fastddp's own argument
+    assert {n for n in vars(ours) if not n.startswith("_")} - set(vars(ref)) == {"comm_dtype"}
     with pytest.raises(AttributeError, match="'DDPWrapper' object has no attribute 'no_such_thing'"):
         ours.no_such_thing  # noqa: B018  # any other name: nn.Module's error
     return missing
