@@ -169,7 +169,20 @@ def _refused_lazy(rank: int, world_size: int) -> None:
     fastddp.DDPWrapper(lazy)
 
 
-@pytest.mark.parametrize("case", [_refused_2d_mesh, _refused_bad_caps, _refused_lazy],
+def _refused_meta(rank: int, world_size: int) -> None:
+    """A module built on the meta device: torch DDP raises RuntimeError at construction (its
+    cross-rank check reads the meta tensors); DDPWrapper too, naming the parameter and the fix."""
+    for cls in (TorchDDP, fastddp.DDPWrapper):
+        with pytest.raises(RuntimeError):
+            cls(nn.Linear(4, 2, device="meta"))
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2, device="meta"))
+    with pytest.raises(RuntimeError, match=r"parameter '1\.weight' is on the meta device \(2 of 4.*to_empty"):
+        fastddp.DDPWrapper(model)
+    model.to_empty(device="cpu")  # materialised: now it wraps and trains
+    fastddp.DDPWrapper(model)(torch.randn(2, 4)).sum().backward()
+
+
+@pytest.mark.parametrize("case", [_refused_2d_mesh, _refused_bad_caps, _refused_lazy, _refused_meta],
                          ids=lambda f: f.__name__[len("_refused_"):])
 def test_invalid_arguments_are_refused_clearly(ranks, case) -> None:
     ranks.run(case, world_size=1)

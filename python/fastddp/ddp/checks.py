@@ -182,6 +182,17 @@ def check_lazy(module: nn.Module) -> None:
                            "nn.LazyLinear); run one forward pass with a sample batch before wrapping the model.")
 
 
+def refuse_meta(named: list[tuple[str, nn.Parameter]]) -> None:
+    """Parameters on the meta device have no values to broadcast or reduce (torch DDP fails on
+    them at construction, inside its cross-rank check)."""
+    meta = [n for n, p in named if p.device.type == "meta"]
+    if meta:
+        raise RuntimeError(f"DDPWrapper: parameter {meta[0]!r} is on the meta device ({len(meta)} of "
+                           f"{len(named)} parameters are), so it has no values; materialise the module "
+                           "before wrapping it (module.to_empty(device=...), then initialise or load its "
+                           "weights).")
+
+
 def refuse_cpu_sync_batchnorm(module: nn.Module, device_type: str) -> None:
     """torch DDP's refusal of ``nn.SyncBatchNorm`` in a CPU module, at construction with its
     ``ValueError`` (SyncBatchNorm's own check would fail only in a training forward, and an

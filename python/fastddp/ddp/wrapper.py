@@ -248,6 +248,7 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, ModuleStateSync, Pickling, To
         named = checks.reducer_parameters(module, self.parameters_to_ignore)
         if not named:
             raise RuntimeError("DDPWrapper: the module has no parameter that requires a gradient")
+        checks.refuse_meta(named)
         # forward moves the inputs there; the attributes hold device indices, as torch DDP's
         self._input_device = checks.input_device(named, device_ids, self.output_device)
         if self._input_device is None:
