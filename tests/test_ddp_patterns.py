@@ -122,6 +122,25 @@ def _static_dropped_parameter_error(rank: int, world_size: int) -> None:
     assert "extra.weight" in str(info.value) and "fewer gradients" in str(info.value), info.value
 
 
+def _penalized(model: nn.Module, x: torch.Tensor, step: int) -> torch.Tensor:
+    """A gradient penalty (WGAN-GP): the gradient of the output with respect to the input, by
+    torch.autograd.grad, before the loss's backward."""
+    x = x.clone().requires_grad_()
+    out = model(x)
+    (g,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+    return out.mean(dim=1) + 0.1 * g.pow(2).sum(dim=1)
+
+
+def _static_gradient_penalty(rank: int, world_size: int) -> None:
+    """static_graph with a gradient penalty: the first iteration is settled by loss.backward(),
+    not by the torch.autograd.grad before it, and every step averages as torch DDP without
+    static_graph does (torch DDP with static_graph keeps rank-local gradients here)."""
+    ours, ref = make_pair(mlp, {}, {"static_graph": True})
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Grad strides do not match bucket view strides")  # both warn
+        train_both(ours, ref, rand_vec, steps=3, forward=_penalized)
+
+
 STATIC_CASES = {
     **{f"checkpointed-view={v}-set_to_none={s}": (_static_checkpointed, (v, s))
        for v in (True, False) for s in (True, False)},
@@ -129,6 +148,7 @@ STATIC_CASES = {
     "twice_error": (_static_twice_error, ()),
     "changed_graph_error": (_static_changed_graph_error, ()),
     "dropped_parameter_error": (_static_dropped_parameter_error, ()),
+    "gradient_penalty": (_static_gradient_penalty, ()),
 }
 
 

@@ -26,6 +26,12 @@ void Reducer::finalize_backward() {
   std::lock_guard<std::mutex> lock(mutex_);
   callback_queued_ = false;
   if (!expect_sync_ || continued_by_outer_backward_locked()) return;
+  // static_graph's first iteration is settled by the backward that brings the gradients. One
+  // that reached the outputs but no parameter is torch.autograd.grad with respect to the
+  // inputs (a gradient penalty, create_graph=True) before loss.backward() in the same
+  // iteration: the outputs' pre-hook stays armed for that later backward. (torch DDP settles
+  // the iteration here instead, and its gradients then stay rank-local.)
+  if (static_graph_ && static_first_iteration_ && !hooks_seen_) return;
   finalize_locked();
 }
 
