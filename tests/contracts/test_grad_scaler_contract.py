@@ -204,6 +204,43 @@ def test_step_without_gradients() -> None:
     assert _side_by_side(run)[0] is AssertionError
 
 
+def test_step_without_gradients_leaves_unscale_done() -> None:
+    """torch's step() runs unscale_() before it finds no check: a second unscale_() is refused."""
+    def run(cls):
+        scaler, _, _ = _stepped(cls)
+        opt = torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=1.0)
+        with pytest.raises(AssertionError, match="No inf checks were recorded for this optimizer"):
+            scaler.step(opt)
+        scaler.unscale_(opt)
+
+    assert _side_by_side(run)[0] is RuntimeError
+
+
+@pytest.mark.parametrize("optim", sorted(OPTIMS))
+@pytest.mark.parametrize("factor", [1.0, INF, NAN])
+def test_step_after_unscale_and_cleared_gradients(optim, factor) -> None:
+    """A step dropped after unscale_() (zero_grad(set_to_none=True) before step()): the
+    optimizer steps without gradients, and update() goes by the check unscale_() recorded."""
+    def run(cls):
+        model = _model()
+        opt = OPTIMS[optim](model.parameters())
+        scaler = cls("cpu", init_scale=8.0, growth_interval=1)
+        seen = []
+        for step in range(3):
+            x, y = _batch(step)
+            scaler.scale(nn.functional.mse_loss(model(x), y) * (factor if step == 1 else 1.0)).backward()
+            scaler.unscale_(opt)
+            if step != 2:
+                opt.zero_grad(set_to_none=True)
+            seen += [scaler.step(opt), scaler.get_scale()]
+            scaler.update()
+            seen.append(scaler.get_scale())
+            opt.zero_grad()
+        return seen + [list(model.parameters()), opt.state_dict()["state"]]
+
+    _side_by_side(run)
+
+
 def test_float16_gradients_refused() -> None:
     def run(cls):
         p = nn.Parameter(torch.ones(3, dtype=torch.float16))

@@ -131,7 +131,9 @@ class GradScaler(torch.amp.GradScaler):
         """No gradient to check: torch's scaler steps a fused optimizer (a no-op) recording no
         inf check, so update() counts only the other optimizers'; any other one is refused."""
         if not getattr(optimizer, "_step_supports_amp_scaling", False):
-            # torch's assertion: no parameter of this optimizer has a gradient (no backward ran?)
+            # torch's assertion: no parameter of this optimizer has a gradient (no backward ran?),
+            # after its step() ran unscale_(), which recorded no check
+            state["stage"] = OptState.UNSCALED
             raise AssertionError("No inf checks were recorded for this optimizer.")
         retval = fused_step(optimizer, scale if state["stage"] is OptState.READY else None,
                             torch.zeros((), device=scale.device), args, kwargs)
@@ -247,7 +249,11 @@ class GradScaler(torch.amp.GradScaler):
                                  "unscales by itself; call step(optimizer) without max_grad_norm, "
                                  "grads or ddp")
             return super().step(optimizer, *args, **kwargs)  # torch's FutureWarning and grad_scaler=self
-        if not g or (state["stage"] is OptState.UNSCALED and not state["found_inf_per_device"]):
+        # No check to go by: no gradient before unscale_(), or none when unscale_() ran. With
+        # a check recorded, the gradients may have been cleared since (a dropped step): the
+        # optimizer steps unless that check found inf/NaN, as torch's scaler does.
+        if (not g and state["stage"] is OptState.READY) or \
+                (state["stage"] is OptState.UNSCALED and not state["found_inf_per_device"]):
             return self._step_without_grads(optimizer, state, scale, max_grad_norm is not None, args, kwargs)
         device = self._device_of(g)
         found_inf, norm, rescale = self._finalize(state, g, device, scale, max_grad_norm, ddp)
