@@ -86,7 +86,28 @@ def test_resume_with_more_epochs_and_other_logging_continues(one_epoch, tmp_path
                                ["--log-interval", "2", "--sync-checkpoints", "--save-interval", "3"])
     assert codes == [0], out
     assert f"resumed from {save / 'last.pt'} at epoch 2, step 6" in out, out
+    # one epoch of warm-up (6 steps): both schedules stand at the peak at step 6
+    assert ("note: --epochs 2 continues a finished run of --epochs 1: the learning-rate schedule (a "
+            "cosine to 0) now ends at step 12 instead of 6; at step 6 the rate is 0.001 (the "
+            "checkpoint's run: 0.001)") in out, out
     assert [row["epoch"] for row in trainer_runs.metrics(save)] == ["1", "2"]
+
+
+def test_resume_with_fewer_epochs_names_the_schedule_change(tmp_path, data_path) -> None:
+    """An unfinished run resumed with fewer --epochs: its cosine is recomputed over the new
+    total, and the run says so, with the rate before and after and how to keep it."""
+    save = tmp_path / "run"
+    flags = ["--warmup-epochs", "0"]
+    codes, out = trainer_runs.run(save, data_path, ["--epochs", "3", *flags],
+                                  env={"FASTDDP_FAULT_KILL_AFTER_EPOCH": "1"})
+    assert codes == [-9], out
+    codes, out = trainer_runs.run(save, data_path, ["--epochs", "2", *flags])
+    assert codes == [0], out
+    assert ("note: --epochs 2, where the checkpoint's run had --epochs 3: the learning-rate schedule "
+            "(a cosine to 0) now ends at step 12 instead of 18; at step 6 the rate is 0.0005 (the "
+            "checkpoint's run: 0.00075). Rerun with --epochs 3 to keep the run's schedule") in out, out
+    codes, out = trainer_runs.run(save, data_path, ["--epochs", "3", *flags])  # the checkpoint now says 2
+    assert codes == [0] and "note: --epochs 3 continues a finished run of --epochs 2" in out, out
 
 
 def test_resume_on_another_world_size_with_scale_lr_is_refused(tmp_path, data_path) -> None:

@@ -216,7 +216,7 @@ def build(args: argparse.Namespace, ctx: Context, save_dir: Path,
                 "train_samples": len(train_set) if hasattr(train_set, "__len__") else None,
                 "data": data_identity(args, train_set, test_set)}
     state = TrainState(model, optimizer, scheduler, scaler, loader, mode=args.model or args.mode,
-                       world=ctx.world, settings=settings,
+                       world=ctx.world, settings=settings, epochs=args.epochs,
                        run_id=os.environ.get("TORCHELASTIC_RUN_ID"))
     loss_fn = nn.CrossEntropyLoss(weight=weight)
     step = TrainStep(model, loss_fn, optimizer, scaler, autocast_factory(amp, amp_dtype, ctx.device),
@@ -265,6 +265,23 @@ def make_loaders(args: argparse.Namespace, ctx: Context, train_set: Any, test_se
     return loader, val_loader
 
 
+def schedule_change(r: Run, saved_epochs: Optional[int]) -> Optional[str]:
+    """What resuming a run of ``saved_epochs`` with another ``--epochs`` does to its
+    learning rate (the cosine is recomputed over the new total), or None."""
+    if saved_epochs is None or saved_epochs == r.args.epochs:
+        return None  # the same run, or a checkpoint that did not record it
+    spe, step = r.steps_per_epoch, r.state.step
+    warmup = int(r.args.warmup_epochs * spe)
+    old, new = (r.lr * lr_lambda(spe * e, warmup)(step) for e in (saved_epochs, r.args.epochs))
+    change = (f"the learning-rate schedule (a cosine to 0) now ends at step {spe * r.args.epochs} "
+              f"instead of {spe * saved_epochs}; at step {step} the rate is {new:.3g} (the "
+              f"checkpoint's run: {old:.3g})")
+    if r.state.start_epoch >= saved_epochs:  # a finished run trained further
+        return f"--epochs {r.args.epochs} continues a finished run of --epochs {saved_epochs}: {change}"
+    return (f"--epochs {r.args.epochs}, where the checkpoint's run had --epochs {saved_epochs}: {change}. "
+            f"Rerun with --epochs {saved_epochs} to keep the run's schedule")
+
+
 def restore(r: Run) -> tuple[Optional[Partial], bool]:
     """Load the checkpoint ``--resume`` names into ``r.state``. Returns the partial sums of an
     epoch continued in the middle (None: the next epoch starts from its beginning) and whether
@@ -291,6 +308,9 @@ def restore(r: Run) -> tuple[Optional[Partial], bool]:
                  f"interrupted epoch {state.epoch + 1} restarts from its beginning")
     if state.start_epoch < r.args.epochs:
         log(ctx, f"resumed from {path} at epoch {state.start_epoch + 1}, step {state.step}{note}")
+        changed = schedule_change(r, loaded.get("epochs"))
+        if changed:
+            log(ctx, f"note: {changed}")
     kept = keep_foreign_metrics(r.save_dir, state.history) if ctx.is_main else None
     if kept is not None:
         log(ctx, f"note: {r.save_dir / 'metrics.csv'} did not hold the history of {path} (edited "

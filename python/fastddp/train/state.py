@@ -41,6 +41,7 @@ class TrainState:
     mode: str
     world: int
     settings: dict[str, Any] = field(default_factory=dict)
+    epochs: Optional[int] = None  # the run's --epochs, which its learning-rate schedule spans
     run_id: Optional[str] = None
     epoch: int = 0
     step: int = 0
@@ -62,7 +63,7 @@ class TrainState:
             "epoch_done": self.epoch_done, "best_f1": self.best_f1, "history": self.history,
             "rng": self.ranks, "world": self.world, "mode": self.mode,
             "signature": model_signature(self.model), "settings": self.settings,
-            "run_id": self.run_id,
+            "run_id": self.run_id, "epochs": self.epochs,
         }
 
     def check_compatible(self, state: dict[str, Any], source: str) -> Optional[str]:
