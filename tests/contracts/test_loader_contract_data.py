@@ -455,6 +455,44 @@ def test_tensors_changed_in_place_between_passes(layout: str, inference: bool) -
     assert passes[0][1][0][1][0][1, 1] == -9.0  # DataLoader saw the new values
 
 
+@pytest.mark.parametrize("how", ["numpy", "data"])
+def test_tensors_changed_unseen_by_the_version_counter(how: str) -> None:
+    # A write through numpy (a Fortran-ordered array: torch.from_numpy of it is not contiguous)
+    # or `.data =` leaves the version counter as it was: the contiguous copy is made every pass.
+    passes = []
+    for cls in (DataLoader, fastddp.PrefetchLoader):
+        array = np.asfortranarray(np.zeros((8, 3), dtype=np.float32))
+        x = torch.from_numpy(array)
+        loader = cls(TensorDataset(x), batch_size=8)
+        seen = []
+        for value in (1.0, 2.0, 3.0):
+            if how == "numpy":
+                array[:] = value
+            else:
+                x.data = torch.full((3, 8), value).t()
+            seen.append(next(iter(loader))[0][0, 0].item())
+        passes.append(seen)
+    assert passes == [[1.0, 2.0, 3.0]] * 2
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"device_resident": True}], ids=["copied", "device_resident"])
+def test_tensors_replaced_by_new_ones_each_pass(kwargs: dict) -> None:
+    # The old tensors are freed before the new ones are made, which often take their memory
+    # (and id()) at the same version: the copies are of the tensors, not of their ids.
+    passes = []
+    for cls, extra in ((DataLoader, {}), (fastddp.PrefetchLoader, kwargs)):
+        dataset = TensorDataset(torch.zeros(4, 8).t())
+        loader = cls(dataset, batch_size=8, **extra)
+        seen = []
+        for value in range(1, 9):
+            dataset.tensors = ()
+            gc.collect()
+            dataset.tensors = (torch.full((4, 8), float(value)).t(),)
+            seen.append(next(iter(loader))[0][0, 0].item())
+        passes.append(seen)
+    assert passes == [[float(v) for v in range(1, 9)]] * 2
+
+
 def test_iterator_cannot_be_pickled() -> None:
     for cls in (DataLoader, fastddp.PrefetchLoader):
         for dataset in (tensors(), Noisy()):

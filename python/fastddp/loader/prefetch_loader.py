@@ -15,7 +15,7 @@ from .passes import NativePass, NativeSettings, Replay, TorchPass, build_runner,
 from .plan import reads_ahead_unobserved
 from .settings import (
     NATIVE_DEVICE_TYPES,
-    change_count,
+    PreparedTensors,
     check_extras,
     check_integer,
     check_own_form,
@@ -135,7 +135,7 @@ class PrefetchLoader(DataLoader):
         # public, as DataLoader's arguments are: code that rebuilds a loader from its attributes
         # (Lightning's sampler injection) keeps them
         self.device_resident, self.resident_max_bytes, self.pin_dataset = device_resident, resident_max_bytes, pin_dataset
-        self._tensors: Optional[tuple[Optional[tuple[Any, ...]], list[torch.Tensor], bool]] = None
+        self._tensors: Optional[PreparedTensors] = None
         if pin_dataset or device_resident:
             self._check_tensor_options()
             self._prepared()
@@ -189,20 +189,22 @@ class PrefetchLoader(DataLoader):
                              else "PrefetchLoader: device_resident needs tensors or .npy arrays")
 
     def _prepared(self) -> tuple[list[torch.Tensor], bool]:
-        """The tensors rows are gathered from (pinned or device copies as configured), made
-        again when a TensorDataset's tensors were replaced or changed in place (a copy of a
-        non-contiguous, pinned or resident tensor would otherwise keep the old values, where
-        DataLoader reads the current ones); and whether they are on the device."""
+        """The tensors rows are gathered from, and whether they are on the device. A copy made
+        only to make a source contiguous is made again every pass: a write the version counter
+        does not see (through numpy, or ``.data =``) would leave it stale, where DataLoader reads
+        the current values. The copies ``device_resident`` and ``pin_dataset`` ask for are kept
+        while each source is the same tensor object at the same version."""
         current = self._src.tensors()
         options = (self.device_resident, self.resident_max_bytes, self.pin_dataset)
-        key = (tuple((id(t), change_count(t)) for t in current), options)
-        if self._tensors is None or self._tensors[0] != key:
-            tensors, on_device = prepare_tensors(current, self.device, *options)
-            # an inference tensor has no version counter (it changes only inside inference
-            # mode): a copy of one is made again for every pass, so none is ever stale
-            copied_untracked = any(c.is_inference() and p is not c for c, p in zip(current, tensors))
-            self._tensors = (None if copied_untracked else key, tensors, on_device)
-        return self._tensors[1], self._tensors[2]
+        cached = self._tensors
+        if cached is not None and cached.serves(current, options):
+            return cached.tensors, cached.on_device
+        tensors, on_device = prepare_tensors(current, self.device, *options)
+        copied = [c for c, p in zip(current, tensors) if p is not c]
+        # an inference tensor has no version counter (it changes only inside inference mode)
+        keep = bool(on_device or self.pin_dataset) and not any(c.is_inference() for c in copied)
+        self._tensors = PreparedTensors.of(current, options, tensors, on_device) if keep else None
+        return tensors, on_device
 
     def _native_settings(self) -> NativeSettings:
         tensors, resident = self._prepared()

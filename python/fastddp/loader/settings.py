@@ -5,6 +5,8 @@ checked here."""
 from __future__ import annotations
 
 import operator
+import weakref
+from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 import torch
@@ -139,6 +141,31 @@ def check_workers(num_workers: Any) -> int:
                              f"(PrefetchLoader: num_workers={num_workers} assigned after construction; "
                              "assign 0 or a positive int)")
     return count
+
+
+@dataclass(frozen=True)
+class PreparedTensors:
+    """Copies of a TensorDataset's tensors (on the device, or pinned) and what they were made
+    from: weak references to the sources (a replaced tensor whose memory, and ``id()``, a new
+    one reuses does not pass for it) and their version counters."""
+
+    sources: tuple[weakref.ref, ...]
+    versions: tuple[Optional[int], ...]
+    options: tuple[Any, ...]
+    tensors: list[torch.Tensor]
+    on_device: bool
+
+    @staticmethod
+    def of(sources: list[torch.Tensor], options: tuple[Any, ...], tensors: list[torch.Tensor],
+           on_device: bool) -> PreparedTensors:
+        return PreparedTensors(tuple(weakref.ref(t) for t in sources), tuple(change_count(t) for t in sources),
+                               options, tensors, on_device)
+
+    def serves(self, sources: list[torch.Tensor], options: tuple[Any, ...]) -> bool:
+        """Whether these copies are still those of ``sources`` under ``options``."""
+        return (options == self.options and len(sources) == len(self.sources) and
+                all(ref() is t and version == change_count(t)
+                    for ref, version, t in zip(self.sources, self.versions, sources)))
 
 
 def prepare_tensors(tensors: list[torch.Tensor], device: torch.device, resident: Union[bool, str],
