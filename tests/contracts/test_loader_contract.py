@@ -258,14 +258,16 @@ def test_timeout_without_workers_fails_at_iter_as_dataloader() -> None:
 # torch's iterator, deleted half-made after its assertion, reports a missing attribute from
 # its __del__ (its own bug, not a difference to compare).
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize("dataset", [tensors, Noisy], ids=["tensors", "python"])
 @pytest.mark.parametrize(("value", "error"), [(-1, AssertionError), (1.5, TypeError), (2.0, TypeError),
                                               (None, TypeError)])
-def test_num_workers_assigned_later_fails_at_iter_as_dataloader(value, error) -> None:
+def test_num_workers_assigned_later_fails_at_iter_as_dataloader(value, error, dataset) -> None:
     """DataLoader checks num_workers only at construction; assigned later, its worker iterator
     draws the pass's seed, then fails (an assertion for a negative count, a comparison
-    otherwise); ours fails with the same type after the same draw, naming the attribute."""
+    otherwise); ours fails with the same type after the same draw, naming the attribute (a
+    Python data set too, whose pass runs on a DataLoader made with the assigned values)."""
     def make(cls: type) -> Any:
-        loader = cls(tensors(), batch_size=2, shuffle=True)
+        loader = cls(dataset(), batch_size=2, shuffle=True)
         loader.num_workers = value
         return loader
 
@@ -274,17 +276,18 @@ def test_num_workers_assigned_later_fails_at_iter_as_dataloader(value, error) ->
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize("dataset", [tensors, Noisy], ids=["tensors", "python"])
 @pytest.mark.parametrize("how", ["workers assigned later", "prefetch_factor None assigned"])
-def test_workers_without_a_prefetch_factor_fail_at_iter_as_dataloader(how: str) -> None:
+def test_workers_without_a_prefetch_factor_fail_at_iter_as_dataloader(how: str, dataset) -> None:
     """Workers with prefetch_factor None (a loader made without workers keeps None; or None
     assigned): DataLoader's worker iterator draws the pass's seed, then fails comparing None;
     ours raises the same TypeError after the same draw, with the fix."""
     def make(cls: type) -> Any:
         if how == "workers assigned later":
-            loader = cls(tensors(), batch_size=2, shuffle=True)
+            loader = cls(dataset(), batch_size=2, shuffle=True)
             loader.num_workers = 2
         else:
-            loader = cls(tensors(), batch_size=2, shuffle=True, num_workers=1)
+            loader = cls(dataset(), batch_size=2, shuffle=True, num_workers=1)
             loader.prefetch_factor = None
         return loader
 

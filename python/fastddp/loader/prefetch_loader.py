@@ -248,13 +248,15 @@ class PrefetchLoader(DataLoader):
         """A new iterator (DataLoader's name: its ``__iter__`` and code built on it call this)."""
         self._check_tensor_options()
         native = self._native()
+        # num_workers and prefetch_factor as assigned since construction, as DataLoader's
+        # iterator meets them (the DataLoader a generic pass builds would take them anew)
+        check_worker_iterator(self.num_workers, self.prefetch_factor, self.generator)
         if not native:
             pass_: Any = TorchPass(*build_runner(self, self._src.dataset, self._src.kind == "iterable"), self.device)
             self._start(pass_, True)
         else:
             if self.num_workers != 0:  # DataLoader checks it whenever it makes a worker iterator
                 self.check_worker_number_rationality()
-            check_worker_iterator(self.num_workers, self.prefetch_factor, self.generator)
             start_warnings(self.pin_memory, self.pin_memory_device, self.num_workers)
             pass_ = NativePass(self.batch_sampler, self._src, self._native_settings())
             try:  # a non-integer prefetch_factor fails the first reads, after the seed draw (NativePass._read)
