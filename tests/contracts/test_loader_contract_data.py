@@ -493,6 +493,24 @@ def test_tensors_replaced_by_new_ones_each_pass(kwargs: dict) -> None:
     assert passes == [[float(v) for v in range(1, 9)]] * 2
 
 
+@pytest.mark.parametrize("workers", [0, 1])
+def test_sampler_list_changed_during_the_pass(workers: int) -> None:
+    # DataLoader's batch sampler walks a list item by item: what is left of it may be reordered
+    # or extended by the loop (hard examples appended), and the pass yields the new order.
+    passes = []
+    for cls in (DataLoader, fastddp.PrefetchLoader):
+        order = list(range(12))
+        loader = cls(TensorDataset(torch.arange(12)), batch_size=2, sampler=order, num_workers=workers)
+        seen = []
+        for k, (x,) in enumerate(loader):
+            seen.append(x.tolist())
+            if k == 0:
+                order[6:] = order[6:][::-1]
+                order.extend([0, 1])
+        passes.append(seen)
+    assert passes[0] == passes[1] == [[0, 1], [2, 3], [4, 5], [11, 10], [9, 8], [7, 6], [0, 1]]
+
+
 def test_iterator_cannot_be_pickled() -> None:
     for cls in (DataLoader, fastddp.PrefetchLoader):
         for dataset in (tensors(), Noisy()):

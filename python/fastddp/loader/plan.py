@@ -30,7 +30,9 @@ def draw_base_seed(generator: Optional[torch.Generator]) -> int:
 def reads_ahead_unobserved(index_sampler: Any) -> bool:
     """True when reading ``index_sampler`` ahead of the consumer is invisible: every draw its
     iteration makes from a generator the caller can see happens at its first item (torch's
-    samplers and fastddp's), so only the first read must wait for DataLoader's moment."""
+    samplers and fastddp's), so only the first read must wait for DataLoader's moment. A list
+    is not: a loop may change what is left of it during the pass, and DataLoader's batch
+    sampler reads it item by item (a tuple or range cannot change)."""
     from ..sampler import DistributedSampler as FastSampler
     from .shuffle import EpochShuffle
 
@@ -40,7 +42,7 @@ def reads_ahead_unobserved(index_sampler: Any) -> bool:
     if type(inner) is RandomSampler:
         return inner.generator is None  # else later permutations are drawn from that generator
     return type(inner) in (SequentialSampler, SubsetRandomSampler, WeightedRandomSampler,
-                           TorchDistributedSampler, FastSampler, EpochShuffle, range, list, tuple)
+                           TorchDistributedSampler, FastSampler, EpochShuffle, range, tuple)
 
 
 _BOOLS = frozenset((bool, np.bool_))  # neither type can be subclassed: a type test suffices
