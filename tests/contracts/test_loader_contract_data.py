@@ -530,7 +530,14 @@ TENSOR_KINDS = {
     "sparse": lambda: torch.eye(5).to_sparse(),
     "inference": lambda: _inference(torch.arange(5.0)),  # e.g. features from a frozen model
     "quantized": lambda: _quantized(torch.arange(5.0) / 4),
+    "nested": lambda: _nested([torch.arange(3.0) + k for k in range(5)]),
 }
+
+
+def _nested(rows: list[torch.Tensor]) -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's prototype warning for the strided layout
+        return torch.nested.nested_tensor(rows)
 
 
 def _quantized(t: torch.Tensor) -> torch.Tensor:
@@ -548,14 +555,15 @@ def _inference(t: torch.Tensor) -> torch.Tensor:
 def test_tensor_dataset_of_tensors_that_are_not_plain_data(kind: str) -> None:
     # the batches DataLoader's torch.stack makes of them: the conjugated values, the subclass,
     # the autograd history (a learned dataset, e.g. dataset distillation), sparse's error, the
-    # quantizer (read through torch's collation), inference tensors (gathered)
+    # quantizer and a nested tensor's rows (read through torch's collation), inference tensors
+    # (gathered)
     side_by_side(lambda: TensorDataset(TENSOR_KINDS[kind]()), batch_size=2)
     grads = [[b[0].requires_grad for b in cls(TensorDataset(TENSOR_KINDS[kind]()), batch_size=2)]
              for cls in (DataLoader, fastddp.PrefetchLoader)] if kind != "sparse" else [[], []]
     assert grads[0] == grads[1]
 
 
-@pytest.mark.parametrize("kind", ["requires_grad", "sparse", "subclass", "quantized"])
+@pytest.mark.parametrize("kind", ["requires_grad", "sparse", "subclass", "quantized", "nested"])
 def test_own_form_columns_must_be_plain_data(kind: str) -> None:
     with pytest.raises(ValueError, match=r"tensor 0 is a .*Wrap them in a TensorDataset"):
         fastddp.PrefetchLoader((TENSOR_KINDS[kind](),), batch_size=2)

@@ -77,6 +77,8 @@ def _plain_data(t: torch.Tensor) -> Optional[str]:
     tensor outside autograd, of no subclass); else what it is instead."""
     if t.layout != torch.strided:
         return f"a {t.layout} tensor"
+    if t.is_nested:
+        return "a nested tensor (its rows may differ in shape; torch.stack decides)"
     if t.is_quantized:
         return "a quantized tensor (its rows carry the quantizer, kept by torch.stack)"
     if t.device.type == "meta":
@@ -99,9 +101,8 @@ def is_plain_tensor_dataset(dataset: Any) -> bool:
             and getattr(cls, "__getitems__", None) is None and len(dataset.tensors) > 0):
         return False
     tensors = dataset.tensors
-    return (all(isinstance(t, torch.Tensor) and t.dim() > 0 and len(t) == len(tensors[0])
-                for t in tensors)
-            and all(_plain_data(t) is None for t in tensors))
+    return (all(isinstance(t, torch.Tensor) and _plain_data(t) is None for t in tensors)
+            and all(t.dim() > 0 and len(t) == len(tensors[0]) for t in tensors))
 
 
 def _load_npy(paths: list[Any]) -> list[torch.Tensor]:
@@ -121,16 +122,17 @@ def _load_npy(paths: list[Any]) -> list[torch.Tensor]:
 
 
 def _check_rows(tensors: list[torch.Tensor]) -> None:
-    n = len(tensors[0]) if tensors[0].dim() else 0
     for i, s in enumerate(tensors):
-        if s.dim() == 0 or len(s) != n:
-            raise ValueError(f"PrefetchLoader: tensor {i} has shape {tuple(s.shape)}; every "
-                             f"tensor needs the same first dimension ({n})")
         what = _plain_data(s)
         if what is not None:
             raise ValueError(f"PrefetchLoader: tensor {i} is {what}; tensors given as columns are "
                              "gathered as plain data. Wrap them in a TensorDataset to have them "
                              "collated as DataLoader does")
+    n = len(tensors[0]) if tensors[0].dim() else 0
+    for i, s in enumerate(tensors):
+        if s.dim() == 0 or len(s) != n:
+            raise ValueError(f"PrefetchLoader: tensor {i} has shape {tuple(s.shape)}; every "
+                             f"tensor needs the same first dimension ({n})")
 
 
 def _npy_paths(dataset: Any) -> bool:
