@@ -150,7 +150,7 @@ def test_sigkill_at_random_instants(tmp_path, data_path, reference) -> None:
 
 # The keys of last.pt, in both layouts.
 KEYS = {"model", "optimizer", "scheduler", "scaler", "loader", "epoch", "step", "epoch_done",
-        "best_f1", "history", "rng", "world", "mode", "signature", "settings", "run_id"}
+        "best_f1", "history", "rng", "world", "mode", "signature", "settings", "run_id", "epochs"}
 
 
 def test_checkpoint_of_the_earlier_layout_resumes(tmp_path, data_path, reference) -> None:
