@@ -55,6 +55,7 @@ from .setup import (
     log,
     lr_lambda,
     resolve_cuda_graph,
+    schedule_change,
     seed_everything,
     setup_distributed,
 )
@@ -265,23 +266,6 @@ def make_loaders(args: argparse.Namespace, ctx: Context, train_set: Any, test_se
     return loader, val_loader
 
 
-def schedule_change(r: Run, saved_epochs: Optional[int]) -> Optional[str]:
-    """What resuming a run of ``saved_epochs`` with another ``--epochs`` does to its
-    learning rate (the cosine is recomputed over the new total), or None."""
-    if saved_epochs is None or saved_epochs == r.args.epochs:
-        return None  # the same run, or a checkpoint that did not record it
-    spe, step = r.steps_per_epoch, r.state.step
-    warmup = int(r.args.warmup_epochs * spe)
-    old, new = (r.lr * lr_lambda(spe * e, warmup)(step) for e in (saved_epochs, r.args.epochs))
-    change = (f"the learning-rate schedule (a cosine to 0) now ends at step {spe * r.args.epochs} "
-              f"instead of {spe * saved_epochs}; at step {step} the rate is {new:.3g} (the "
-              f"checkpoint's run: {old:.3g})")
-    if r.state.start_epoch >= saved_epochs:  # a finished run trained further
-        return f"--epochs {r.args.epochs} continues a finished run of --epochs {saved_epochs}: {change}"
-    return (f"--epochs {r.args.epochs}, where the checkpoint's run had --epochs {saved_epochs}: {change}. "
-            f"Rerun with --epochs {saved_epochs} to keep the run's schedule")
-
-
 def restore(r: Run) -> tuple[Optional[Partial], bool]:
     """Load the checkpoint ``--resume`` names into ``r.state``. Returns the partial sums of an
     epoch continued in the middle (None: the next epoch starts from its beginning) and whether
@@ -300,16 +284,13 @@ def restore(r: Run) -> tuple[Optional[Partial], bool]:
     if ctx.is_main:
         carry_best(r, path)
     hold_lr(state.optimizer, state.scheduler, ctx.device if r.graphed is not None else None)
-    partial = None
-    if mid_epoch:
-        partial = restore_rank_state(state.ranks[ctx.rank], ctx.device)
-    elif not state.epoch_done:
+    partial = restore_rank_state(state.ranks[ctx.rank], ctx.device) if mid_epoch else None
+    if not mid_epoch and not state.epoch_done:
         log(ctx, f"note: world size changed ({loaded.get('world')} -> {ctx.world}); the "
                  f"interrupted epoch {state.epoch + 1} restarts from its beginning")
     if state.start_epoch < r.args.epochs:
         log(ctx, f"resumed from {path} at epoch {state.start_epoch + 1}, step {state.step}{note}")
-        changed = schedule_change(r, loaded.get("epochs"))
-        if changed:
+        if changed := schedule_change(r.args, loaded.get("epochs"), r.steps_per_epoch, r.lr, state):
             log(ctx, f"note: {changed}")
     kept = keep_foreign_metrics(r.save_dir, state.history) if ctx.is_main else None
     if kept is not None:

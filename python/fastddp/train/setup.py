@@ -9,7 +9,7 @@ import os
 import random
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -21,6 +21,9 @@ import fastddp
 from .._net import free_port
 from .errors import UsageError
 from .models import load_factory
+
+if TYPE_CHECKING:
+    from .state import TrainState
 
 CLASSES = 6
 
@@ -197,3 +200,21 @@ def lr_lambda(total_steps: int, warmup_steps: int):
         return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
     return f
+
+
+def schedule_change(args: argparse.Namespace, saved_epochs: Optional[int], steps_per_epoch: int,
+                    lr: float, state: TrainState) -> Optional[str]:
+    """What resuming ``state``, a run of ``saved_epochs``, with another ``--epochs`` does to its
+    learning rate (the cosine of :func:`lr_lambda` is recomputed over the new total), or None."""
+    if saved_epochs is None or saved_epochs == args.epochs:
+        return None  # the same run, or a checkpoint that did not record it
+    spe, step = steps_per_epoch, state.step
+    warmup = int(args.warmup_epochs * spe)
+    old, new = (lr * lr_lambda(spe * e, warmup)(step) for e in (saved_epochs, args.epochs))
+    change = (f"the learning-rate schedule (a cosine to 0) now ends at step {spe * args.epochs} "
+              f"instead of {spe * saved_epochs}; at step {step} the rate is {new:.3g} (the "
+              f"checkpoint's run: {old:.3g})")
+    if state.start_epoch >= saved_epochs:  # a finished run trained further
+        return f"--epochs {args.epochs} continues a finished run of --epochs {saved_epochs}: {change}"
+    return (f"--epochs {args.epochs}, where the checkpoint's run had --epochs {saved_epochs}: {change}. "
+            f"Rerun with --epochs {saved_epochs} to keep the run's schedule")
