@@ -66,6 +66,10 @@ CASES = {
     # a Python hook: the joined ranks run it on zero buckets, as torch DDP's do
     "mlp+python-hook": (mlp, lambda g: torch.randn(6, 8, generator=g), _plain,
                         {"hook": _mean_hook, "bucket_cap_mb": 0.001}, False),
+    # torch's allreduce_hook divides by the group size whatever join() is told (as every
+    # registered hook does); DDPWrapper reduces it in C++ and must not rescale it either
+    "mlp+allreduce-hook": (mlp, lambda g: torch.randn(6, 8, generator=g), _plain,
+                           {"hook": default_hooks.allreduce_hook, "bucket_cap_mb": 0.001}, False),
     "conv+bn": (conv_bn, lambda g: torch.randn(4, 3, 6, 6, generator=g), _plain, {}, False),
     # `extra` is unused on ranks 0 and 2 every other step, `never` everywhere. Rank 1, the last
     # to finish, always uses `extra`: in an iteration where no active rank uses a parameter,
@@ -109,7 +113,7 @@ def _join_parity(rank: int, world_size: int, transport: str, case: str, steps: l
     # An evaluation forward after each step changes nothing in a model without buffers.
     ours = _train_uneven(wrap, factory, n, make_input, forward, accumulate, use_join_class=True,
                          eval_forward=case == "mlp", divide=divide)
-    python_hook = hook is not None and hook not in (default_hooks.bf16_compress_hook,)
+    python_hook = hook is not None and hook not in (default_hooks.bf16_compress_hook, default_hooks.allreduce_hook)
     assert ours_wrapper[0].transport == (transport if world_size > 1 and not python_hook else "c10d")
     for name, value in ref.items():
         torch.testing.assert_close(ours[name], value, msg=lambda m, name=name: f"{case} {name}: {m}", **tol)
@@ -132,10 +136,12 @@ def test_join_with_uneven_inputs_matches_torch_ddp(ranks, case: str, transport: 
 
 
 @pytest.mark.parametrize("transport", ["shm", "c10d"])
-@pytest.mark.parametrize("case", ["mlp", "mlp+no_sync", "unused", "mlp+python-hook"])
+@pytest.mark.parametrize("case", ["mlp", "mlp+no_sync", "unused", "mlp+python-hook", "mlp+allreduce-hook",
+                                  "mlp+bf16"])
 def test_join_dividing_by_the_ranks_still_training(ranks, case: str, transport: str) -> None:
     """divide_by_initial_world_size=False: each step averages over the ranks that took part
-    (a Python hook divides as it sees fit, as under torch DDP)."""
+    (a registered hook, torch's built-in ones included, divides as it sees fit, as under torch
+    DDP)."""
     out = ranks.run(_join_parity, world_size=3, args=(transport, case, [2, 5, 3], False))
     assert out == [f"{case} rank {r}: {n} steps" for r, n in enumerate([2, 5, 3])]
 
@@ -250,3 +256,35 @@ def _with_zero(rank: int, world_size: int) -> list[float]:
 def test_join_together_with_zero_redundancy_optimizer(ranks) -> None:
     out = ranks.run(_with_zero, world_size=2)
     assert out[0] == out[1]  # and the ranks agree
+
+
+def _joined_rank_keeps_its_grads(rank: int, world_size: int, transport: str, view: bool) -> str:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    os.environ["FASTDDP_SHM_ALLREDUCE"] = "1" if transport == "shm" else "0"
+
+    def train(cls) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        torch.manual_seed(0)
+        ddp = cls(mlp(), gradient_as_bucket_view=view)
+        opt = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.SGD, lr=0.05)
+        g = torch.Generator().manual_seed(70 + rank)
+        with Join([ddp, opt]):
+            for _ in range(2 + 2 * rank):
+                opt.zero_grad()  # before the backward: the gradients outlive the step
+                ddp(torch.randn(4, 8, generator=g)).pow(2).mean().backward()
+                opt.step()
+        return [p.grad.clone() for p in ddp.parameters()], [p.detach().clone() for p in ddp.parameters()]
+
+    (ref_grads, ref_params), (grads, params) = train(TorchDDP), train(fastddp.DDPWrapper)
+    assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads)), f"rank {rank}: .grad after join()"
+    assert all(torch.equal(a, b) for a, b in zip(params, ref_params)), f"rank {rank}: parameters"
+    return "same"
+
+
+@pytest.mark.parametrize("view", [False, True], ids=["lent", "bucket_view"])
+@pytest.mark.parametrize("transport", ["shm", "c10d"])
+def test_joined_rank_keeps_its_last_gradients_like_torch_ddp(ranks, transport: str, view: bool) -> None:
+    """The rank that joined early stands in for the others' reductions with zeros without
+    touching its .grad (torch DDP reduces separate zero tensors there): ZeRO's join hook then
+    steps that rank's shard with its last gradients, as under torch DDP."""
+    assert ranks.run(_joined_rank_keeps_its_grads, world_size=2, args=(transport, view)) == ["same", "same"]

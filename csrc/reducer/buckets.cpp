@@ -176,7 +176,15 @@ const at::Tensor& Reducer::grad_view_locked(int64_t index) {
 
 void Reducer::ensure_private_locked(int64_t bucket_index, bool lent_counts) {
   auto& bucket = buckets_[bucket_index];
-  if (gradient_as_bucket_view_ || passthrough_ || bucket.private_checked) return;
+  if (passthrough_) return;
+  if (gradient_as_bucket_view_) {
+    // .grad is the bucket by design; only join()'s shadow reduction must leave it as it is.
+    if (lent_counts && grad_shows_bucket_locked(bucket_index)) relocate_bucket_locked(bucket_index);
+    return;
+  }
+  // A check by the backward holds until the next forward; join()'s shadow reductions come
+  // without forwards, so each checks again.
+  if (bucket.private_checked && !lent_counts) return;
   bucket.private_checked = !lent_counts;
   // An alias lent from this memory, still alive but no longer its parameter's .grad, is held
   // by someone; a tensor into this memory that is neither ours nor a lent alias (a slice of an
@@ -194,6 +202,15 @@ void Reducer::ensure_private_locked(int64_t bucket_index, bool lent_counts) {
   }
   held = held || static_cast<int64_t>(bucket.buffer.storage().use_count()) > bucket.storage_refs + alive;
   if (held) relocate_bucket_locked(bucket_index);
+}
+
+bool Reducer::grad_shows_bucket_locked(int64_t bucket_index) const {
+  const auto& storage = buckets_[bucket_index].buffer.storage();
+  for (const int64_t i : buckets_[bucket_index].params) {
+    const auto& grad = params_[i].grad();
+    if (grad.defined() && grad.has_storage() && grad.storage().is_alias_of(storage)) return true;
+  }
+  return false;
 }
 
 void Reducer::relocate_bucket_locked(int64_t bucket_index) {

@@ -174,8 +174,10 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // gradient_as_bucket_view=False lends the views as .grad when nobody else can tell (see
   // lend_or_copy_locked) and moves a bucket to new memory before writing it when a lent view,
   // or any tensor into its memory, is still held elsewhere (torch's copies stay intact there).
-  // `lent_counts`: whether a view .grad still holds counts as held (join() leaves .grad as is).
+  // `lent_counts`: whether a view .grad still holds counts as held (join()'s shadow reduction
+  // leaves .grad as is, with gradient_as_bucket_view=True too).
   void ensure_private_locked(int64_t bucket_index, bool lent_counts = false);
+  bool grad_shows_bucket_locked(int64_t bucket_index) const;  // some .grad views its memory
   void relocate_bucket_locked(int64_t bucket_index);
   // End of backward, gradient_as_bucket_view=False: parameter `index`'s .grad becomes its view
   // when that is indistinguishable from torch's copy (.grad undefined, or a tensor only the
