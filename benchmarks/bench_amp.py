@@ -69,7 +69,7 @@ def _side(side: str, device: str, total: int, count: int):
             scaler.update()
     else:
         def step() -> None:
-            scaler.step(opt, max_grad_norm=1.0)
+            scaler.fused_step(opt, max_grad_norm=1.0)
             scaler.update()
 
     for _ in range(1 if SMOKE else 3):  # warm-up: optimizer state, allocator, kernels

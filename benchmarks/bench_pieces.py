@@ -65,7 +65,7 @@ def test_amp_unscale_clip_step(benchmark, impl: str) -> None:
             nn.utils.clip_grad_norm_(params, 1.0)
             scaler.step(opt)
         else:
-            scaler.step(opt, max_grad_norm=1.0)
+            scaler.fused_step(opt, max_grad_norm=1.0)
         scaler.update()
 
     before = [p.detach().clone() for p in params]

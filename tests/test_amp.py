@@ -34,7 +34,7 @@ def _run(device: str, opt_kind: str, clip: float | None, explicit_unscale: bool,
                 m[2].weight.grad[0, 0] = float("inf") if step == 4 else float("nan")
         if explicit_unscale:
             ours_s.unscale_(ours_o)
-        ours_norm = ours_s.step(ours_o, max_grad_norm=clip)
+        ours_norm = ours_s.fused_step(ours_o, max_grad_norm=clip)
         ref_s.unscale_(ref_o)
         ref_norm = nn.utils.clip_grad_norm_(ref_m.parameters(), clip) if clip else None
         ref_s.step(ref_o)
@@ -129,14 +129,14 @@ def test_step_twice_and_unscale_after_step_are_errors() -> None:
 def test_bad_max_grad_norm(bad) -> None:
     _, o, s = _one_step_setup()
     with pytest.raises(ValueError, match="max_grad_norm must be > 0"):
-        s.step(o, max_grad_norm=bad)
+        s.fused_step(o, max_grad_norm=bad)
 
 
 def test_mixed_devices_rejected() -> None:
     _, o, s = _one_step_setup()
     grads = [torch.zeros(3), torch.zeros(3, device="meta")]
     with pytest.raises(ValueError, match="several devices"):
-        s.step(o, grads=grads)
+        s.fused_step(o, grads=grads)
 
 
 @pytest.mark.parametrize("opt", ["sgd", "adamw_fused"])
@@ -156,7 +156,7 @@ def test_disabled_scaler_clips_like_clip_grad_norm(opt) -> None:
         for m, o in ((ours_m, ours_o), (ref_m, ref_o)):
             o.zero_grad()
             (m(x) ** 2).sum().mul(100).backward()
-        norm = s.step(ours_o, max_grad_norm=1.0)
+        norm = s.fused_step(ours_o, max_grad_norm=1.0)
         ref_norm = nn.utils.clip_grad_norm_(ref_m.parameters(), 1.0)
         ref_o.step()
         assert float(ref_norm) > 1.0  # the clip is active
@@ -203,13 +203,13 @@ def test_fused_step_makes_no_host_sync() -> None:
     for _ in range(3):  # warm up lazily initialised state first
         o.zero_grad()
         s.scale(m(x).sum()).backward()
-        s.step(o, max_grad_norm=1.0)
+        s.fused_step(o, max_grad_norm=1.0)
         s.update()
     o.zero_grad()
     s.scale(m(x).sum()).backward()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        s.step(o, max_grad_norm=1.0)
+        s.fused_step(o, max_grad_norm=1.0)
         s.update()
     finally:
         torch.cuda.set_sync_debug_mode(0)
@@ -336,13 +336,13 @@ def test_growth_interval_not_an_integer_refused(bad) -> None:
 
 def test_sparse_gradients_with_fused_clip_refused() -> None:
     # torch's scaler handles sparse gradients (and the plain step here hands them to its code);
-    # the fused clip of step(max_grad_norm=) works on dense gradients only, and says so.
+    # the fused clip of fused_step(max_grad_norm=) works on dense gradients only, and says so.
     emb = nn.Embedding(10, 3, sparse=True)
     opt = torch.optim.SGD(emb.parameters(), lr=0.5)
     scaler = fastddp.GradScaler("cpu")
     scaler.scale(emb(torch.tensor([1, 2])).sum()).backward()
     with pytest.raises(TypeError, match=r"sparse gradients .* clip them with torch.nn.utils.clip_grad_norm_"):
-        scaler.step(opt, max_grad_norm=1.0)
+        scaler.fused_step(opt, max_grad_norm=1.0)
     scaler.step(opt)
     scaler.update()
 
@@ -356,7 +356,7 @@ def _fp16_fused_run(scaler_cls: type, max_grad_norm: float | None = None) -> tup
         x = torch.randn(2, 4).half() * (1e4 if step == 1 else 1)  # step 1 overflows: skipped
         o.zero_grad()
         s.scale(m(x).float().square().sum()).backward()
-        s.step(o) if max_grad_norm is None else s.step(o, max_grad_norm=max_grad_norm)
+        s.step(o) if max_grad_norm is None else s.fused_step(o, max_grad_norm=max_grad_norm)
         s.update()
     return [p.detach().clone() for p in m.parameters()], s.get_scale()
 

@@ -41,7 +41,7 @@ def _ddp_scaler_parity(rank: int, world_size: int, fused: bool, via: str = "ddp"
             o.zero_grad()
             s.scale(nn.functional.mse_loss(m(x), y) * poison).backward()
         kw_step = {"ddp": ours} if via == "ddp" else {"grads": ours.bucket_buffers()}
-        norm = ours_s.step(ours_o, max_grad_norm=0.5, **kw_step)
+        norm = ours_s.fused_step(ours_o, max_grad_norm=0.5, **kw_step)
         ref_s.unscale_(ref_o)
         ref_norm = nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
         ref_s.step(ref_o)
@@ -116,7 +116,7 @@ def test_grads_from_bucket_buffers(world_size) -> None:
 
 def _ddp_scaler_sequences(rank: int, world_size: int, fused: bool) -> list[str]:
     """Sequences (two written out, then random ones) of reduced backwards, no_sync backwards, injected infs, both zero_grad
-    styles and steps with or without clipping: GradScaler.step(ddp=...) (statistics taken
+    styles and steps with or without clipping: GradScaler.fused_step(ddp=...) (statistics taken
     while the buckets reduce) against torch DDP + torch's scaler + clip_grad_norm_, after every
     step. A backward after the last reduction (no_sync) makes the reduction's statistics stale,
     and a gradient made after zero_grad(set_to_none=True) lives outside the buckets: the scaler
@@ -155,7 +155,7 @@ def _ddp_scaler_sequences(rank: int, world_size: int, fused: bool) -> list[str]:
                 pending = True
             elif op.startswith("step") and pending:
                 clip = 0.5 if op == "step_clip" else None
-                norm = ours_s.step(ours_o, max_grad_norm=clip, ddp=ours)
+                norm = ours_s.fused_step(ours_o, max_grad_norm=clip, ddp=ours)
                 ref_s.unscale_(ref_o)
                 ref_norm = nn.utils.clip_grad_norm_(ref.parameters(), clip) if clip else None
                 ref_s.step(ref_o)

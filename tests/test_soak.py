@@ -65,7 +65,7 @@ def _soak(tmp_path: Path, steps: int) -> tuple[float, int]:
                 opt.zero_grad(set_to_none=True)
                 loss = nn.functional.cross_entropy(model(bx), by)
                 scaler.scale(loss).backward()
-                scaler.step(opt, max_grad_norm=1.0, ddp=model)
+                scaler.fused_step(opt, max_grad_norm=1.0, ddp=model)
                 scaler.update()
                 step += 1
                 if step >= warmup and step % 50 == 0:
@@ -203,7 +203,7 @@ def test_cuda_training_device_memory_flat_over_10000_steps(tmp_path: Path) -> No
                 with torch.autocast("cuda", dtype=torch.float16):
                     loss = nn.functional.cross_entropy(model(bx).float(), by)
                 scaler.scale(loss).backward()
-                scaler.step(opt, max_grad_norm=1.0, ddp=model)
+                scaler.fused_step(opt, max_grad_norm=1.0, ddp=model)
                 scaler.update()
                 step += 1
                 if step >= 1_000 and step % 100 == 0:

@@ -99,7 +99,7 @@ def _plain_loop(rank: int, world_size: int, set_to_none: bool, scaler: bool) -> 
             opt.step()
         else:
             amp.scale(loss).backward()
-            amp.step(opt, ddp=ours, max_grad_norm=1.0)
+            amp.fused_step(opt, ddp=ours, max_grad_norm=1.0)
             amp.update()
         _ = [p.grad.sum() for p in ours.parameters()]  # a script reading its gradients
     buffers = {b.untyped_storage().data_ptr() for b in ours.bucket_buffers()}

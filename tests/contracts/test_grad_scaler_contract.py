@@ -273,6 +273,83 @@ def test_step_forwards_arguments_and_returns_the_optimizers_value() -> None:
     _side_by_side(run)
 
 
+@pytest.mark.parametrize("name", ["max_grad_norm", "grads", "ddp"])
+def test_step_forwards_the_keywords_fused_step_takes(name) -> None:
+    """step() passes every keyword to the optimizer, fused_step()'s names too, as torch's does."""
+    class Taking(torch.optim.SGD):
+        def step(self, closure=None, **kwargs):  # an optimizer with keywords of its own
+            super().step(closure)
+            return sorted(kwargs.items())
+
+    def run(cls):
+        model = _model()
+        opt = Taking(model.parameters(), lr=0.1)
+        scaler = cls("cpu", init_scale=4.0)
+        out = []
+        for factor in (1.0, INF, 1.0):
+            opt.zero_grad()
+            scaler.scale(model(torch.ones(2, 6)).sum() * factor).backward()
+            out.append(scaler.step(opt, **{name: 0.25}))
+            scaler.update()
+        return out + [list(model.parameters())]
+
+    _side_by_side(run)
+
+
+def test_step_keyword_the_optimizer_does_not_take_names_fused_step() -> None:
+    """torch's step() hands max_grad_norm= to the optimizer, which raises TypeError; ours raises
+    the same type before touching anything, naming fused_step()."""
+    def run(cls):
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = cls("cpu", init_scale=4.0)
+        scaler.scale(model(torch.ones(2, 6)).sum()).backward()
+        scaler.step(opt, max_grad_norm=1.0)
+
+    _side_by_side(run, same_message=False)
+    with pytest.raises(TypeError, match=r"scaler.fused_step\(optimizer, max_grad_norm=...\)"):
+        run(fastddp.GradScaler)
+
+
+def _logging_subclass(base: type, calls: list) -> type:
+    class Logging(base):  # type: ignore[misc,valid-type]
+        def unscale_(self, optimizer):
+            calls.append("unscale_")
+            return super().unscale_(optimizer)
+
+        def _unscale_grads_(self, *args, **kwargs):
+            calls.append("_unscale_grads_")
+            return super()._unscale_grads_(*args, **kwargs)
+
+        def _maybe_opt_step(self, *args, **kwargs):
+            calls.append("_maybe_opt_step")
+            return super()._maybe_opt_step(*args, **kwargs)
+
+    return Logging
+
+
+@pytest.mark.parametrize("optim", sorted(OPTIMS))
+def test_subclass_overrides_are_called_as_by_torch(optim) -> None:
+    """A subclass overriding the methods torch's step() calls (logging, or the found_inf
+    all-reduce of a sharded scaler) sees the same calls, and trains the same."""
+    def run(cls):
+        calls: list = []
+        out = _train(_logging_subclass(cls, calls), OPTIMS[optim], poison={2: INF}, unscale_clip=None)
+        return out + [calls]
+
+    calls = _side_by_side(run)[-1]
+    assert calls, "torch's step() called none of the overridden methods"
+
+
+def test_fused_step_extras_refused_for_an_overriding_subclass() -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = _logging_subclass(fastddp.GradScaler, [])("cpu")
+    scaler.scale(model(torch.ones(2, 6)).sum()).backward()
+    with pytest.raises(TypeError, match="overrides unscale_, _unscale_grads_, _maybe_opt_step"):
+        scaler.fused_step(opt, max_grad_norm=1.0)
+
+
 def test_update_with_new_scale() -> None:
     def run(cls):
         scaler, opt, _ = _stepped(cls)

@@ -57,6 +57,11 @@ def is_dense(t: torch.Tensor) -> bool:
     return True
 
 
+# fastddp's own keywords of GradScaler.fused_step; GradScaler.step passes every keyword to the
+# optimizer, as torch's does
+FUSED_STEP_KEYWORDS = ("max_grad_norm", "grads", "ddp")
+
+
 def collect_grads(optimizer: torch.optim.Optimizer, grads: Optional[list[torch.Tensor]],
                   unscaling: bool = True) -> list[torch.Tensor]:
     """The gradients to handle (``grads``, or the optimizer's ``.grad``s), checked in one pass:
@@ -69,7 +74,7 @@ def collect_grads(optimizer: torch.optim.Optimizer, grads: Optional[list[torch.T
         if g.is_sparse:
             raise SparseGradients("fastddp.GradScaler: sparse gradients (e.g. nn.Embedding("
                                   "sparse=True)) are handled by torch's scaler code, which takes "
-                                  "neither max_grad_norm nor grads=; clip them with "
+                                  "neither fused_step's max_grad_norm nor grads=; clip them with "
                                   "torch.nn.utils.clip_grad_norm_ after unscale_()")
         if not is_dense(g):
             # Any dense layout (row-major, channels_last, transposed) is one span of memory

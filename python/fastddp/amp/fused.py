@@ -14,7 +14,7 @@ import torch
 _TAKES_GRAD_SCALER: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # step function -> takes grad_scaler=
 
 
-def fused_step(optimizer: torch.optim.Optimizer, grad_scale: Optional[torch.Tensor],
+def step_in_kernel(optimizer: torch.optim.Optimizer, grad_scale: Optional[torch.Tensor],
                found_inf: torch.Tensor, args: tuple, kwargs: dict, restore: bool = False) -> Any:
     """Step a fused optimizer that divides the gradients by ``grad_scale`` and skips the
     update where ``found_inf`` is set, inside its kernel.
@@ -34,6 +34,16 @@ def fused_step(optimizer: torch.optim.Optimizer, grad_scale: Optional[torch.Tens
         del optimizer.found_inf  # type: ignore[attr-defined]
         if restore and preset is not None:
             optimizer.grad_scale = preset  # type: ignore[attr-defined]
+
+
+def takes_keyword(optimizer: torch.optim.Optimizer, name: str) -> bool:
+    """Whether ``optimizer.step`` accepts the keyword argument ``name`` (declared, or through
+    ``**kwargs``); True where its signature cannot be read."""
+    try:
+        params = inspect.signature(optimizer.step).parameters
+    except (TypeError, ValueError):
+        return True
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 def passes_itself(optimizer: torch.optim.Optimizer) -> bool:

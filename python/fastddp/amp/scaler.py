@@ -11,8 +11,15 @@ import torch
 from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
 from .._ext import C
-from .checks import FP16_GRADS, SparseGradients, check_factor, check_growth_interval, collect_grads
-from .fused import fused_step, passes_itself
+from .checks import (
+    FP16_GRADS,
+    FUSED_STEP_KEYWORDS,
+    SparseGradients,
+    check_factor,
+    check_growth_interval,
+    collect_grads,
+)
+from .fused import passes_itself, step_in_kernel, takes_keyword
 from .stats import bucket_stats, grad_stats
 
 CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s epsilon
@@ -28,11 +35,16 @@ class GradScaler(torch.amp.GradScaler):
     (``AdamW(fused=True)`` etc.), which receive the coefficient as ``grad_scale`` together with
     ``found_inf`` and skip the update on the device.
 
-    Beyond torch's API, :meth:`step` takes ``max_grad_norm`` (unscale + check + clip + step in
-    one call, returning the unscaled global norm as a device tensor, like
-    ``clip_grad_norm_``) and ``grads`` (operate on these tensors instead of the optimizer's
-    ``.grad``s, e.g. :meth:`fastddp.DDPWrapper.bucket_buffers`, so a few flat buffers replace
-    hundreds of small tensors).
+    :meth:`step` is torch's (every keyword goes to the optimizer). Beyond torch's API,
+    :meth:`fused_step` takes ``max_grad_norm`` (unscale + check + clip + step in one call,
+    returning the unscaled global norm as a device tensor, like ``clip_grad_norm_``), ``ddp``
+    (a DDPWrapper whose buckets are checked as their all-reduces complete) and ``grads``
+    (operate on these tensors instead of the optimizer's ``.grad``s, e.g.
+    :meth:`fastddp.DDPWrapper.bucket_buffers`, so a few flat buffers replace hundreds of small
+    tensors).
+
+    A subclass that overrides ``unscale_``, ``_unscale_grads_`` or ``_maybe_opt_step`` (the
+    methods torch's ``step`` calls) gets torch's ``step`` and ``unscale_``, which call them.
 
     An optimizer holding sparse gradients (``nn.Embedding(sparse=True)``) is unscaled and
     stepped by torch's own code, as with ``torch.amp.GradScaler``.
@@ -40,6 +52,16 @@ class GradScaler(torch.amp.GradScaler):
     Host syncs: none with a fused optimizer. With any other optimizer, deciding whether to skip
     the step reads ``found_inf`` once per step (as torch's scaler does).
     """
+
+    # torch's step() calls these; a subclass that overrides one gets torch's step() and
+    # unscale_(), which call them (the fused path does not)
+    _TORCH_STEP_HOOKS = ("unscale_", "_unscale_grads_", "_maybe_opt_step")
+    _torch_steps: tuple[str, ...] = ()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._torch_steps = tuple(n for n in GradScaler._TORCH_STEP_HOOKS
+                                 if getattr(cls, n) is not getattr(GradScaler, n))
 
     def __init__(
         self,
@@ -76,7 +98,7 @@ class GradScaler(torch.amp.GradScaler):
         if key not in self._ddp_checked:
             ours = {id(p) for g in optimizer.param_groups for p in g["params"] if p.requires_grad}
             if ours != {id(p) for p in ddp.reduced_parameters()}:
-                raise ValueError("GradScaler.step(ddp=...): the optimizer must hold exactly the "
+                raise ValueError("GradScaler.fused_step(ddp=...): the optimizer must hold exactly the "
                                  "DDPWrapper's trainable parameters; pass grads=... or no ddp for "
                                  "optimizers that hold a subset")
             bucket_stats(ddp)
@@ -120,7 +142,7 @@ class GradScaler(torch.amp.GradScaler):
             # The clip coefficient rides into the fused optimizer as its grad_scale: no
             # separate multiply pass. Without AMP nothing is skipped (found_inf 0), and a
             # non-finite norm leaves the gradients as they are, as the multiply path does.
-            fused_step(optimizer, inv_coef, torch.zeros_like(found_inf), args, kwargs, restore=True)
+            step_in_kernel(optimizer, inv_coef, torch.zeros_like(found_inf), args, kwargs, restore=True)
             return norm
         C.amp_scale_(g, coef)
         optimizer.step(*args, **kwargs)
@@ -135,7 +157,7 @@ class GradScaler(torch.amp.GradScaler):
             # after its step() ran unscale_(), which recorded no check
             state["stage"] = OptState.UNSCALED
             raise AssertionError("No inf checks were recorded for this optimizer.")
-        retval = fused_step(optimizer, scale if state["stage"] is OptState.READY else None,
+        retval = step_in_kernel(optimizer, scale if state["stage"] is OptState.READY else None,
                             torch.zeros((), device=scale.device), args, kwargs)
         state["stage"] = OptState.STEPPED
         return torch.zeros((), device=scale.device) if clipping else retval
@@ -166,7 +188,7 @@ class GradScaler(torch.amp.GradScaler):
         """Rescale ``g`` and step unless ``found_inf``: a fused optimizer does both in its kernel
         (nothing read back to the host); any other costs one host read of ``found_inf``."""
         if getattr(optimizer, "_step_supports_amp_scaling", False):
-            return fused_step(optimizer, rescale[1] if rescale else None, found_inf, args, kwargs)
+            return step_in_kernel(optimizer, rescale[1] if rescale else None, found_inf, args, kwargs)
         if rescale and g:
             C.amp_scale_(g, rescale[0])
         if bool(found_inf.item()):
@@ -180,6 +202,13 @@ class GradScaler(torch.amp.GradScaler):
         Raises RuntimeError when called twice before :meth:`update`, or after :meth:`step`,
         exactly as torch's scaler does.
         """
+        if self._torch_steps:
+            if grads is not None:
+                raise TypeError(f"GradScaler.unscale_(grads=...): {type(self).__name__} overrides "
+                                f"{', '.join(self._torch_steps)}, so unscale_ is torch's, which takes "
+                                "the optimizer's .grad only")
+            super().unscale_(optimizer)
+            return
         if not self._enabled:
             return
         scale, _ = self._check_scale_growth_tracker("unscale_")
@@ -206,16 +235,32 @@ class GradScaler(torch.amp.GradScaler):
         state["found_inf_per_device"] = {scale.device: found_inf.view(())}
         state["norm"] = norm
 
-    def step(self, optimizer: torch.optim.Optimizer, *args: Any, max_grad_norm: Optional[float] = None,
-             grads: Optional[list[torch.Tensor]] = None, ddp: Any = None, **kwargs: Any) -> Any:
-        """Unscale (unless :meth:`unscale_` ran), check for inf/NaN, optionally clip to
-        ``max_grad_norm``, and step the optimizer unless a gradient was inf/NaN.
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """As torch's: unscale (unless :meth:`unscale_` ran), check for inf/NaN, and step the
+        optimizer unless a gradient was inf/NaN, returning the optimizer's return value. Every
+        argument after ``optimizer`` goes to ``optimizer.step``; clipping and the reads of a
+        DDPWrapper's buckets are :meth:`fused_step`'s."""
+        for name in FUSED_STEP_KEYWORDS:
+            if name in kwargs and not takes_keyword(optimizer, name):
+                raise TypeError(f"GradScaler.step(optimizer, {name}=...): step() passes its keyword "
+                                f"arguments to optimizer.step(), as torch's GradScaler does, and "
+                                f"{type(optimizer).__name__}.step() takes no {name!r}; for fastddp's "
+                                f"fused unscale, clip and step call scaler.fused_step(optimizer, {name}=...)")
+        if self._torch_steps:
+            return super().step(optimizer, *args, **kwargs)
+        return self._step(optimizer, args, kwargs)
+
+    def fused_step(self, optimizer: torch.optim.Optimizer, *args: Any, max_grad_norm: Optional[float] = None,
+                   grads: Optional[list[torch.Tensor]] = None, ddp: Any = None, **kwargs: Any) -> Any:
+        """:meth:`step` with fastddp's fused extras: unscale (unless :meth:`unscale_` ran),
+        check for inf/NaN, optionally clip to ``max_grad_norm``, and step the optimizer unless a
+        gradient was inf/NaN; the other arguments go to ``optimizer.step``.
 
         ``ddp``: the :class:`fastddp.DDPWrapper` whose parameters this optimizer holds. Its
         reducer then reads each bucket for the inf/NaN check and the norm as soon as that
         bucket's all-reduce completes (overlapping the remaining communication), and the
         coefficient is applied to its few flat buffers; after backward only the one-thread
-        kernel remains.
+        kernel remains. ``grads``: work on these tensors instead of the ``.grad``s.
 
         Returns the optimizer's return value, or, when ``max_grad_norm`` is given, the global
         norm of the unscaled gradients as a device tensor (before clipping, like
@@ -223,8 +268,20 @@ class GradScaler(torch.amp.GradScaler):
         is ``inf``, also where a gradient was NaN (``clip_grad_norm_`` returns ``nan`` there):
         one fused pass keeps a sum of squares, in which any inf or NaN element is the same.
         """
+        if self._torch_steps and (max_grad_norm is not None or grads is not None or ddp is not None):
+            raise TypeError(f"GradScaler.fused_step: {type(self).__name__} overrides "
+                            f"{', '.join(self._torch_steps)}, which the fused step does not call; "
+                            "call step(), and clip between unscale_() and step()")
+        if self._torch_steps:
+            return super().step(optimizer, *args, **kwargs)
+        return self._step(optimizer, args, kwargs, max_grad_norm, grads, ddp)
+
+    def _step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict,
+              max_grad_norm: Optional[float] = None, grads: Optional[list[torch.Tensor]] = None,
+              ddp: Any = None) -> Any:
+        """The fused step (:meth:`fused_step`); ``args`` and ``kwargs`` go to the optimizer."""
         if max_grad_norm is not None and not max_grad_norm > 0:
-            raise ValueError(f"GradScaler.step: max_grad_norm must be > 0, got {max_grad_norm!r} "
+            raise ValueError(f"GradScaler.fused_step: max_grad_norm must be > 0, got {max_grad_norm!r} "
                              "(pass None to step without clipping)")
         if not self._enabled:
             return self._step_disabled(optimizer, max_grad_norm, grads, ddp, args, kwargs)
@@ -245,9 +302,9 @@ class GradScaler(torch.amp.GradScaler):
             return super().step(optimizer, *args, **kwargs)  # unscale_ above takes the same path
         if getattr(optimizer, "_step_supports_amp_scaling", False) and passes_itself(optimizer):
             if ours:
-                raise ValueError("GradScaler.step: this optimizer's step() takes grad_scaler= and "
-                                 "unscales by itself; call step(optimizer) without max_grad_norm, "
-                                 "grads or ddp")
+                raise ValueError("GradScaler.fused_step: this optimizer's step() takes grad_scaler= "
+                                 "and unscales by itself; call step(optimizer) (no max_grad_norm, "
+                                 "grads or ddp)")
             return super().step(optimizer, *args, **kwargs)  # torch's FutureWarning and grad_scaler=self
         # No check to go by: no gradient before unscale_(), or none when unscale_() ran. With
         # a check recorded, the gradients may have been cleared since (a dropped step): the

@@ -23,7 +23,7 @@ def bucket_stats(ddp: Any) -> Any:
     if visitor is None:
         devices = {b.device for b in ddp.bucket_buffers()}
         if len(devices) > 1:
-            raise ValueError("GradScaler.step(ddp=...): the wrapper's gradient buckets are on several devices "
+            raise ValueError("GradScaler.fused_step(ddp=...): the wrapper's gradient buckets are on several devices "
                              f"({', '.join(sorted(map(str, devices)))}); pass grads=... instead")
         visitor = C.amp_bucket_stats()
         ddp.register_bucket_visitor(visitor)

@@ -106,7 +106,7 @@ class TrainStep:
         if last:
             self.nan_streak = 0
             self.nan_ranks.clear()
-            self.scaler.step(self.optimizer, max_grad_norm=self.max_grad_norm, ddp=self.ddp)
+            self.scaler.fused_step(self.optimizer, max_grad_norm=self.max_grad_norm, ddp=self.ddp)
             self.scaler.update()
         return loss
 
