@@ -252,25 +252,28 @@ def test_float16_gradients_refused() -> None:
     assert _side_by_side(run)[0] is ValueError
 
 
+def _steps_through(cls: type, opt_cls: type, *args: Any, **kwargs: Any) -> list:
+    """Three steps of an ``opt_cls`` optimizer (the second skipped for an inf), ``args`` and
+    ``kwargs`` passed through ``scaler.step``: what each step returned, then the parameters."""
+    model = _model()
+    opt = opt_cls(model.parameters(), lr=0.1)
+    scaler = cls("cpu", init_scale=4.0)
+    out = []
+    for factor in (1.0, INF, 1.0):
+        opt.zero_grad()
+        scaler.scale(model(torch.ones(2, 6)).sum() * factor).backward()
+        out.append(scaler.step(opt, *args, **kwargs))
+        scaler.update()
+    return out + [list(model.parameters())]
+
+
 def test_step_forwards_arguments_and_returns_the_optimizers_value() -> None:
     class Recording(torch.optim.SGD):
         def step(self, *args, **kwargs):  # records what GradScaler passes on
             super().step()
             return ("stepped", args, kwargs)
 
-    def run(cls):
-        model = _model()
-        opt = Recording(model.parameters(), lr=0.1)
-        scaler = cls("cpu", init_scale=4.0)
-        out = []
-        for factor in (1.0, INF, 1.0):
-            opt.zero_grad()
-            scaler.scale(model(torch.ones(2, 6)).sum() * factor).backward()
-            out.append(scaler.step(opt, 1, flag=True))
-            scaler.update()
-        return out + [list(model.parameters())]
-
-    _side_by_side(run)
+    _side_by_side(lambda cls: _steps_through(cls, Recording, 1, flag=True))
 
 
 @pytest.mark.parametrize("name", ["max_grad_norm", "grads", "ddp"])
@@ -281,19 +284,7 @@ def test_step_forwards_the_keywords_fused_step_takes(name) -> None:
             super().step(closure)
             return sorted(kwargs.items())
 
-    def run(cls):
-        model = _model()
-        opt = Taking(model.parameters(), lr=0.1)
-        scaler = cls("cpu", init_scale=4.0)
-        out = []
-        for factor in (1.0, INF, 1.0):
-            opt.zero_grad()
-            scaler.scale(model(torch.ones(2, 6)).sum() * factor).backward()
-            out.append(scaler.step(opt, **{name: 0.25}))
-            scaler.update()
-        return out + [list(model.parameters())]
-
-    _side_by_side(run)
+    _side_by_side(lambda cls: _steps_through(cls, Taking, **{name: 0.25}))
 
 
 def test_step_keyword_the_optimizer_does_not_take_names_fused_step() -> None:
