@@ -44,6 +44,12 @@ def _world(what: str) -> int:
                          f"num_replicas= and rank= explicitly ({what} was not given).") from exc
 
 
+class StaleSizesError(AssertionError, RuntimeError):
+    """The sizes a DistributedSampler fixed at construction no longer fit its dataset or
+    settings. An AssertionError, as torch's iterator raises where it fails on them (its size
+    assertions), and a RuntimeError."""
+
+
 class DistributedSampler(TorchDistributedSampler):
     """Drop-in for :class:`torch.utils.data.distributed.DistributedSampler`, and a subclass of
     it: code that branches on ``isinstance(sampler, DistributedSampler)`` (Lightning's and
@@ -168,11 +174,12 @@ class DistributedSampler(TorchDistributedSampler):
         """torch's sampler reads ``len(dataset)`` at every ``iter()`` but keeps ``num_samples``
         and ``total_size`` from its construction. Where the dataset (or ``num_replicas``,
         ``drop_last``, ``num_samples`` set directly) changed so that they no longer agree,
-        torch's iterator fails its size assertion or pads to the old size; ours refuses."""
+        torch's iterator fails its size assertion (AssertionError) or pads to the old size; ours
+        refuses with a StaleSizesError, an AssertionError too."""
         length = self.length if isinstance(self.dataset, numbers.Integral) else len(self.dataset)
         expected = C.sampler_num_samples(length, int(self.num_replicas), bool(self.drop_last))
         if expected != self.num_samples or expected * self.num_replicas != self.total_size:
-            raise RuntimeError(
+            raise StaleSizesError(
                 f"DistributedSampler: len(dataset)={length}, num_replicas={self.num_replicas} and "
                 f"drop_last={self.drop_last} give {expected} samples per rank, but num_samples="
                 f"{self.num_samples} and total_size={self.total_size} were fixed when the sampler "

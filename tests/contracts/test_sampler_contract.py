@@ -322,5 +322,9 @@ def test_sizes_changed_after_construction(case) -> None:
         _side_by_side(run)
         return
     with pytest.raises(RuntimeError, match=r"were fixed when the sampler was created .* create a "
-                                           r"new DistributedSampler"):
+                                           r"new DistributedSampler") as refused:
         run(fastddp.DistributedSampler)
+    try:  # where torch's iterator fails, ours fails with an exception of the same type
+        run(TorchSampler)
+    except Exception as exc:
+        assert isinstance(refused.value, type(exc)), (type(exc), refused.value)
