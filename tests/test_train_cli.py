@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from fastddp.train.cli import UsageError, build_parser, parse_args, validate
+from fastddp.train import UsageError, build_parser, parse_args, validate
 
 CLASSIC_FLAGS = ["--multi-gpu", "--gpu-ids", "--mode", "--epochs", "--batch-size", "--lr",
                  "--warmup-epochs", "--weight-decay", "--num-workers", "--save-dir",

@@ -7,8 +7,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .cli import UsageError, build_parser, parse_args, validate
+from .cli import build_parser, parse_args
+from .errors import UsageError
 from .signals import Terminated
+from .validate import validate
 
 # What a collective raises on a surviving rank when a peer process dies or the link fails
 # (gloo: the socket is reset/closed, or "Application timeout caused pair closure" when the

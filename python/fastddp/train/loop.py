@@ -25,7 +25,6 @@ import fastddp
 
 from .._net import finish_collectives
 from . import checkpoint, signals
-from .cli import resume_flags
 from .epoch import end_epoch, run_epoch
 from .errors import UsageError
 from .graph import GraphedStep, hold_lr
@@ -47,6 +46,7 @@ from .outputs import (
 )
 from .resume import find_resume_state
 from .save_dir import check_save_dir, save_dir_lock
+from .settings import resume_flags
 from .setup import (
     Context,
     class_weights,

@@ -8,7 +8,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from .cli import resume_conflict
+from .settings import resume_conflict
 
 # One rank's part of the state: its RNG streams and the running sums of an unfinished epoch.
 RankState = dict[str, Any]
