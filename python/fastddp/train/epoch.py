@@ -18,7 +18,7 @@ from .state import model_signature, rank_state, unwrap
 from .step import Partial
 
 if TYPE_CHECKING:
-    from .loop import Run
+    from .build import Run
 
 
 def run_epoch(r: Run, epoch: int, partial: Optional[Partial]) -> float:

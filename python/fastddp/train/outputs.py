@@ -20,7 +20,7 @@ from . import checkpoint
 from .setup import Context, log
 
 if TYPE_CHECKING:
-    from .loop import Run
+    from .build import Run
 
 
 def log_header(r: Run) -> None:

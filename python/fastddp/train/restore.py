@@ -1,0 +1,128 @@
+"""Continuing a run from the checkpoint ``--resume`` names: its state loaded into the run, the
+best model carried over, and a run that has nothing left to train."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+from . import checkpoint
+from .build import Run
+from .errors import UsageError
+from .graph import hold_lr
+from .outputs import (
+    FINAL_FILES,
+    keep_earlier_files,
+    keep_foreign_metrics,
+    metrics_csv,
+    summary_is_current,
+)
+from .resume import find_resume_state
+from .setup import (
+    log,
+    schedule_change,
+)
+from .state import restore_rank_state
+from .step import Partial
+from .summary import finish, samples_trained
+
+
+def restore(r: Run) -> tuple[Optional[Partial], bool]:
+    """Load the checkpoint ``--resume`` names into ``r.state``. Returns the partial sums of an
+    epoch continued in the middle (None: the next epoch starts from its beginning) and whether
+    a checkpoint was loaded."""
+    ctx, state = r.ctx, r.state
+    loaded, path, note = find_resume_state(r.args, ctx, r.save_dir)
+    if loaded is None:
+        return None, False
+    problem = state.check_compatible(loaded, str(path))
+    if problem:
+        raise UsageError(problem, shared=True)
+    mid_epoch = state.load_state_dict(loaded)
+    if loaded.get("world") != ctx.world:
+        state.reposition(r.steps_per_epoch)
+    check_complete_elsewhere(r, path)
+    if ctx.is_main:
+        carry_best(r, path)
+    hold_lr(state.optimizer, state.scheduler, ctx.device if r.graphed is not None else None)
+    partial = restore_rank_state(state.ranks[ctx.rank], ctx.device) if mid_epoch else None
+    if not mid_epoch and not state.epoch_done:
+        log(ctx, f"note: world size changed ({loaded.get('world')} -> {ctx.world}); the "
+                 f"interrupted epoch {state.epoch + 1} restarts from its beginning")
+    if state.start_epoch < r.args.epochs:
+        log(ctx, f"resumed from {path} at epoch {state.start_epoch + 1}, step {state.step}{note}")
+        if changed := schedule_change(r.args, loaded.get("epochs"), r.steps_per_epoch, r.lr, state):
+            log(ctx, f"note: {changed}")
+    kept = keep_foreign_metrics(r.save_dir, state.history) if ctx.is_main else None
+    if kept is not None:
+        log(ctx, f"note: {r.save_dir / 'metrics.csv'} did not hold the history of {path} (edited "
+                 f"by hand, or written after a checkpoint that is gone): kept as {kept.name}; "
+                 "metrics.csv is written again from the checkpoint")
+    return partial, True
+
+
+def carry_best(r: Run, path: Path) -> None:
+    """``--resume PATH`` from another directory into a ``--save-dir`` without a best.pt: the
+    best epoch so far is in PATH's run, so its best.pt is copied here (queued behind the
+    writer's other files) when it is the best epoch of the history loaded; a later epoch that
+    does better replaces it as usual. Otherwise the run says where the best weights are not."""
+    source, target = path.resolve().parent / "best.pt", r.save_dir / "best.pt"
+    if source.parent == r.save_dir.resolve() or target.exists() or not r.state.history:
+        return
+    try:
+        best = checkpoint.verify(source)
+    except (checkpoint.CheckpointError, OSError):
+        best = None
+    top = max(r.state.history, key=lambda row: row["val_f1"])
+    if best is not None and best.get("metrics") == top:
+        r.saver.write(source.read_bytes(), target)
+        log(r.ctx, f"note: copied {source} (the best epoch so far, {top['epoch']}) into {r.save_dir}")
+        return
+    log(r.ctx, f"note: {source} is missing, unreadable or not the best epoch of {path}'s "
+               f"history (epoch {top['epoch']}); {r.save_dir} gets a best.pt from the first epoch "
+               "this run trains that does better")
+
+
+def check_complete_elsewhere(r: Run, path: Path) -> None:
+    """Refuse ``--resume PATH`` of a finished run (no epoch left) from outside ``--save-dir``:
+    there would be nothing to train, and ``--save-dir`` would get no checkpoint of it."""
+    source, epochs = path.resolve().parent, r.args.epochs
+    if r.state.start_epoch < epochs or source == r.save_dir.resolve():
+        return
+    raise UsageError(
+        f"--resume {path}: that run is already complete ({len(r.state.history)} epochs, "
+        f"--epochs {epochs}); its results are in {source}, and nothing is left to train into "
+        f"--save-dir {r.save_dir.resolve()}. To train it further there, raise --epochs above "
+        f"{r.state.start_epoch}; to train from scratch there, give --resume none", shared=True)
+
+
+def already_complete(r: Run) -> dict[str, Any]:
+    """A resumed run with no epoch left: say so, where its results are and how to start
+    over. Nothing is written, unless the run was killed between its last checkpoint and the
+    files after it: then metrics.csv, curves.png and summary.json are completed from it. A
+    summary.json whose final epoch is not the checkpoint's last (another run's: one started
+    over with --resume none and killed before its summary) is kept aside, with its curves.png,
+    and written again."""
+    state, save_dir = r.state, r.save_dir.resolve()
+    best = max((row["val_f1"] for row in state.history), default=float("nan"))
+    log(r.ctx, f"fastddp.train: the run in {save_dir} is already complete ({len(state.history)} "
+               f"epochs, --epochs {r.args.epochs}; best val F1 {best:.4f}). Its results are in "
+               f"{save_dir} (metrics.csv, best.pt, summary.json). To train from scratch add "
+               "--resume none (it keeps them aside as .bak) or choose another --save-dir; to train "
+               "further raise --epochs")
+    metrics_file, summary_file = r.save_dir / "metrics.csv", r.save_dir / "summary.json"
+    stale = not metrics_file.exists() or metrics_file.read_bytes() != metrics_csv(state.history)
+    current = summary_is_current(r.save_dir, state.history)
+    if r.ctx.is_main and state.history and (stale or not current):
+        kept = [] if current else list(keep_earlier_files(r.save_dir, FINAL_FILES).values())
+        log(r.ctx, "note: writing metrics.csv, curves.png and summary.json from last.pt's "
+                   "history (they were missing, behind it, or of another run"
+                   + "".join(f"; kept {p.name}" for p in kept) + ")")
+        r.saver.write(metrics_csv(state.history), metrics_file)
+        last = state.history[-1]
+        summary = finish(r, last["elapsed_s"], samples_trained(state.history), quiet=True)
+        return {**summary, "already_complete": True}
+    if summary_file.exists():
+        return {**json.loads(summary_file.read_text()), "already_complete": True}
+    return {"best_val_f1": state.best_f1, "save_dir": str(save_dir), "already_complete": True}
