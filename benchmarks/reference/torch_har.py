@@ -25,9 +25,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 from fastddp.data import har
-from fastddp.train.setup import lr_lambda
 from fastddp.train.metrics import accuracy, confusion, macro_f1
 from fastddp.train.models import build_model
+from fastddp.train.setup import lr_lambda
 
 
 def main() -> None:
