@@ -15,7 +15,7 @@ _TAKES_GRAD_SCALER: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # s
 
 
 def step_in_kernel(optimizer: torch.optim.Optimizer, grad_scale: Optional[torch.Tensor],
-               found_inf: torch.Tensor, args: tuple, kwargs: dict, restore: bool = False) -> Any:
+                   found_inf: torch.Tensor, args: tuple, kwargs: dict, restore: bool = False) -> Any:
     """Step a fused optimizer that divides the gradients by ``grad_scale`` and skips the
     update where ``found_inf`` is set, inside its kernel.
 

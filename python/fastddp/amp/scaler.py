@@ -158,7 +158,7 @@ class GradScaler(torch.amp.GradScaler):
             state["stage"] = OptState.UNSCALED
             raise AssertionError("No inf checks were recorded for this optimizer.")
         retval = step_in_kernel(optimizer, scale if state["stage"] is OptState.READY else None,
-                            torch.zeros((), device=scale.device), args, kwargs)
+                                torch.zeros((), device=scale.device), args, kwargs)
         state["stage"] = OptState.STEPPED
         return torch.zeros((), device=scale.device) if clipping else retval
 
