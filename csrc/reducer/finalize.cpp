@@ -16,6 +16,11 @@ namespace fastddp::reducer {
 
 namespace {
 
+// torch DDP's words when a forward finds the previous reduction unfinished
+constexpr const char* kUnfinishedReduction =
+    "Expected to have finished reduction in the prior iteration before starting a new one. This error indicates "
+    "that your module has parameters that were not used in producing loss. ";
+
 double ms_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
 }
@@ -25,7 +30,7 @@ double ms_since(std::chrono::steady_clock::time_point start) {
 void Reducer::finalize_backward() {
   std::lock_guard<std::mutex> lock(mutex_);
   callback_queued_ = false;
-  if (!expect_sync_ || continued_by_outer_backward_locked()) return;
+  if (!expect_sync_ || continued_by_outer_backward_locked() || awaits_later_backward_locked()) return;
   // static_graph's first iteration is settled by the backward that brings the gradients. One
   // that reached the outputs but no parameter is torch.autograd.grad with respect to the
   // inputs (a gradient penalty, create_graph=True) before loss.backward() in the same
@@ -46,7 +51,22 @@ bool Reducer::continued_by_outer_backward_locked() const {
          torch::autograd::get_current_node();
 }
 
-void Reducer::finalize_locked() {
+bool Reducer::awaits_later_backward_locked() const {
+  // torch DDP finalises a reduction once its last bucket is ready, so a forward's gradients may
+  // come from several backward passes (one per head's loss, say). A backward that leaves some
+  // out while an output of the forward is still to be backwarded through waits for that
+  // backward; with every output reached (the usual single loss), the gradients still missing
+  // are reported now, before an optimizer step can apply unreduced gradients, and so is a
+  // parameter frozen after wrapping, which no backward can bring. Otherwise the next forward
+  // reports them (finish_unfinished_reduction), where torch DDP does.
+  if (static_graph_ || outputs_unreached_ == 0 || next_launch_ >= static_cast<int64_t>(buckets_.size()))
+    return false;
+  for (int64_t i = 0; i < static_cast<int64_t>(params_.size()); ++i)
+    if (!ready_[i] && !params_[i].requires_grad()) return false;
+  return true;
+}
+
+void Reducer::finalize_locked(bool at_next_forward) {
   stats_.backward_compute_end = now_ns();
   expect_sync_ = false;
   nosync_steps_ = 0;  // the micro-steps this reduction sums
@@ -54,7 +74,7 @@ void Reducer::finalize_locked() {
   if (!static_first) record_arrival_ = false;  // one reduced backward's order is the one kept
   ++reductions_;
   if (static_first) settle_static_first_locked();
-  const std::string missing_error = missing_gradients_locked();
+  const std::string missing_error = missing_gradients_locked(at_next_forward);
   if (!missing_error.empty() && !fingerprint_) fail_logged_locked(missing_error);
   if (!missing_error.empty()) {
     // The other ranks may be waiting in this reduction's collectives: issue them all (what they
@@ -252,7 +272,7 @@ void Reducer::finish_unfinished_reduction() {
   }
   if (static_graph_) return;
   if (!callback_queued_) {
-    finalize_locked();  // left to an outer backward that brought no more gradients: reports them
+    finalize_locked(true);  // no later backward brought the missing gradients: reports them
     return;
   }
   // Queued but never run: that backward raised (autograd drops a failed backward's callbacks),
@@ -283,7 +303,7 @@ void Reducer::refuse_incomplete_static_locked() const {
               "the tensors DDPWrapper's forward returned.");
 }
 
-std::string Reducer::missing_gradients_locked() {
+std::string Reducer::missing_gradients_locked(bool at_next_forward) {
   std::string missing;
   int64_t missing_count = 0;
   std::string frozen;  // parameters whose requires_grad was turned off after wrapping
@@ -299,7 +319,8 @@ std::string Reducer::missing_gradients_locked() {
   }
   if (missing_count == 0) return std::string();
   fp_missing_ = fp_finish(missing_hash) | 1;
-  return c10::str("DDPWrapper: ", missing_count, " parameter(s) received no gradient in the last backward pass: ", missing,
+  // torch's sentences first where torch raises too (scripts match them)
+  return c10::str((at_next_forward ? kUnfinishedReduction : ""), "DDPWrapper: ", missing_count, " parameter(s) received no gradient in the last backward pass: ", missing,
               (missing_count > 20 ? ", ..." : ""), ". Their reduction cannot finish. ",
               (!frozen.empty()
                    ? "These now have requires_grad=False but required grad when the wrapper was built: " + frozen +

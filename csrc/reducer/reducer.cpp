@@ -12,6 +12,7 @@
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -205,7 +206,10 @@ void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs, bool 
   note_reducing_forward_locked();
   if (static_graph_) {
     prepare_static_locked(outputs);
-  } else if (find_unused_) {
+    return;
+  }
+  watch_outputs_locked(outputs);
+  if (find_unused_) {
     // Parameters whose AccumulateGrad the graph does not reach get no gradient this iteration
     // and are ready right away (zero contribution).
     const auto reached = reached_accumulators(outputs, grad_accumulators_);
@@ -228,6 +232,31 @@ void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs, bool 
 }
 
 
+
+void Reducer::watch_outputs_locked(const std::vector<at::Tensor>& outputs) {
+  const uint64_t forward = ++forward_;
+  outputs_unreached_ = 0;
+  std::unordered_set<const torch::autograd::Node*> seen;
+  std::weak_ptr<Reducer> weak = weak_from_this();
+  for (const auto& out : outputs) {
+    // A leaf (a parameter returned as it is) has no node of this forward's graph: its
+    // AccumulateGrad lives as long as the parameter and would gather a hook per forward.
+    if (!out.defined() || !out.grad_fn()) continue;
+    const auto edge = torch::autograd::impl::gradient_edge(out);
+    if (!edge.function || !seen.insert(edge.function.get()).second) continue;
+    ++outputs_unreached_;
+    auto reached = std::make_shared<std::atomic<bool>>(false);  // a retained graph runs it again
+    edge.function->add_pre_hook(std::make_unique<NodeReachedHook>([weak, forward, reached] {
+      if (reached->exchange(true)) return;
+      if (auto reducer = weak.lock()) reducer->output_reached(forward);
+    }));
+  }
+}
+
+void Reducer::output_reached(uint64_t forward) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (forward == forward_ && outputs_unreached_ > 0) --outputs_unreached_;
+}
 
 void Reducer::reset_for_backward_locked() {
   stats_.reset();

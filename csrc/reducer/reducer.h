@@ -205,6 +205,10 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // static_graph: the first iteration hooks the outputs' grad_fn to finalize; later ones mark
   // the parameters the first found unused and count down each one's hooks.
   void prepare_static_locked(const std::vector<at::Tensor>& outputs);
+  // Plain and find_unused_parameters modes: a pre-hook on each output's grad_fn counts the
+  // outputs no backward has reached yet (see awaits_later_backward_locked).
+  void watch_outputs_locked(const std::vector<at::Tensor>& outputs);
+  void output_reached(uint64_t forward);
   // Bytes of shared memory every rank's gradient buckets need, in the widest layout any plan
   // can give them (each bucket aligned, so at most one pad per parameter).
   int64_t wire_bytes() const;  // gradient bytes one backward reduces, in the wire dtype
@@ -252,7 +256,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void note_unused_locked(const std::vector<char>& reached);
   // The error for parameters without a gradient at the end of backward (empty: none); notes
   // them for the fingerprint.
-  std::string missing_gradients_locked();
+  std::string missing_gradients_locked(bool at_next_forward);
   // End of a reduction with fingerprints: on a mismatch, or with `missing_error`, completes
   // every collective of the reduction (all ranks issued them) and raises.
   void check_fingerprints_locked(const std::string& missing_error);
@@ -267,10 +271,15 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   at::Tensor allreduce_used_locked(const std::vector<char>& used_here);
   // End of a reduced backward (finalize.cpp), in the order it runs them:
   void finalize_backward();
-  void finalize_locked();
+  // at_next_forward: no backward brought the missing gradients; the report starts with torch
+  // DDP's sentence for that moment.
+  void finalize_locked(bool at_next_forward = false);
   // The callback ran at the end of a reentrant backward nested in an outer one that brings
   // the rest of this reduction's gradients (see finalize.cpp).
   bool continued_by_outer_backward_locked() const;
+  // The backward ended with gradients missing while some output of the forward is still to be
+  // backwarded through (several backward passes per forward, as torch DDP allows).
+  bool awaits_later_backward_locked() const;
   // static_graph's first iteration: what the hooks saw becomes the graph (unused parameters
   // marked, the used ones' gradients moved into their buckets).
   void settle_static_first_locked();
@@ -336,6 +345,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   bool expect_sync_ = false;      // a forward asked for a reduction in the coming backward
   bool callback_queued_ = false;  // finalize_backward is queued on the autograd engine
   bool hooks_seen_ = false;       // a gradient arrived since the last prepare_for_backward
+  uint64_t forward_ = 0;          // reducing forwards so far: a stale graph's output hook is ignored
+  int64_t outputs_unreached_ = 0;  // the reducing forward's outputs (grad_fn) no backward reached yet
   std::string failed_backward_;   // set once a backward raised mid-reduction: every forward refuses
   int64_t next_launch_ = 0;       // buckets launch strictly in index order
   std::vector<char> ready_;

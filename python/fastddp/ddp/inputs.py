@@ -70,13 +70,39 @@ class OutputSink:
     def __init__(self) -> None:
         self.static_reached = False
 
-    def __call__(self, output: Any, find_unused_parameters: bool, static_graph: bool) -> Any:
+    def __call__(self, output: Any, find_unused_parameters: bool, static_graph: bool, reducing: bool) -> Any:
         if static_graph:
             return output if self.static_reached else through_sink(output, self._reached)
-        return through_sink(output) if find_unused_parameters else output
+        if not find_unused_parameters:
+            return output
+        return through_sink(output, _one_backward_per_forward() if reducing else None)
 
     def _reached(self) -> None:
         self.static_reached = True
+
+
+def _one_backward_per_forward() -> Callable[[], None]:
+    """find_unused_parameters=True: the first backward through a reducing forward's outputs
+    finishes its reduction (every output is reached, through the sink), counting the parameters
+    it brought no gradient as unused. A second backward through them would leave its gradients
+    unaveraged, ranks apart without a word (torch DDP does so, and fails at the next
+    iteration): refused."""
+    passes = 0
+
+    def on_backward() -> None:
+        nonlocal passes
+        passes += 1
+        if passes > 1:
+            raise RuntimeError(
+                "DDPWrapper: a second backward pass through the outputs of one forward, with "
+                "find_unused_parameters=True. The first one finished this forward's reduction "
+                "(counting the parameters it brought no gradient as unused), so this one's "
+                "gradients would stay this rank's own. Backward the sum of the losses once "
+                "((loss_a + loss_b).backward()); or, when each backward reaches its own "
+                "parameters (one loss per network), pass find_unused_parameters=False, which "
+                "reduces a forward's gradients over several backward passes as torch DDP does.")
+
+    return on_backward
 
 
 def to_device(obj: Any, device: torch.device) -> Any:

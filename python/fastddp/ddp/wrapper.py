@@ -337,14 +337,16 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, ModuleStateSync, Pickling, To
         if grad_enabled:
             self._prepare_reduction(output, self.require_backward_grad_sync)
         diag.enter(diag.Phase.OUTSIDE)
-        return self._output_sink(output, self.find_unused_parameters, self.static_graph)
+        return self._output_sink(output, self.find_unused_parameters, self.static_graph,
+                                 reducing=grad_enabled and self.require_backward_grad_sync)
 
     def _prepare_reduction(self, output: Any, sync: bool) -> None:
-        """Arm the reducer for the next backward (``sync``: reduce it). find_unused_parameters
-        walks the graph from the tensors in ``output``; static_graph hooks them in its first
-        iteration to reduce at the end of the outermost backward."""
-        wants_outputs = sync and (self.find_unused_parameters or self.static_graph)
-        self._reducer.prepare_for_backward(find_tensors(output) if wants_outputs else [], sync)
+        """Arm the reducer for the next backward (``sync``: reduce it). The reducer hooks the
+        tensors in ``output``: a backward that misses gradients while some output is still to be
+        backwarded through leaves the reduction to that backward; find_unused_parameters walks
+        the graph from them; static_graph's first iteration reduces at the end of the outermost
+        backward through them."""
+        self._reducer.prepare_for_backward(find_tensors(output) if sync else [], sync)
         if sync:
             self._sparse.prepare_for_backward()
 
