@@ -442,10 +442,11 @@ void Reducer::mark_ready(int64_t index) {
     if (--hooks_left_[index] > 0) return;  // later reentrant passes add to this gradient
   } else if (!callback_queued_) {
     // Queued at the first gradient so that a parameter that never gets one is reported at the
-    // end of this backward pass (static_graph queues it once every bucket is launched instead).
+    // end of this backward pass when no later one can bring it (awaits_later_backward_locked;
+    // static_graph queues it once every bucket is launched instead).
     queue_finalize_locked();
   }
-  TORCH_CHECK(!ready_[index], "DDPWrapper: parameter '", names_[index], "' received its gradient twice in one "
+  TORCH_CHECK(!ready_[index], "Expected to mark a variable ready only once. DDPWrapper: parameter '", names_[index], "' received its gradient twice in one "
               "backward pass. This happens when a parameter is used in several reentrant backward passes "
               "(e.g. torch.utils.checkpoint with use_reentrant=True) or when find_unused_parameters=True "
               "marked it unused although the graph uses it later. Use static_graph=True, "
