@@ -22,9 +22,13 @@ _MATCHED_KEYS = ("num_replicas", "shuffle", "drop_last", "order", "length")
 
 
 def _check_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"DistributedSampler: {name} must be an integer, got {value!r}")
-    return int(value)
+    """``value`` as an int where torch's sampler computes with it as one: anything with
+    ``__index__`` (a bool, a numpy integer, a 0-d integer tensor) works there; a float fails
+    there later (slicing, ``range``), so it is refused here, naming the argument."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"DistributedSampler: {name} must be an integer, got {value!r}") from None
 
 
 def _as_int64(value: int) -> int:

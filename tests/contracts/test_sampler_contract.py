@@ -253,6 +253,21 @@ def test_numpy_integer_rank_and_replicas_kept(kind) -> None:
     _side_by_side(run)
 
 
+@pytest.mark.parametrize(("replicas", "rank", "seed", "epoch"),
+                         [(2, True, 0, 0), (True, False, 0, 0), (2, 1, True, True), (3, torch.tensor(2), 5, 1),
+                          (torch.tensor(3), 0, 0, 0)],
+                         ids=["bool_rank", "bool_replicas", "bool_seed_epoch", "tensor_rank", "tensor_replicas"])
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_bool_and_tensor_integers_taken_as_torch_takes_them(replicas, rank, seed, epoch, shuffle) -> None:
+    # torch computes with anything that has __index__: the same indices, the values kept as given
+    def run(cls):
+        s = cls(range(11), num_replicas=replicas, rank=rank, shuffle=shuffle, seed=seed)
+        s.set_epoch(epoch)
+        return list(s), len(s), repr(s.rank), repr(s.num_replicas), repr(s.seed), repr(s.epoch)
+
+    _side_by_side(run)
+
+
 def test_is_a_torch_sampler() -> None:
     _side_by_side(lambda cls: isinstance(cls(range(3), num_replicas=1, rank=0), torch.utils.data.Sampler))
 
