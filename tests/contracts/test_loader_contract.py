@@ -143,6 +143,39 @@ def test_early_break_leaves_the_same_generator_states() -> None:
     assert torch.equal(states[0][0], states[1][0]) and torch.equal(states[0][1], states[1][1])
 
 
+class EagerBatchSampler:
+    """A batch sampler whose __iter__ is a plain method: it draws its order from the global
+    generator when asked for an iterator, and counts how often it is asked."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __iter__(self):
+        self.calls += 1
+        order = torch.randperm(N).tolist()
+        return iter([order[i:i + 5] for i in range(0, N, 5)])
+
+    def __len__(self) -> int:
+        return -(-N // 5)
+
+
+@pytest.mark.parametrize(("workers", "persistent"), [(0, False), (2, False), (2, True)])
+def test_batch_sampler_asked_for_iterators_as_by_dataloader(workers: int, persistent: bool) -> None:
+    """DataLoader's worker iterator asks the batch sampler for an iterator, draws its base seed,
+    then asks again as it resets itself (a persistent one only asks again at later passes): an
+    order drawn in __iter__ is the second draw's, and the sampler sees as many calls."""
+    got = []
+    for cls in (DataLoader, fastddp.PrefetchLoader):
+        torch.manual_seed(11)
+        sampler = EagerBatchSampler()
+        loader = cls(tensors(), batch_sampler=sampler, num_workers=workers, persistent_workers=persistent)
+        passes = [[y.tolist() for _, y in loader] for _ in range(2)]
+        got.append((passes, sampler.calls, torch.random.get_rng_state()))
+    (a, calls_a, state_a), (b, calls_b, state_b) = got
+    assert a == b and calls_a == calls_b
+    assert torch.equal(state_a, state_b)
+
+
 def test_persistent_workers_draw_one_seed_and_reuse_the_iterator() -> None:
     states = []
     for cls in (DataLoader, fastddp.PrefetchLoader):

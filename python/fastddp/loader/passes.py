@@ -120,6 +120,11 @@ class NativePass:
             self.it = iter(self.index_sampler)  # DataLoader's order: the sampler, then the seed
             if draw_seed:
                 draw_base_seed(generator)
+                if self.s.workers > 0:
+                    # DataLoader's worker iterator then resets itself (_reset(first_iter=True)),
+                    # which asks the sampler for a new iterator and reads that one: a batch
+                    # sampler that draws from the generator in its __iter__ draws again
+                    self.it = iter(self.index_sampler)
             if replay.skip and self.s.whole_pass:
                 self._read_whole_pass(replay.skip)
             for _ in range(replay.skip):
