@@ -32,7 +32,7 @@ class LoaderHooks:
 
 
 class LoaderIterator:
-    """Wraps one pass (:class:`passes.NativePass` or :class:`passes.TorchPass`)."""
+    """Wraps one pass (:class:`native.NativePass` or :class:`passes.TorchPass`)."""
 
     def __init__(self, pass_: Any, hooks: LoaderHooks) -> None:
         self._pass, self._hooks, self._progress = pass_, hooks, hooks.progress

@@ -1,10 +1,10 @@
-"""One pass over the data: the iterator ``iter(PrefetchLoader)`` returns, over either the native
-pipeline (C++ threads gathering rows of tensors) or torch's own DataLoader machinery (any other
-dataset, collation or worker set-up), delivering batches on the loader's device."""
+"""One pass over the data through torch's own DataLoader machinery (:class:`TorchPass`: any
+dataset, collation or worker set-up the native pipeline does not take, see native.py), and what
+both kinds of pass share: where a resumed pass starts, and batches delivered on the loader's
+device, with DataLoader's errors."""
 
 from __future__ import annotations
 
-import collections
 from dataclasses import dataclass
 from typing import Any, NoReturn, Optional
 
@@ -12,9 +12,7 @@ import torch
 from torch.utils._pytree import tree_map_only
 from torch.utils.data import DataLoader
 
-from .._ext import C
-from .plan import PlanEntry, SkippingSampler, draw_base_seed, read_whole_pass, replaying, to_entry
-from .sources import Sources
+from .plan import SkippingSampler, replaying
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
@@ -71,175 +69,6 @@ class Replay:
     def resumes(self) -> bool:
         """Whether the next pass continues a saved one (batches to skip, or its random state)."""
         return bool(self.skip) or self.rng_state is not None or self.generator_state is not None
-
-
-@dataclass
-class NativeSettings:
-    """How a native pass runs (the loader decides, see ``PrefetchLoader._native_settings``)."""
-
-    tensors: list[torch.Tensor]            # gathered from (pinned or device copies as configured)
-    resident: bool                         # tensors live on the device: gather there
-    threads: int
-    ring: int                              # ring slots of the C++ pipeline
-    pin: bool                              # page-locked staging
-    device: torch.device
-    start_reads: int                       # batches read from the plan when the pass starts
-    first_next_reads: int                  # batches read at the first next()
-    whole_pass: bool                       # the first read reads every batch (reads_ahead_unobserved)
-    batch_rows: int                        # rows of the largest batch, 0 when unknown
-    pool: Any = None                       # C.SlotPool: host slots kept from pass to pass
-    workers: int = 0                       # DataLoader worker processes stood in for (errors)
-
-
-class NativePass:
-    """Reads the plan as DataLoader would (see plan.py) and has C++ threads gather each batch's
-    rows; a batch the gather cannot take (an index DataLoader would refuse) is read through the
-    dataset in Python when its turn comes, so it fails, at that batch, as DataLoader fails."""
-
-    def __init__(self, index_sampler: Any, sources: Sources, settings: NativeSettings) -> None:
-        self.index_sampler, self.sources, self.s = index_sampler, sources, settings
-        self.rows = len(settings.tensors[0])
-        self.pipe: Any = None
-        self.entries: collections.deque[PlanEntry] = collections.deque()
-        self.it: Any = None
-        self.read = 0
-        self.exhausted = False
-        self.started = False
-        self.direct: Optional[bool] = None
-        self.uniform: Optional[torch.Tensor] = None  # the pass's indices, when submitted whole
-        self.uniform_count = self.uniform_next = 0
-
-    def start(self, generator: Optional[torch.Generator], draw_seed: bool, replay: Replay) -> None:
-        self.close()
-        self.entries.clear()
-        self.read, self.exhausted, self.started = 0, False, False
-        self.uniform, self.uniform_count, self.uniform_next = None, 0, 0
-        if not self.s.resident:  # (its threads start with the first batch submitted)
-            self._build_pipeline()
-        with replaying(replay.rng_state, generator, replay.generator_state):
-            self.it = iter(self.index_sampler)  # DataLoader's order: the sampler, then the seed
-            if draw_seed:
-                draw_base_seed(generator)
-                if self.s.workers > 0:
-                    # DataLoader's worker iterator then resets itself (_reset(first_iter=True)),
-                    # which asks the sampler for a new iterator and reads that one: a batch
-                    # sampler that draws from the generator in its __iter__ draws again
-                    self.it = iter(self.index_sampler)
-            if replay.skip and self.s.whole_pass:
-                self._read_whole_pass(replay.skip)
-            for _ in range(replay.skip):
-                if next(self.it, None) is None:
-                    break
-            self._read(self.s.start_reads)
-
-    def _build_pipeline(self) -> None:
-        opts = C.PipelineOptions()
-        opts.num_workers, opts.prefetch = self.s.threads, self.s.ring
-        opts.pin_memory, opts.device = self.s.pin, str(self.s.device)
-        opts.batch_rows = self.s.batch_rows
-        opts.pool = self.s.pool
-        self.pipe = C.PrefetchPipeline([t.contiguous() for t in self.s.tensors], opts)
-        self.direct = bool(self.pipe.direct)
-
-    def _read_whole_pass(self, skip: int) -> None:
-        """Reads every batch of the pass (dropping the first ``skip``). When all are gathered
-        natively they are the consecutive slices of one index tensor (``self.uniform``),
-        submitted to the pipeline in one call; else one entry a batch."""
-        idx, entries = read_whole_pass(self.index_sampler, self.rows)
-        self.it = iter(())
-        self.exhausted = True
-        if idx is not None:
-            size = self.index_sampler.batch_size
-            self.uniform = idx[skip * size:]
-            self.uniform_count = -(-len(self.uniform) // size)
-            self.read = self.uniform_count
-            if self.pipe is not None:
-                self.pipe.submit_split(self.uniform, size)
-                self.pipe.finish()
-            return
-        self.read = len(entries) - skip
-        for number, entry in enumerate(entries[skip:]):
-            entry.number = number
-            self.entries.append(entry)
-        if self.pipe is None:
-            return
-        for entry in self.entries:
-            if entry.indices is not None:
-                self.pipe.submit(entry.indices)
-        self.pipe.finish()
-
-    def _next_uniform(self) -> Any:
-        """The next batch of a pass submitted as one index tensor."""
-        k = self.uniform_next
-        if k == self.uniform_count:
-            self.close()
-            raise StopIteration
-        self.uniform_next = k + 1
-        if self.s.resident:
-            size = self.index_sampler.batch_size
-            idx = self.uniform[k * size:(k + 1) * size].to(self.s.device, non_blocking=True)
-            return self.sources.wrap([t.index_select(0, idx) for t in self.s.tensors])
-        return self.sources.wrap(self.pipe.next())
-
-    def _read(self, count: int) -> None:
-        try:  # before any read, as DataLoader's worker iterator asks range(prefetch_factor * workers)
-            reads = range(count)
-        except TypeError as exc:
-            raise TypeError(f"{exc} (PrefetchLoader: prefetch_factor * num_workers is {count!r}; give "
-                            "prefetch_factor as a positive int, or None for 2 batches a worker)") from None
-        if reads and self.s.whole_pass and not self.exhausted:
-            self._read_whole_pass(0)
-            return
-        for _ in reads:
-            if self.exhausted:
-                return
-            try:
-                batch = next(self.it)
-            except StopIteration:
-                self.exhausted = True
-                if self.pipe is not None:
-                    self.pipe.finish()
-                return
-            entry = to_entry(self.read, batch, self.rows)
-            self.read += 1
-            self.entries.append(entry)
-            if entry.indices is not None and self.pipe is not None:
-                self.pipe.submit(entry.indices)
-
-    def next(self) -> Any:
-        if self.uniform is not None:  # submitted whole: every batch is the next slice
-            return self._next_uniform()
-        if not self.started:
-            self.started = True
-            self._read(self.s.first_next_reads)
-        if self.uniform is None:
-            self._read(1)
-        if self.uniform is not None:
-            return self._next_uniform()
-        if not self.entries:
-            self.close()
-            raise StopIteration
-        entry = self.entries.popleft()
-        if entry.indices is None:
-            try:
-                batch = self.sources.fetch(entry.raw)
-            except Exception as exc:
-                note = f"PrefetchLoader: raised reading batch {entry.number} (indices {entry.raw!r})"
-                if self.s.workers > 0:  # DataLoader would have read it in a worker process
-                    raise_as_worker_error(exc, entry.number, self.s.workers, note)
-                add_note(exc, note)
-                raise
-            return to_device(pin(batch) if self.s.pin and self.s.device.type == "cpu" else batch,
-                             self.s.device)
-        if self.s.resident:
-            idx = entry.indices.to(self.s.device, non_blocking=True)
-            return self.sources.wrap([t.index_select(0, idx) for t in self.s.tensors])
-        return self.sources.wrap(self.pipe.next())
-
-    def close(self) -> None:
-        if self.pipe is not None:
-            self.pipe.close()
-            self.pipe = None
 
 
 class TorchPass:

@@ -11,7 +11,8 @@ from torch.utils.data import DataLoader, default_collate
 
 from .._ext import C
 from .iterator import LoaderHooks, LoaderIterator, Progress
-from .passes import NativePass, NativeSettings, Replay, TorchPass, build_runner, with_random_state
+from .native import NativePass, NativeSettings
+from .passes import Replay, TorchPass, build_runner, with_random_state
 from .plan import reads_ahead_unobserved
 from .settings import (
     NATIVE_DEVICE_TYPES,
