@@ -145,3 +145,37 @@ def test_missing_gradients_are_reported_at_the_end_of_backward_when_none_can_com
             assert "now have requires_grad=False" in message and "spare.weight, spare.bias" in message, message
         else:
             assert "received no gradient in the last backward pass: spare.weight, spare.bias" in message, message
+
+
+class _SharedTrunk(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(8, 16)
+        self.a = nn.Linear(16, 4)
+        self.b = nn.Linear(16, 1)
+
+    def forward(self, x):
+        h = torch.tanh(self.trunk(x))
+        return self.a(h), self.b(h)
+
+
+def _shared_trunk(rank: int, world_size: int) -> list[str]:
+    """Both backward passes reach the trunk: torch DDP and DDPWrapper refuse the second one with
+    torch's sentence; DDPWrapper's names the parameter and the fix (one backward of the sum)."""
+    ours, ref = make_pair(_SharedTrunk, {})
+    x = torch.randn(6, 8)
+    messages = []
+    for model in (ref, ours):
+        logits, value = model(x)
+        logits.logsumexp(1).mean().backward(retain_graph=True)
+        with pytest.raises(RuntimeError) as info:
+            value.pow(2).mean().backward()
+        messages.append(str(info.value))
+    return messages
+
+
+def test_shared_trunk_reached_by_two_backward_passes_is_refused_like_torch_ddp(ranks) -> None:
+    for torch_message, message in ranks.run(_shared_trunk, world_size=2):
+        sentence = "Expected to mark a variable ready only once."
+        assert torch_message.startswith(sentence) and message.startswith(sentence), (torch_message, message)
+        assert "parameter 'trunk." in message and "sum the losses" in message, message

@@ -447,10 +447,11 @@ void Reducer::mark_ready(int64_t index) {
     queue_finalize_locked();
   }
   TORCH_CHECK(!ready_[index], "Expected to mark a variable ready only once. DDPWrapper: parameter '", names_[index], "' received its gradient twice in one "
-              "backward pass. This happens when a parameter is used in several reentrant backward passes "
-              "(e.g. torch.utils.checkpoint with use_reentrant=True) or when find_unused_parameters=True "
-              "marked it unused although the graph uses it later. Use static_graph=True, "
-              "use_reentrant=False, or set find_unused_parameters=False.");
+              "reduction. This happens when two backward passes over one forward both reach it (one loss per "
+              "head over a shared trunk: sum the losses and call backward once), when a parameter is used in "
+              "several reentrant backward passes (e.g. torch.utils.checkpoint with use_reentrant=True: use "
+              "static_graph=True or use_reentrant=False), or when find_unused_parameters=True marked it unused "
+              "although the graph uses it later (set find_unused_parameters=False).");
   ready_[index] = 1;
   if (record_arrival_) arrival_.push_back(index);
   copy_grad_to_bucket_locked(index);
