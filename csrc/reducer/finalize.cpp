@@ -319,6 +319,14 @@ std::string Reducer::missing_gradients_locked(bool at_next_forward) {
   }
   if (missing_count == 0) return std::string();
   fp_missing_ = fp_finish(missing_hash) | 1;
+  if (!frozen.empty() && !static_graph_ && outputs_unreached_ > 0 && !at_next_forward) {
+    // reported before a later backward over this forward could bring the others: the frozen
+    // ones are why (awaits_later_backward_locked)
+    return c10::str("DDPWrapper: these parameters now have requires_grad=False but required grad when the "
+                    "wrapper was built: ", frozen, ". No backward pass can bring their gradients, so this "
+                    "forward's reduction cannot finish. Freeze parameters before wrapping the model (or wrap it "
+                    "again after changing them), or pass find_unused_parameters=True.");
+  }
   // torch's sentences first where torch raises too (scripts match them)
   return c10::str((at_next_forward ? kUnfinishedReduction : ""), "DDPWrapper: ", missing_count, " parameter(s) received no gradient in the last backward pass: ", missing,
               (missing_count > 20 ? ", ..." : ""), ". Their reduction cannot finish. ",
