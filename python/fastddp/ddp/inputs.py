@@ -85,8 +85,7 @@ def _one_backward_per_forward() -> Callable[[], None]:
     """find_unused_parameters=True: the first backward through a reducing forward's outputs
     finishes its reduction (every output is reached, through the sink), counting the parameters
     it brought no gradient as unused. A second backward through them would leave its gradients
-    unaveraged, ranks apart without a word (torch DDP does so, and fails at the next
-    iteration): refused."""
+    unaveraged, the ranks apart without a word (torch DDP leaves them so): refused."""
     passes = 0
 
     def on_backward() -> None:
