@@ -34,9 +34,29 @@ class NativeSettings:
     workers: int = 0                       # DataLoader worker processes stood in for (errors)
 
 
-def _cut(n: int, start: int, size: int) -> list[tuple[int, int]]:
-    """The slices of ``size`` (the last one shorter) that cut ``range(start, n)``."""
-    return [(p, min(p + size, n)) for p in range(start, n, size)]
+class Cuts:
+    """Where a pass read whole is cut into batches: runs of equal batches over its ``n``
+    indices, each ``(first batch, first index, batch size)`` with the last batch of a run
+    shorter; one run unless ``batch_sampler.batch_size`` was set during the pass."""
+
+    def __init__(self, n: int, size: int) -> None:
+        self.n = n
+        self.runs = [(0, 0, size)]
+
+    def __len__(self) -> int:
+        first, pos, size = self.runs[-1]
+        return first + (-(-(self.n - pos) // size) if size else 0)
+
+    def __getitem__(self, k: int) -> tuple[int, int]:
+        """Batch ``k``'s slice of the indices."""
+        first, pos, size = next(run for run in reversed(self.runs) if run[0] <= k)
+        start = pos + (k - first) * size
+        return start, min(start + size, self.n)
+
+    def recut(self, k: int, size: int) -> None:
+        """Batches from ``k`` on have ``size`` (0: there are none)."""
+        pos = self[k][0] if k < len(self) else self.n
+        self.runs = [run for run in self.runs if run[0] < k] + [(k, pos, size)]
 
 
 class NativePass:
@@ -55,22 +75,24 @@ class NativePass:
         self.started = False
         self.direct: Optional[bool] = None
         self.uniform: Optional[torch.Tensor] = None  # the pass's indices, when submitted whole
-        self.bounds: list[tuple[int, int]] = []  # each batch's slice of them
+        self.bounds = Cuts(0, 1)  # each batch's slice of them
         self.uniform_next = 0
         self.planned: tuple[Any, Any] = (None, None)  # batch_size and drop_last the pass was read with
         self.python_reads = False  # the dataset's tensors were replaced: read in Python from then on
         self.origin: Optional[tuple[torch.Tensor, ...]] = None  # the tensors at the pass's start
+        self.origin_object: Any = None  # the dataset's own ``tensors`` object then
 
     def start(self, generator: Optional[torch.Generator], draw_seed: bool, replay: Replay) -> None:
         self.close()
         self.entries.clear()
         self.read, self.exhausted, self.started = 0, False, False
-        self.uniform, self.bounds, self.uniform_next = None, [], 0
+        self.uniform, self.bounds, self.uniform_next = None, Cuts(0, 1), 0
         self.planned, self.python_reads = (None, None), False
         # without workers DataLoader reads a TensorDataset's tensors anew at every batch (with
         # workers, each worker holds the dataset as the pass found it)
-        self.origin = tuple(self.sources.dataset.tensors) if (
+        self.origin_object = self.sources.dataset.tensors if (
             self.s.workers == 0 and self.sources.kind == "dataset") else None
+        self.origin = None if self.origin_object is None else tuple(self.origin_object)
         if not self.s.resident:  # (its threads start with the first batch submitted)
             self._build_pipeline()
         with replaying(replay.rng_state, generator, replay.generator_state):
@@ -109,7 +131,7 @@ class NativePass:
         if idx is not None:
             size = self.index_sampler.batch_size
             self.uniform = idx[skip * size:]
-            self.bounds = _cut(len(self.uniform), 0, size)
+            self.bounds = Cuts(len(self.uniform), size)
             self.read = len(self.bounds)
             if self.pipe is not None:
                 self.pipe.submit_split(self.uniform, size)
@@ -150,15 +172,14 @@ class NativePass:
         size, drop_last = self.index_sampler.batch_size, self.planned[1]
         if size == self.planned[0] or drop_last:
             return
-        first = min(k + self.s.start_reads, len(self.bounds))  # batches DataLoader has read
-        pos = self.bounds[first][0] if first < len(self.bounds) else len(self.uniform)
         itertools.islice((), size)  # a size BatchSampler's islice refuses: its ValueError, here
         self.planned = (size, drop_last)
-        self.bounds = self.bounds[:first] + ([] if size == 0 else _cut(len(self.uniform), pos, size))
+        self.bounds.recut(min(k + self.s.start_reads, len(self.bounds)), size)  # after those DataLoader read
         if self.pipe is not None:  # gathered ahead at the old size: gather again from batch k
             self.close()
             self._build_pipeline()
-            for start, stop in self.bounds[k:]:
+            for j in range(k, len(self.bounds)):
+                start, stop = self.bounds[j]
                 self.pipe.submit(self.uniform[start:stop])
             self.pipe.finish()
 
@@ -231,8 +252,11 @@ class NativePass:
         return to_device(pin(batch) if self.s.pin and self.s.device.type == "cpu" else batch, self.s.device)
 
     def _tensors_replaced(self) -> bool:
-        """Whether the TensorDataset's ``tensors`` are other objects than at the pass's start."""
+        """Whether the TensorDataset's ``tensors`` are other objects than at the pass's start
+        (the same tuple, which cannot change, answers at once)."""
         now = self.sources.dataset.tensors
+        if now is self.origin_object and isinstance(now, tuple):
+            return False
         return len(now) != len(self.origin) or any(a is not b for a, b in zip(now, self.origin))
 
     def close(self) -> None:
