@@ -15,8 +15,8 @@ import fastddp
 
 def _pass_with(change: Callable[[Any], None], at: int, **kwargs: Any) -> list[list[list[int]]]:
     """Each loader's batches (as lists) over one pass, ``change(loader)`` applied after batch
-    ``at``, from the same global random state."""
-    got = []
+    ``at``, from the same global random state, which must be the same after the pass."""
+    got, states = [], []
     for cls in (DataLoader, fastddp.PrefetchLoader):
         torch.manual_seed(3)
         loader = cls(TensorDataset(torch.arange(40)), **kwargs)
@@ -26,6 +26,8 @@ def _pass_with(change: Callable[[Any], None], at: int, **kwargs: Any) -> list[li
             if k == at:
                 change(loader)
         got.append(batches)
+        states.append(torch.random.get_rng_state())
+    assert torch.equal(*states), "the global random state differs after the pass"
     return got
 
 
