@@ -75,3 +75,87 @@ def test_longer_tensors_replaced_during_a_pass(kwargs: dict) -> None:
     """A sequential pass keeps the length it started with (its sampler read it at iter())."""
     torch_batches, ours = _pass_with(_replace_tensors(True), at=2, **kwargs)
     assert ours == torch_batches
+
+
+def _write_in_place(loader: Any) -> None:
+    loader.dataset.tensors[0].add_(1000)
+
+
+@pytest.mark.parametrize("kwargs", [{"batch_size": 4}, {"batch_size": 4, "drop_last": True},
+                                    {"batch_size": 4, "shuffle": True}, {"batch_size": 4, "prefetch": 6},
+                                    {"batch_size": 4, "device_resident": True}],
+                         ids=["sequential", "drop_last", "shuffle", "prefetch", "device_resident"])
+def test_tensor_written_in_place_during_a_pass_without_workers(kwargs: dict) -> None:
+    """DataLoader without workers reads each batch at its next(): the batches after the write hold
+    the new values, though the threads had gathered some of them ahead."""
+    def run(cls: Any) -> list[list[int]]:
+        torch.manual_seed(3)
+        own = ("prefetch", "device_resident")  # PrefetchLoader's options
+        args = {k: v for k, v in kwargs.items() if cls is fastddp.PrefetchLoader or k not in own}
+        loader = cls(TensorDataset(torch.arange(40)), **args)
+        batches = []
+        for k, (x,) in enumerate(loader):
+            batches.append(x.tolist())
+            if k == 1:
+                _write_in_place(loader)
+        return batches
+    torch_batches, ours = run(DataLoader), run(fastddp.PrefetchLoader)
+    assert ours == torch_batches
+    assert any(v >= 1000 for v in ours[2])
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"shuffle": True}], ids=["sequential", "shuffle"])
+def test_tensor_written_in_place_during_a_pass_with_workers_is_refused(kwargs: dict) -> None:
+    """DataLoader's workers read their copy of the dataset (taken at iter()) and deliver the old
+    values; the threads cannot, so the first batch after the write is refused, naming the fix,
+    and every batch delivered before it is DataLoader's."""
+    torch.manual_seed(3)
+    ref = DataLoader(TensorDataset(torch.arange(40)), batch_size=4, num_workers=2, **kwargs)
+    torch_batches = []
+    for k, (x,) in enumerate(ref):
+        torch_batches.append(x.tolist())
+        if k == 1:
+            _write_in_place(ref)
+    assert all(v < 1000 for b in torch_batches for v in b)
+    torch.manual_seed(3)
+    loader = fastddp.PrefetchLoader(TensorDataset(torch.arange(40)), batch_size=4, num_workers=2, **kwargs)
+    it = iter(loader)
+    ours = [next(it)[0].tolist() for _ in range(2)]
+    _write_in_place(loader)
+    with pytest.raises(RuntimeError, match=r"tensor 0 of the dataset was changed in place after iter\(\), "
+                                           r"with num_workers=2.*use num_workers=0"):
+        next(it)
+    assert ours == torch_batches[:2]
+
+
+def test_tensor_written_after_the_last_batch_with_workers_ends_the_pass() -> None:
+    loader = fastddp.PrefetchLoader(TensorDataset(torch.arange(8)), batch_size=4, num_workers=2)
+    it = iter(loader)
+    got = [next(it)[0].tolist() for _ in range(2)]
+    _write_in_place(loader)
+    with pytest.raises(StopIteration):
+        next(it)
+    assert got == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert next(iter(loader))[0].tolist() == [1000, 1001, 1002, 1003]  # a new pass, new workers
+
+
+@pytest.mark.parametrize("change", ["replaced", "in place"])
+def test_persistent_workers_keep_the_first_pass_dataset(change: str) -> None:
+    """Persistent workers hold the dataset as the first pass found it: tensors replaced later
+    are not read (by either loader), and one written in place is refused at the next batch."""
+    passes = []
+    for cls in (DataLoader, fastddp.PrefetchLoader):
+        loader = cls(TensorDataset(torch.arange(12)), batch_size=4, num_workers=1, persistent_workers=True)
+        first = [x.tolist() for (x,) in loader]
+        if change == "replaced":
+            loader.dataset.tensors = (torch.arange(12) + 1000,)
+        else:
+            _write_in_place(loader)
+        if cls is fastddp.PrefetchLoader and change == "in place":
+            with pytest.raises(RuntimeError, match=r"after the first pass, with num_workers=1 and "
+                                                   r"persistent_workers=True.*persistent_workers=False"):
+                next(iter(loader))
+            continue
+        passes.append((first, [x.tolist() for (x,) in loader]))
+    assert all(p == passes[0] for p in passes)
+    assert passes[0][1][0] == [0, 1, 2, 3]

@@ -14,6 +14,7 @@ from .._ext import C
 from .passes import Replay, add_note, pin, raise_as_worker_error, to_device
 from .plan import PlanEntry, draw_base_seed, read_whole_pass, replaying, to_entry
 from .sources import Sources
+from .watch import TensorsWatch, stale_copy_error
 
 
 @dataclass
@@ -31,7 +32,8 @@ class NativeSettings:
     whole_pass: bool                       # the first read reads every batch (reads_ahead_unobserved)
     batch_rows: int                        # rows of the largest batch, 0 when unknown
     pool: Any = None                       # C.SlotPool: host slots kept from pass to pass
-    workers: int = 0                       # DataLoader worker processes stood in for (errors)
+    workers: int = 0                       # DataLoader worker processes stood in for
+    persistent: bool = False               # ... kept from pass to pass (persistent_workers)
 
 
 class Cuts:
@@ -78,9 +80,8 @@ class NativePass:
         self.bounds = Cuts(0, 1)  # each batch's slice of them
         self.uniform_next = 0
         self.planned: tuple[Any, Any] = (None, None)  # batch_size and drop_last the pass was read with
-        self.python_reads = False  # the dataset's tensors were replaced: read in Python from then on
-        self.origin: Optional[tuple[torch.Tensor, ...]] = None  # the tensors at the pass's start
-        self.origin_object: Any = None  # the dataset's own ``tensors`` object then
+        self.python_reads = False  # the dataset changed during the pass: read in Python from then on
+        self.watch: Optional[TensorsWatch] = None  # the tensors DataLoader would read from
 
     def start(self, generator: Optional[torch.Generator], draw_seed: bool, replay: Replay) -> None:
         self.close()
@@ -88,11 +89,8 @@ class NativePass:
         self.read, self.exhausted, self.started = 0, False, False
         self.uniform, self.bounds, self.uniform_next = None, Cuts(0, 1), 0
         self.planned, self.python_reads = (None, None), False
-        # without workers DataLoader reads a TensorDataset's tensors anew at every batch (with
-        # workers, each worker holds the dataset as the pass found it)
-        self.origin_object = self.sources.dataset.tensors if (
-            self.s.workers == 0 and self.sources.kind == "dataset") else None
-        self.origin = None if self.origin_object is None else tuple(self.origin_object)
+        if self.s.workers == 0 or self.watch is None:  # workers keep what they found at their start
+            self.watch = TensorsWatch(self.sources.dataset)
         if not self.s.resident:  # (its threads start with the first batch submitted)
             self._build_pipeline()
         with replaying(replay.rng_state, generator, replay.generator_state):
@@ -155,6 +153,7 @@ class NativePass:
         if k == len(self.bounds):
             self.close()
             raise StopIteration
+        self._check_held()
         self.uniform_next = k + 1
         start, stop = self.bounds[k]
         if self.python_reads:
@@ -209,9 +208,9 @@ class NativePass:
                 self.pipe.submit(entry.indices)
 
     def next(self) -> Any:
-        if self.origin is not None and not self.python_reads and self._tensors_replaced():
+        if self.s.workers == 0 and not self.python_reads and self._dataset_changed():
             # DataLoader without workers indexes the dataset at each batch, so from here on the
-            # batches are the new tensors' rows; what the pipeline gathered ahead is stale
+            # batches hold the new values; what the pipeline gathered ahead is stale
             self.python_reads = True
             self.close()
         if self.uniform is not None:  # submitted whole: every batch is the next slice
@@ -231,6 +230,7 @@ class NativePass:
             raise ValueError(f"PrefetchLoader: batch_sampler.batch_size was set to "
                              f"{self.index_sampler.batch_size!r} during a pass read whole at batch size "
                              f"{self.planned[0]!r} with indices that are read in Python; set it between passes")
+        self._check_held()
         entry = self.entries.popleft()
         if entry.indices is None or self.python_reads:
             return self._fetch(entry.number, entry.raw)
@@ -251,13 +251,16 @@ class NativePass:
             raise
         return to_device(pin(batch) if self.s.pin and self.s.device.type == "cpu" else batch, self.s.device)
 
-    def _tensors_replaced(self) -> bool:
-        """Whether the TensorDataset's ``tensors`` are other objects than at the pass's start
-        (the same tuple, which cannot change, answers at once)."""
-        now = self.sources.dataset.tensors
-        if now is self.origin_object and isinstance(now, tuple):
-            return False
-        return len(now) != len(self.origin) or any(a is not b for a, b in zip(now, self.origin))
+    def _dataset_changed(self) -> bool:
+        """Without workers: whether the dataset's ``tensors`` were replaced or written in place
+        since the pass started."""
+        return self.watch.replaced() or self.watch.changed() is not None
+
+    def _check_held(self) -> None:
+        """With workers, before a batch is delivered: DataLoader's workers would read it from
+        their copy of the dataset, so a tensor written in place since they took it is refused."""
+        if self.s.workers > 0 and (position := self.watch.changed()) is not None:
+            raise stale_copy_error(position, self.s.workers, "the first pass" if self.s.persistent else "iter()")
 
     def close(self) -> None:
         if self.pipe is not None:

@@ -222,7 +222,7 @@ class PrefetchLoader(DataLoader):
                               pin=pin, device=self.device, start_reads=start, first_next_reads=first,
                               whole_pass=reads_ahead_unobserved(self.batch_sampler),
                               batch_rows=largest_batch(self.batch_sampler, len(tensors[0])), pool=self._slot_pool,
-                              workers=workers)
+                              workers=workers, persistent=bool(self.persistent_workers))
 
     def _start(self, pass_: Any, draw_seed: bool) -> None:
         replay, self._replay = self._replay, Replay()
