@@ -134,7 +134,13 @@ at::Tensor Reducer::global_used_locked(bool static_first) {
   }
   // static_graph: the parameters unused on every rank in the first iteration stay unused.
   if (static_first) static_global_used_ = global_used;
+  remember_global_used_locked(global_used);
   return global_used;
+}
+
+void Reducer::remember_global_used_locked(const at::Tensor& global_used) {
+  const auto* u = global_used.data_ptr<int32_t>();
+  for (size_t i = 0; i < last_global_used_.size(); ++i) last_global_used_[i] = u[i] != 0;
 }
 
 void Reducer::finish_buckets_locked() {

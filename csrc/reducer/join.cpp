@@ -46,7 +46,11 @@ void Reducer::shadow_reduction() {
     }
   }
   std::fill(locally_used_.begin(), locally_used_.end(), 0);
-  if (find_unused_ && !static_graph_) allreduce_used_locked(locally_used_);
+  // torch DDP's joined rank all-reduces its reducer's used map as the last all-reduce of it left
+  // it (torch's _match_unused_params_allreduce, in place), so a parameter used on any rank in
+  // the last iteration this rank took part in counts as used while it stays joined: the ranks
+  // still training give it their averaged (zero) gradient where it would keep its .grad.
+  if (find_unused_ && !static_graph_) remember_global_used_locked(allreduce_used_locked(last_global_used_));
   if (fingerprint_ && fingerprint_mismatch_locked()) {
     for (auto& work : works) work->wait();
     raise_desync_locked(fp_reported_);

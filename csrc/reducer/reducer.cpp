@@ -104,6 +104,7 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
   const int64_t n = static_cast<int64_t>(params_.size());
   ready_.assign(n, 0);
   locally_used_.assign(n, 0);
+  last_global_used_.assign(n, 0);
   hooks_per_backward_.assign(n, 0);
   hooks_left_.assign(n, 0);
   lent_.assign(n, c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>(at::Tensor().getIntrusivePtr()));

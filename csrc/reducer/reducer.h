@@ -120,8 +120,9 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
 
   // Uneven inputs (DDPWrapper.join()): on a rank that ran out of data, issues the collectives
   // of one reduced backward (every bucket's all-reduce in index order, then the used-parameter
-  // map with find_unused_parameters) with zero contributions, so the ranks still training are
-  // not left waiting. Bucket buffers receive the others' result; .grad is not reassigned.
+  // map with find_unused_parameters) with zero contributions (the used map: torch's, see
+  // join.cpp), so the ranks still training are not left waiting. Bucket buffers receive the
+  // others' result; .grad is not reassigned.
   void shadow_reduction();
 
   // join(divide_by_initial_world_size=False): the coming reduction's result is multiplied by
@@ -286,6 +287,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // Which parameters were used on any rank (an all-reduce with find_unused_parameters or in
   // static_graph's first iteration; static_graph's kept map after); undefined: all of them.
   at::Tensor global_used_locked(bool static_first);
+  // Keeps an all-reduced used map as the map a joined rank sends (join.cpp).
+  void remember_global_used_locked(const at::Tensor& global_used);
   // Waits for every bucket's reduction in index order and makes it final (a compressed
   // bucket widened, join's scale applied); visitors read each one as it completes.
   void finish_buckets_locked();
@@ -351,6 +354,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   int64_t next_launch_ = 0;       // buckets launch strictly in index order
   std::vector<char> ready_;
   std::vector<char> locally_used_;  // since the last reduction, no_sync() backwards included
+  std::vector<char> last_global_used_;  // the last used-map all-reduce's result on this rank
   std::vector<int64_t> arrival_;
   bool record_arrival_ = false;  // layout.h's rebuilds_buckets(); until one reduced backward is recorded
   int64_t reductions_ = 0;       // reduced backwards finished (join()'s stand-ins not counted)
