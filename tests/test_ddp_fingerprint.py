@@ -280,3 +280,48 @@ def _world_of_one(rank: int, world_size: int) -> list[bool]:
 def test_world_of_one_has_nothing_to_compare(ranks) -> None:
     """On by default in the options, skipped where a single rank has no one to compare with."""
     assert ranks.run(_world_of_one, world_size=1) == [[True, False, False]]
+
+
+def _forward_on_rank0_before_rebuild(rank: int, world_size: int, transport: str) -> str:
+    """Rank 0 alone runs an evaluation forward between the first two steps of a model with
+    buffers: it broadcasts the buffers where the other rank's next forward first agrees on the
+    rebuilt bucket order. torch DDP's collectives mismatch there (gloo aborts); on the
+    process-group transport the other rank names the fault, on shared memory (where the
+    buffers do not go through the process group) both ranks train on."""
+    import datetime
+
+    import torch.distributed as dist
+
+    _setup(transport)
+    group = dist.new_group(timeout=datetime.timedelta(seconds=20))  # a group this case may break
+    torch.manual_seed(0)
+    model = fastddp.DDPWrapper(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 1)),
+                               process_group=group)
+    model(torch.randn(8, 4)).sum().backward()
+    try:
+        if rank == 0:
+            model.eval()
+            with torch.no_grad():
+                model(torch.randn(2, 4))
+            model.train()
+        for _ in range(2):
+            model(torch.randn(8, 4)).sum().backward()
+        outcome = "trained"
+    except fastddp.DesyncError as exc:
+        outcome = str(exc)
+    except RuntimeError as exc:  # rank 0, once rank 1 left the group
+        outcome = f"peer gone: {type(exc).__name__}"
+    if outcome != "trained":
+        dist.destroy_process_group(group)  # ends the other rank's wait at once
+    return outcome
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_forward_on_one_rank_before_the_bucket_rebuild(ranks, transport: str) -> None:
+    results = ranks.run(_forward_on_rank0_before_rebuild, world_size=2, args=(transport,), timeout=CASE_TIMEOUT_S)
+    if transport == "shm":
+        assert results == ["trained", "trained"]
+        return
+    assert results[0].startswith("peer gone"), results
+    assert results[1].startswith("DDPWrapper: rank 1 expected rank 0's bucket order"), results
+    assert "model.module(...)" in results[1]

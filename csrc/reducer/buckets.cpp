@@ -230,6 +230,45 @@ void Reducer::relocate_bucket_locked(int64_t bucket_index) {
   ++relocations_;
 }
 
+namespace {
+
+// Heads the bucket order on the wire, with the parameter count: a rank that receives another
+// collective's data in its place (a forward run on some ranks only) says so instead of reading
+// it as parameter indices.
+constexpr int64_t kOrderTag = 0x6664647062756b74;  // "fddpbukt"
+
+std::string out_of_step_message(int rank) {
+  return "DDPWrapper: rank " + std::to_string(rank) + " expected rank 0's bucket order (the bucket rebuild "
+         "at the first reducing forward after the first backward) and received the data of another "
+         "collective: the ranks' forwards are out of step. Most often a forward of the wrapper ran on "
+         "some ranks only, e.g. an evaluation on rank 0: each forward may broadcast rank 0's buffers "
+         "(broadcast_buffers=True) and rebuild the buckets, so every rank must run the same forwards "
+         "(torch DDP requires it too). For work on one rank alone, call the wrapped module itself "
+         "(model.module(...)), or run the evaluation on every rank.";
+}
+
+}  // namespace
+
+std::vector<int64_t> Reducer::rank0_order(const std::vector<int64_t>& order) {
+  const int64_t n = static_cast<int64_t>(order.size());
+  std::vector<int64_t> wire{kOrderTag, n};
+  wire.insert(wire.end(), order.begin(), order.end());
+  const auto device = params_[buckets_.at(0).params.at(0)].device();
+  std::vector<at::Tensor> agreed{at::tensor(wire, at::TensorOptions().dtype(at::kLong)).to(device)};
+  if (process_group_->getRank() != 0) agreed[0].fill_(-1);  // nothing of this rank's own survives a short message
+  c10d::BroadcastOptions opts;
+  opts.rootRank = 0;
+  process_group_->broadcast(agreed, opts)->wait();
+  const auto host = agreed[0].cpu();
+  const int64_t* got = host.data_ptr<int64_t>();
+  if (got[0] != kOrderTag || got[1] != n) {
+    const std::string message = out_of_step_message(process_group_->getRank());
+    if (desync_handler_) desync_handler_(message);
+    TORCH_CHECK(false, message);
+  }
+  return std::vector<int64_t>(got + 2, got + 2 + n);
+}
+
 bool Reducer::rebuild_buckets_in_arrival_order() {
   diag::PhaseScope rebuilding(diag::Phase::kRebuild);
   const int64_t n = static_cast<int64_t>(params_.size());
@@ -238,16 +277,7 @@ bool Reducer::rebuild_buckets_in_arrival_order() {
   for (int64_t i : order) seen[i] = 1;
   for (int64_t i = 0; i < n; ++i)
     if (!seen[i]) order.push_back(i);
-  if (process_group_->getSize() > 1) {
-    // Group rank 0's order, so every rank plans the same buckets and issues the same collectives.
-    const auto device = params_[buckets_.at(0).params.at(0)].device();
-    std::vector<at::Tensor> agreed{at::tensor(order, at::TensorOptions().dtype(at::kLong)).to(device)};
-    c10d::BroadcastOptions opts;
-    opts.rootRank = 0;
-    process_group_->broadcast(agreed, opts)->wait();
-    const auto host = agreed[0].cpu();
-    order.assign(host.data_ptr<int64_t>(), host.data_ptr<int64_t>() + n);
-  }
+  if (process_group_->getSize() > 1) order = rank0_order(order);
   auto planned = rebuilt_buckets(params_, order, options_);
   std::lock_guard<std::mutex> lock(mutex_);
   TORCH_CHECK(!callback_queued_, "DDPWrapper: cannot rebuild buckets while a backward pass is reducing");

@@ -171,6 +171,9 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
 
  private:
   void install_buckets_locked(const std::vector<std::vector<int64_t>>& bucket_indices);
+  // Group rank 0's bucket order (a broadcast), so every rank plans the same buckets and issues
+  // the same collectives; a rank that receives something else raises DesyncError.
+  std::vector<int64_t> rank0_order(const std::vector<int64_t>& order);
   void move_lent_grads_locked();  // a rebuild's lent .grad aliases that nobody else holds
   // gradient_as_bucket_view=False lends the views as .grad when nobody else can tell (see
   // lend_or_copy_locked) and moves a bucket to new memory before writing it when a lent view,
