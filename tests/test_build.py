@@ -87,6 +87,7 @@ def test_rank_pool_keeps_its_ranks_and_isolates_cases(ranks) -> None:
     assert ranks.run(_sum_ranks, world_size=2, args=(2.0,)) == [2.0, 2.0]
 
 
+@pytest.mark.slow  # the harness's own check (15 s); run with --run-slow
 def test_rank_pool_names_the_failing_case_and_restarts(ranks) -> None:
     before = ranks.run(_set_env_and_pid, world_size=2)
     try:

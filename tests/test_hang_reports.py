@@ -81,7 +81,8 @@ def check_reported(waiting: Rank, bad: Rank, place: str) -> None:
     assert "lagging: rank 1" in bad.output, bad.output
 
 
-@pytest.mark.parametrize("shm", [True, False], ids=["shm", "gloo"])
+# The gloo path's case runs with --run-slow (CI time): the shared-memory one stays in every run.
+@pytest.mark.parametrize("shm", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["shm", "gloo"])
 def test_rank_stuck_in_forward(tmp_path: Path, shm: bool) -> None:
     waiting, bad = run_fault(tmp_path, "stuck_forward", shm)
     check_reported(waiting, bad, "rank 1: forward for")
@@ -105,7 +106,8 @@ def test_rank_with_fewer_batches_and_no_join(tmp_path: Path) -> None:
     check_reported(waiting, bad, "in torch.distributed.all_gather called at")
 
 
-@pytest.mark.parametrize("shm", [True, False], ids=["shm", "gloo"])
+# The gloo path's case runs with --run-slow (CI time): the shared-memory one stays in every run.
+@pytest.mark.parametrize("shm", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["shm", "gloo"])
 def test_rank_killed_during_the_all_reduce(tmp_path: Path, shm: bool) -> None:
     waiting, bad = run_fault(tmp_path, "killed", shm)
     assert bad.proc.returncode == -9

@@ -148,7 +148,8 @@ def test_selftest_passes_on_cpu() -> None:
     assert "selftest: PASS" in proc.stdout
 
 
-@pytest.mark.parametrize("engine", [["--spawn"], []], ids=["spawn", "torchrun-api"])
+# torchrun's API path with --run-slow (CI time); test_torchrun_two_ranks_same_accuracy runs torchrun itself
+@pytest.mark.parametrize("engine", [["--spawn"], pytest.param([], marks=pytest.mark.slow)], ids=["spawn", "torchrun-api"])
 def test_launch_two_cpu_ranks(tmp_path: Path, engine: list[str]) -> None:
     proc = subprocess.run([sys.executable, "-m", "fastddp.launch", "--nproc", "2", *engine,
                            "--epochs", "1", "--no-progress", "--num-workers", "1",

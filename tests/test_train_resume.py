@@ -149,6 +149,7 @@ def test_resume_from_best_pt_is_one_clear_error(one_epoch, tmp_path, data_path) 
         "with --resume none"], out
 
 
+@pytest.mark.slow  # 19 s; the elastic restart of test_train.py runs in every CI
 def test_torchrun_restart_of_a_resume_none_job_continues_its_own_checkpoint(tmp_path,
                                                                             data_path) -> None:
     """torchrun --max-restarts reruns the failed attempt's command line, --resume none

@@ -129,6 +129,7 @@ def test_two_hosts_train_like_one_host_with_two_processes(hosts, tmp_path: Path)
             assert x[key] == pytest.approx(y[key], rel=1e-6, abs=1e-9), (key, x, y)
 
 
+@pytest.mark.slow  # 33 s of waiting for the cut to be noticed; run with --run-slow
 def test_cutting_the_link_ends_both_sides_with_a_clear_error(hosts, tmp_path: Path) -> None:
     """Both training processes stop within about --timeout of the cut, each with the one-line
     lost-contact message. (torchrun's agent on the far side of the cut then keeps retrying the
