@@ -88,7 +88,7 @@ def _write_in_place(loader: Any) -> None:
 def test_tensor_written_in_place_during_a_pass_without_workers(kwargs: dict) -> None:
     """DataLoader without workers reads each batch at its next(): the batches after the write hold
     the new values, though the threads had gathered some of them ahead."""
-    def run(cls: Any) -> list[list[int]]:
+    def run(cls: Any) -> tuple[list[list[int]], torch.Tensor]:
         torch.manual_seed(3)
         own = ("prefetch", "device_resident")  # PrefetchLoader's options
         args = {k: v for k, v in kwargs.items() if cls is fastddp.PrefetchLoader or k not in own}
@@ -98,9 +98,10 @@ def test_tensor_written_in_place_during_a_pass_without_workers(kwargs: dict) -> 
             batches.append(x.tolist())
             if k == 1:
                 _write_in_place(loader)
-        return batches
-    torch_batches, ours = run(DataLoader), run(fastddp.PrefetchLoader)
+        return batches, torch.random.get_rng_state()
+    (torch_batches, torch_rng), (ours, rng) = run(DataLoader), run(fastddp.PrefetchLoader)
     assert ours == torch_batches
+    assert torch.equal(rng, torch_rng)
     assert any(v >= 1000 for v in ours[2])
 
 

@@ -260,7 +260,7 @@ class NativePass:
         """With workers, before a batch is delivered: DataLoader's workers would read it from
         their copy of the dataset, so a tensor written in place since they took it is refused."""
         if self.s.workers > 0 and (position := self.watch.changed()) is not None:
-            raise stale_copy_error(position, self.s.workers, "the first pass" if self.s.persistent else "iter()")
+            raise stale_copy_error(position, self.s.workers, self.s.persistent)
 
     def close(self) -> None:
         if self.pipe is not None:

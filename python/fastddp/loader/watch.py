@@ -48,10 +48,10 @@ class TensorsWatch:
         return None
 
 
-def stale_copy_error(position: int, workers: int, since: str) -> RuntimeError:
+def stale_copy_error(position: int, workers: int, persistent: bool) -> RuntimeError:
     """The refusal for a tensor written in place while DataLoader's workers would hold a copy
-    of it as it was ``since`` (``"iter()"`` or ``"the first pass"``)."""
-    persistent = since != "iter()"
+    of it as it was at ``iter()`` (with ``persistent_workers``, at the first pass)."""
+    since = "the first pass" if persistent else "iter()"
     fix = ("persistent_workers=False, so that each pass reads the values as they are at its iter()"
            if persistent else "change it between passes")
     return RuntimeError(
