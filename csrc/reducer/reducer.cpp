@@ -5,8 +5,7 @@
 
 #include "reducer/layout.h"
 
-#include <ATen/ops/_foreach_copy.h>
-#include <ATen/ops/mul.h>
+#include <ATen/ops/scalar_tensor.h>
 #include <c10/util/Logging.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
@@ -14,7 +13,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <cstring>
 #include <functional>
 #include <unordered_map>
 #include <unordered_set>
@@ -318,76 +316,6 @@ void Reducer::mark_unused_locked(int64_t index) {
   stats_.unused_parameter_bytes += params_[index].numel() * static_cast<int64_t>(params_[index].element_size());
 }
 
-void Reducer::copy_grad_to_bucket_locked(int64_t index) {
-  if (passthrough_) return;  // nothing to reduce: .grad stays autograd's
-  ensure_private_locked(param_bucket_[index]);  // before this backward writes the bucket
-  auto& grad = params_[index].mutable_grad();
-  auto view = bucket_view(index);
-  // Divide by the world size before the reduction (SUM), unless the collective averages
-  // (NCCL AVG; the shared-memory sum scales in its reduction pass), the bucket is compressed
-  // (divided after the cast, as torch's compression hooks do: see launch_ready_buckets_locked)
-  // or there is nothing to divide (a world of one).
-  const auto& target = buckets_[param_bucket_[index]];
-  const bool divide = inv_world_ != 1.0 && !comm_hook_ && !reduce_avg_locked() && !target.shm &&
-                      !target.comm.defined();
-  if (grad.defined() && grad.strides() != view.strides()) {
-    // torch DDP's warning, word for word (a parameter's layout changed after wrapping, e.g.
-    // .to(memory_format=torch.channels_last)); the copy below still lays the values out right.
-    TORCH_WARN_ONCE("Grad strides do not match bucket view strides. This may indicate grad was not created "
-                    "according to the gradient layout contract, or that the param's strides changed since DDP "
-                    "was constructed.  This is not an error, but may impair performance.\ngrad.sizes() = ",
-                    grad.sizes(), ", strides() = ", grad.strides(), "\n", "bucket_view.sizes() = ", view.sizes(),
-                    ", strides() = ", view.strides());
-  }
-  if (grad.defined() && grad.requires_grad()) {
-    // backward(create_graph=True) (see mark_ready): the values are averaged (the result is
-    // copied into .grad in place at the end of backward, where autograd records the copy); the
-    // higher-order graph is not reduced.
-    at::NoGradGuard no_grad;
-    if (divide) {
-      at::mul_out(view, grad.detach(), inv_world_tensor_);
-    } else {
-      view.copy_(grad.detach());
-    }
-  } else if (grad.defined()) {
-    if (reduces_in_place_locked(index, grad, view)) {
-      direct_[index] = 1;  // .grad stays autograd's (or the script's) tensor and receives the result
-      buckets_[param_bucket_[index]].direct = true;
-    } else if (grad.is_alias_of(view)) {
-      if (divide) view.mul_(inv_world_);  // accumulated in place (bucket view): pre-divide there
-    } else if (batch_copies_ && !divide && grad.layout() == at::kStrided &&
-               grad.scalar_type() == view.scalar_type() && grad.device() == view.device() &&
-               grad.sizes() == view.sizes()) {
-      // Copied with the rest of its bucket once the bucket is full (flush_deferred_locked).
-      buckets_[param_bucket_[index]].deferred.push_back(index);
-    } else {
-      // Copy into the bucket and divide by the world size in the same pass.
-      if (divide) {
-        at::mul_out(view, grad, inv_world_tensor_);
-      } else if (grad.numel() == 0) {
-        // Nothing to copy (and an empty tensor's data pointer may be null, which memcpy rejects).
-      } else if (grad.device().is_cpu() && grad.layout() == at::kStrided && grad.is_non_overlapping_and_dense() &&
-                 grad.scalar_type() == view.scalar_type() && grad.sizes() == view.sizes() &&
-                 grad.strides() == view.strides() && view.is_non_overlapping_and_dense()) {
-        // Small CPU gradients laid out as their bucket view (dense, same strides, so the same
-        // bytes in the same order): a plain memcpy costs a fraction of copy_'s dispatch.
-        std::memcpy(view.data_ptr(), grad.data_ptr(), static_cast<size_t>(grad.numel()) * grad.element_size());
-      } else {
-        view.copy_(grad);
-      }
-      // Autograd's new gradient is in the bucket now: .grad becomes the bucket slot (a lent
-      // alias without gradient_as_bucket_view, when nobody else holds it), freeing it now.
-      if (gradient_as_bucket_view_) {
-        grad = grad_view_locked(index);
-      } else if (unset_at_forward_[index] && grad.use_count() == 1 && plain_like(grad, view)) {
-        lend_locked(index);  // autograd made it in this backward and only the parameter holds it
-      }
-    }
-  } else {
-    view.zero_();
-  }
-}
-
 void Reducer::mark_ready(int64_t index) {
   std::lock_guard<std::mutex> lock(mutex_);
   // Used means a .grad exists (torch DDP's rule): a hook can fire without a gradient (a custom
@@ -400,47 +328,16 @@ void Reducer::mark_ready(int64_t index) {
               "DistributedDataParallel for sparse gradients.");
   if (grad.defined()) locally_used_[index] = 1;
   if (!expect_sync_) {
-    // no_sync(), or a backward not preceded by a forward: the gradients change after the last
-    // reduction, so what visitors computed from it is stale, and a new gradient (after
-    // zero_grad(set_to_none)) lives outside the buckets.
-    if (nosync_forward_pending_) ++nosync_steps_;  // a no_sync() micro-step that accumulated
-    nosync_forward_pending_ = false;
-    invalidate_visitors_locked();
-    if (grad.defined() && !grad.is_alias_of(bucket_view(index))) buckets_hold_grads_ = false;
+    note_gradient_outside_reduction_locked(index);
     return;
   }
-  if (grad.defined() && grad.requires_grad()) {
-    // backward(create_graph=True): torch DDP logs its warning and reduces the values of one such
-    // gradient per backward; at a second one it fails ("a leaf Variable that requires grad is
-    // being used in an in-place operation."). The same here, with the reason.
-    C10_LOG_EVERY_N(WARNING, 1000) << kCreateGraphWarning;
-    TORCH_CHECK(++grads_requiring_grad_ == 1, "DDPWrapper: parameter '", names_[index], "' is the second one in "
-                "this backward whose gradient requires grad (backward(create_graph=True)). torch DDP reduces such "
-                "a gradient for one parameter only and fails at the second (\"a leaf Variable that requires grad is "
-                "being used in an in-place operation.\"); DDPWrapper refuses it too. For a gradient penalty, take "
-                "the inner gradient with torch.autograd.grad(..., create_graph=True) and call backward() without "
-                "create_graph.");
-  }
+  if (grad.defined() && grad.requires_grad()) check_create_graph_locked(index);
   diag::status().backward_started();  // a reducing backward (no_sync's stay "outside")
   hooks_seen_ = true;
   nosync_forward_pending_ = false;  // a no_sync() forward backwarded with this reduction
   if (!static_graph_ || !static_first_iteration_) stats_.ready_order.push_back(index);
   if (static_graph_) {
-    if (static_first_iteration_) {
-      // Count the arrivals; everything is reduced at the end of this backward. (As in torch
-      // DDP, the order kept for the rebuild is the next backward's, each at its last arrival.)
-      ++hooks_per_backward_[index];
-      return;
-    }
-    // torch's sentence first (scripts match it), then which parameter
-    if (hooks_left_[index] <= 0)
-      fail_logged_locked(c10::str(
-          "Your training graph has changed in this iteration, e.g., one parameter is unused in first iteration, but "
-          "then got used in the second iteration. this is not compatible with static_graph set to True. "
-          "(DDPWrapper: parameter '", names_[index], "' received more gradients in this backward pass than in the "
-          "first iteration (", hooks_per_backward_[index], "); use find_unused_parameters=True instead of "
-          "static_graph=True for a graph that changes.)"));
-    if (--hooks_left_[index] > 0) return;  // later reentrant passes add to this gradient
+    if (!static_arrival_completes_locked(index)) return;
   } else if (!callback_queued_) {
     // Queued at the first gradient so that a parameter that never gets one is reported at the
     // end of this backward pass when no later one can bring it (awaits_later_backward_locked;
@@ -461,6 +358,48 @@ void Reducer::mark_ready(int64_t index) {
     queue_finalize_locked();
 }
 
+void Reducer::note_gradient_outside_reduction_locked(int64_t index) {
+  // no_sync(), or a backward not preceded by a forward: the gradients change after the last
+  // reduction, so what visitors computed from it is stale, and a new gradient (after
+  // zero_grad(set_to_none)) lives outside the buckets.
+  if (nosync_forward_pending_) ++nosync_steps_;  // a no_sync() micro-step that accumulated
+  nosync_forward_pending_ = false;
+  invalidate_visitors_locked();
+  const auto& grad = params_[index].grad();
+  if (grad.defined() && !grad.is_alias_of(bucket_view(index))) buckets_hold_grads_ = false;
+}
+
+void Reducer::check_create_graph_locked(int64_t index) {
+  // backward(create_graph=True): torch DDP logs its warning and reduces the values of one such
+  // gradient per backward; at a second one it fails ("a leaf Variable that requires grad is
+  // being used in an in-place operation."). The same here, with the reason.
+  C10_LOG_EVERY_N(WARNING, 1000) << kCreateGraphWarning;
+  TORCH_CHECK(++grads_requiring_grad_ == 1, "DDPWrapper: parameter '", names_[index], "' is the second one in "
+              "this backward whose gradient requires grad (backward(create_graph=True)). torch DDP reduces such "
+              "a gradient for one parameter only and fails at the second (\"a leaf Variable that requires grad is "
+              "being used in an in-place operation.\"); DDPWrapper refuses it too. For a gradient penalty, take "
+              "the inner gradient with torch.autograd.grad(..., create_graph=True) and call backward() without "
+              "create_graph.");
+}
+
+bool Reducer::static_arrival_completes_locked(int64_t index) {
+  if (static_first_iteration_) {
+    // Count the arrivals; everything is reduced at the end of this backward. (As in torch
+    // DDP, the order kept for the rebuild is the next backward's, each at its last arrival.)
+    ++hooks_per_backward_[index];
+    return false;
+  }
+  // torch's sentence first (scripts match it), then which parameter
+  if (hooks_left_[index] <= 0)
+    fail_logged_locked(c10::str(
+        "Your training graph has changed in this iteration, e.g., one parameter is unused in first iteration, but "
+        "then got used in the second iteration. this is not compatible with static_graph set to True. "
+        "(DDPWrapper: parameter '", names_[index], "' received more gradients in this backward pass than in the "
+        "first iteration (", hooks_per_backward_[index], "); use find_unused_parameters=True instead of "
+        "static_graph=True for a graph that changes.)"));
+  return --hooks_left_[index] <= 0;  // else later reentrant passes add to this gradient
+}
+
 void Reducer::queue_finalize() {
   std::lock_guard<std::mutex> lock(mutex_);
   if (expect_sync_ && !callback_queued_) queue_finalize_locked();
@@ -472,29 +411,6 @@ void Reducer::queue_finalize_locked() {
   torch::autograd::Engine::get_default_engine().queue_callback([weak] {
     if (auto reducer = weak.lock()) reducer->finalize_backward();
   });
-}
-
-void Reducer::flush_deferred_locked(Bucket& bucket) {
-  if (bucket.deferred.empty()) return;
-  std::vector<at::Tensor> views;
-  std::vector<at::Tensor> grads;
-  views.reserve(bucket.deferred.size());
-  grads.reserve(bucket.deferred.size());
-  for (int64_t i : bucket.deferred) {
-    views.push_back(bucket_view(i));
-    grads.push_back(params_[i].grad());
-  }
-  at::_foreach_copy_(views, grads);
-  grads.clear();  // so that .grad is the only holder of each gradient again
-  for (size_t k = 0; k < bucket.deferred.size(); ++k) {
-    const int64_t i = bucket.deferred[k];
-    if (gradient_as_bucket_view_) {
-      params_[i].mutable_grad() = grad_view_locked(i);
-    } else if (unset_at_forward_[i] && params_[i].grad().use_count() == 1 && plain_like(params_[i].grad(), views[k])) {
-      lend_locked(i);
-    }
-  }
-  bucket.deferred.clear();
 }
 
 std::vector<at::Tensor> Reducer::bucket_buffers() const {

@@ -217,6 +217,12 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // can give them (each bucket aligned, so at most one pad per parameter).
   int64_t wire_bytes() const;  // gradient bytes one backward reduces, in the wire dtype
   void mark_ready(int64_t index);
+  // A gradient that arrived while no reduction is expected (no_sync(), or no forward before).
+  void note_gradient_outside_reduction_locked(int64_t index);
+  // A gradient that requires grad (backward(create_graph=True)): torch's warning, one per backward.
+  void check_create_graph_locked(int64_t index);
+  // static_graph: counts the arrival; whether it was the parameter's last in this backward.
+  bool static_arrival_completes_locked(int64_t index);
   // Rethrows a failed collective's error as a DistBackendError that names this rank and the
   // collective, with the watchdog's report of what every rank was doing (when one runs).
   [[noreturn]] void fail_collective(const std::string& what, const std::exception& error) const;
@@ -225,8 +231,15 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void wait_bucket_locked(c10d::Work& work, int64_t index) const;
   void mark_unused_locked(int64_t index);
   // Moves the parameter's .grad into its bucket slot divided by the world size (zero if None),
-  // or marks it to be reduced where it is (reduces_in_place_locked).
+  // or marks it to be reduced where it is (reduces_in_place_locked). grad_copy.cpp.
   void copy_grad_to_bucket_locked(int64_t index);
+  // Whether parameter `index`'s gradient is divided by the world size as it enters its slot.
+  bool divides_into_bucket_locked(int64_t index);
+  // Copies .grad into `view` (its slot), divided when `divide`; then settle_copied_grad_locked.
+  void copy_into_slot_locked(int64_t index, at::Tensor& view, bool divide);
+  // After the copy into `view`: .grad becomes the slot (gradient_as_bucket_view, or lent when
+  // autograd made it in this backward and nobody else holds it).
+  void settle_copied_grad_locked(int64_t index, const at::Tensor& view);
   // Whether `grad` (parameter `index`'s) is reduced in place in its own memory instead of being
   // copied into its bucket slot first: a large dense gradient laid out as the slot, in a bucket
   // the shared-memory transport reduces uncompressed, with nothing that reads the flat buffers
