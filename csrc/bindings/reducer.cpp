@@ -101,6 +101,9 @@ void bind_reducer(py::module_& m) {
       .def("finish_unfinished_reduction", &fastddp::reducer::Reducer::finish_unfinished_reduction,
            "Start of a forward: finish (and report) a reduction no backward completed.",
            py::call_guard<py::gil_scoped_release>())
+      .def("delay_all_reduce", &fastddp::reducer::Reducer::delay_all_reduce,
+           "static_graph: reduce the armed first iteration now (torch's reducer._delay_all_reduce()).",
+           py::call_guard<py::gil_scoped_release>())
       .def("bucket_buffers", &fastddp::reducer::Reducer::bucket_buffers, "The flat gradient buffers.")
       .def("set_reduction_scale", &fastddp::reducer::Reducer::set_reduction_scale, py::arg("scale"),
            "Multiply the next reduction's result by scale (join with divide_by_initial_world_size=False).",

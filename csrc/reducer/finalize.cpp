@@ -291,6 +291,23 @@ void Reducer::finish_unfinished_reduction() {
   finish_failed_reduction_locked();
 }
 
+void Reducer::delay_all_reduce() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!failed_backward_.empty()) fail_logged_locked(failed_backward_);
+  const char* state = !static_graph_              ? "the wrapper was built without static_graph=True"
+                      : !static_first_iteration_ ? "static_graph's first iteration is reduced already"
+                      : !expect_sync_             ? "no reduction is armed (no reducing forward or "
+                                                    "prepare_for_backward() since the last one)"
+                                                  : nullptr;
+  // torch's reducer fails an internal assert in these cases, after issuing collectives the other
+  // ranks may not match; refused here before any.
+  TORCH_CHECK(state == nullptr, "DDPWrapper.reducer._delay_all_reduce(): ", state, ". It reduces the first "
+              "iteration of a static_graph=True wrapper at once, after that iteration's backward (as Lightning "
+              "does after the first manual backward); call it once, then.");
+  callback_queued_ = false;  // a callback an output's pre-hook queued finds the reduction done
+  finalize_locked();
+}
+
 void Reducer::finish_failed_reduction_locked() {
   callback_queued_ = false;
   try {

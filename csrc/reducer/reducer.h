@@ -110,6 +110,11 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // whose backward raised (with static_graph: one that stopped short of the first iteration's
   // gradients) is finished for the other ranks' sake and refused, now and after.
   void finish_unfinished_reduction();
+  // torch DDP's reducer._delay_all_reduce(): reduces static_graph's armed first iteration now,
+  // with the gradients its backward brought (the rest count as unused from then on). Lightning
+  // calls it after the first manual backward, which runs inside the module's forward and so
+  // never reaches the outputs that would finalise it.
+  void delay_all_reduce();
 
   std::vector<at::Tensor> bucket_buffers() const;
   // The buckets made to hold the gradients, for a consumer of the flat buffers

@@ -8,7 +8,10 @@ side by side with torch DDP in the same two gloo ranks.
   backward itself, so Lightning arms the reducer before it with
   ``ddp.reducer._rebuild_buckets()`` and ``ddp.reducer.prepare_for_backward(outputs)``
   (``lightning.pytorch.overrides.distributed.prepare_for_backward``), and turns
-  ``require_backward_grad_sync`` off between the module's forward and DDP's post-forward.
+  ``require_backward_grad_sync`` off between the module's forward and DDP's post-forward. With
+  ``static_graph=True`` its ``DDPStrategy.post_backward`` calls ``ddp.reducer._delay_all_reduce()``
+  after the first manual backward: that backward never reaches the outputs whose backward would
+  reduce static_graph's first iteration.
 
 Losses, gradients and parameters must be torch DDP's bit for bit.
 """
@@ -75,6 +78,7 @@ class _ManualStep(nn.Module):
         super().__init__()
         self.net = _net()
         self.ddp: list[Any] = []  # the wrapper around this module (not a submodule)
+        self.delay_done = False  # Lightning's DDPStrategy._pl_static_graph_delay_done
         if with_unused:
             self.unused = nn.Linear(2, 2)  # never in the loss (find_unused_parameters finds it)
 
@@ -90,6 +94,9 @@ class _ManualStep(nn.Module):
         else:
             ddp.require_forward_param_sync = False
         loss.backward()
+        if ddp.static_graph and not self.delay_done:  # Lightning's DDPStrategy.post_backward
+            ddp.reducer._delay_all_reduce()
+            self.delay_done = True
         opt.step()
         opt.zero_grad()
         # Lightning's _DDPForwardRedirection.on_after_inner_forward: DDP's own post-forward must
@@ -98,11 +105,13 @@ class _ManualStep(nn.Module):
         return loss.detach()
 
 
-def _lightning_manual_optimization(rank: int, world_size: int, find_unused: bool) -> list[float]:
+def _lightning_manual_optimization(rank: int, world_size: int, mode: str) -> list[float]:
     models = []
+    find_unused = mode == "find_unused_parameters"
     for cls in (fastddp.DDPWrapper, TorchDDP):
-        inner = _ManualStep(with_unused=find_unused)
-        ddp = cls(inner, bucket_cap_mb=0.001, find_unused_parameters=find_unused)
+        inner = _ManualStep(with_unused=mode != "default")  # static_graph: unused in every iteration
+        ddp = cls(inner, bucket_cap_mb=0.001, find_unused_parameters=find_unused,
+                  static_graph=mode == "static_graph")
         inner.ddp.append(ddp)
         models.append((ddp, torch.optim.SGD(ddp.parameters(), lr=0.1)))
     torch.manual_seed(1 + rank)
@@ -115,14 +124,45 @@ def _lightning_manual_optimization(rank: int, world_size: int, find_unused: bool
             ddp.require_backward_grad_sync = True  # on_after_outer_forward
         assert torch.equal(step[0], step[1])
         losses.append(step[0].item())
-    compare_models(models[0][0], models[1][0], grads=False, rtol=0, atol=0)
+        compare_models(models[0][0], models[1][0], grads=False, rtol=0, atol=0)
     return losses
 
 
-@pytest.mark.parametrize("find_unused", [False, True], ids=["default", "find_unused_parameters"])
-def test_lightning_manual_optimization(ranks, find_unused: bool) -> None:
-    losses = ranks.run(_lightning_manual_optimization, args=(find_unused,))
+@pytest.mark.parametrize("mode", ["default", "find_unused_parameters", "static_graph"])
+def test_lightning_manual_optimization(ranks, mode: str) -> None:
+    losses = ranks.run(_lightning_manual_optimization, args=(mode,))
     assert len(losses[0]) == 4 and losses[0] != losses[1]  # each rank its own data
+
+
+def _delay_all_reduce_out_of_place(rank: int, world_size: int) -> list[str]:
+    """_delay_all_reduce() where torch's reducer fails an internal assert: without static_graph,
+    with nothing armed, and a second time."""
+    messages = []
+    plain, static = fastddp.DDPWrapper(_net()), fastddp.DDPWrapper(_net(), static_graph=True)
+    for ddp, arm in ((plain, True), (static, False), (static, True), (static, False)):
+        if arm and ddp is plain:
+            ddp(torch.randn(2, 6)).sum().backward()
+        elif arm:
+            _static_backward(ddp)
+        with pytest.raises(RuntimeError) as refused:
+            ddp.reducer._delay_all_reduce()
+        messages.append(str(refused.value))
+    return messages
+
+
+def _static_backward(ddp: Any) -> None:
+    """static_graph's first backward run as Lightning's manual optimization runs it, then reduced."""
+    loss = ddp.module(torch.randn(2, 6)).sum()
+    ddp.reducer.prepare_for_backward([])
+    loss.backward()
+    ddp.reducer._delay_all_reduce()
+
+
+def test_delay_all_reduce_out_of_place_is_refused_naming_why(ranks) -> None:
+    messages = ranks.run(_delay_all_reduce_out_of_place, world_size=1)[0]
+    assert "without static_graph=True" in messages[0], messages[0]
+    assert "no reduction is armed" in messages[1], messages[1]
+    assert "reduced already" in messages[2] and "reduced already" in messages[3], messages[2:]
 
 
 def _other_reducer_calls(rank: int, world_size: int) -> str:

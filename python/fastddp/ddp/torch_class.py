@@ -33,8 +33,9 @@ class TorchReducerCalls:
     ``trigger_sync_in_backward`` (after forwards under ``no_sync()``) call
     ``prepare_for_backward(outputs)``, which arms the next backward to be reduced, and
     ``_rebuild_buckets()``, which rebuilds the buckets when torch's rule says they are due
-    (True when it did). Every other method of torch's reducer raises ``NotImplementedError``
-    naming it."""
+    (True when it did); Lightning's manual optimization with ``static_graph=True`` calls
+    ``_delay_all_reduce()`` after the first backward. Every other method of torch's reducer
+    raises ``NotImplementedError`` naming it."""
 
     def __init__(self, ddp: Any) -> None:
         self._ddp = ddp
@@ -51,12 +52,19 @@ class TorchReducerCalls:
         self._ddp._rebuild_buckets()
         return True
 
+    def _delay_all_reduce(self) -> None:
+        """Reduce the first iteration of a ``static_graph=True`` wrapper now, after its backward
+        (Lightning's manual optimization calls it after the first manual backward, which runs
+        inside the module's forward and so never reaches the outputs that would reduce it)."""
+        self._ddp._reduce_static_first_now()
+
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):  # copy, pickle and friends probe for these
             raise AttributeError(name)
         raise NotImplementedError(
             f"DDPWrapper.reducer.{name}: DDPWrapper's reducer answers only the calls training libraries "
-            "make on torch DistributedDataParallel's C++ reducer (prepare_for_backward, _rebuild_buckets). "
+            "make on torch DistributedDataParallel's C++ reducer (prepare_for_backward, _rebuild_buckets, "
+            "_delay_all_reduce). "
             "Use torch.nn.parallel.DistributedDataParallel for code that needs the rest of it.")
 
 

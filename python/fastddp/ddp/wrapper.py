@@ -350,6 +350,11 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, ModuleStateSync, Pickling, To
         if sync:
             self._sparse.prepare_for_backward()
 
+    def _reduce_static_first_now(self) -> None:
+        """static_graph's armed first iteration reduced at once (torch's
+        ``reducer._delay_all_reduce()``, see torch_class.TorchReducerCalls)."""
+        self._reducer.delay_all_reduce()
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally; the first backward after the block reduces the sum."""
