@@ -42,7 +42,7 @@ class Contender:
     model: nn.Module
     opt: torch.optim.Optimizer
     scaler: Optional[torch.amp.GradScaler]
-    sync: Optional[torch.Tensor] = None  # all-reduced after backward (``bare_sync``)
+    sync: Optional[Callable[[], None]] = None  # called after backward (``bare_sync``: an all-reduce)
     group: Optional[dist.ProcessGroup] = None  # the contender's ranks (None: the default group)
 
 
@@ -67,8 +67,14 @@ def build(kind: str, model: nn.Module, device: torch.device, precision: str,
     if precision == "fp16":
         scaler = (fastddp.GradScaler(device.type) if kind == "fastddp"
                   else torch.amp.GradScaler(device.type))
-    sync = torch.zeros(1, device=device) if kind == "bare_sync" else None
+    sync = _one_element_all_reduce(device, group) if kind == "bare_sync" else None
     return Contender(model, torch.optim.AdamW(model.parameters(), lr=1e-4), scaler, sync, group)
+
+
+def _one_element_all_reduce(device: torch.device, group: Optional[dist.ProcessGroup]) -> Callable[[], None]:
+    """``bare_sync``'s step end: the ranks wait for each other through one 1-element all-reduce."""
+    one = torch.zeros(1, device=device)
+    return lambda: dist.all_reduce(one, group=group)
 
 
 def step(c: Contender, wl: Workload, batch: Any, precision: str, device: torch.device) -> None:
@@ -83,7 +89,7 @@ def step(c: Contender, wl: Workload, batch: Any, precision: str, device: torch.d
     else:
         c.scaler.scale(loss).backward()
     if c.sync is not None:
-        dist.all_reduce(c.sync, group=c.group)
+        c.sync()
     if c.scaler is None:
         c.opt.step()
     else:
