@@ -299,8 +299,9 @@ void Reducer::delay_all_reduce() {
                       : !expect_sync_             ? "no reduction is armed (no reducing forward or "
                                                     "prepare_for_backward() since the last one)"
                                                   : nullptr;
-  // torch's reducer fails an internal assert in these cases, after issuing collectives the other
-  // ranks may not match; refused here before any.
+  // torch's reducer issues every bucket's collective regardless and then fails an internal
+  // assert when no backward is armed; refused here before any collective the other ranks would
+  // have to match.
   TORCH_CHECK(state == nullptr, "DDPWrapper.reducer._delay_all_reduce(): ", state, ". It reduces the first "
               "iteration of a static_graph=True wrapper at once, after that iteration's backward (as Lightning "
               "does after the first manual backward); call it once, then.");
