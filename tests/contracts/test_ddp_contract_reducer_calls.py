@@ -118,11 +118,15 @@ def _lightning_manual_optimization(rank: int, world_size: int, mode: str) -> lis
     losses = []
     for _ in range(4):
         x = torch.randn(4, 6)
-        step = []
+        step, rng_after = [], []
+        before = torch.random.get_rng_state()
         for ddp, opt in models:
+            torch.random.set_rng_state(before)  # each wrapper's step from the same global state
             step.append(ddp(x, opt))
             ddp.require_backward_grad_sync = True  # on_after_outer_forward
+            rng_after.append(torch.random.get_rng_state())
         assert torch.equal(step[0], step[1])
+        assert torch.equal(rng_after[0], rng_after[1])
         losses.append(step[0].item())
         compare_models(models[0][0], models[1][0], grads=False, rtol=0, atol=0)
     return losses
