@@ -156,21 +156,62 @@ def test_flag_attributes_hold_what_torch_sets(ranks, kwargs) -> None:
     assert len(ranks.run(_flag_attributes, world_size=1, args=(kwargs,))[0]) == 3
 
 
-def _sync_batchnorm_errors(rank: int, world_size: int, training: bool) -> list[tuple[str, bool]]:
-    """A CPU module with SyncBatchNorm layers: what wrapping it (then one forward) raises, and
-    whether the message carries torch's sentence."""
+def _without_trainable_parameters(kind: str) -> nn.Module:
+    model = {"none": nn.ReLU(), "frozen": _model(), "ignored": _model()}[kind]
+    if kind == "frozen":
+        model.requires_grad_(False)
+    if kind == "ignored":
+        TorchDDP._set_params_and_buffers_to_ignore_for_model(model, [n for n, _ in model.named_parameters()])
+    return model
+
+
+def _no_trainable_parameter_errors(rank: int, world_size: int, kind: str) -> list[tuple[str, str]]:
+    """What wrapping a module without a parameter to reduce raises: type and message."""
+    found = []
+    for cls in (TorchDDP, fastddp.DDPWrapper):
+        try:
+            cls(_without_trainable_parameters(kind))
+            found.append(("ok", ""))
+        except RuntimeError as exc:
+            found.append(("RuntimeError", str(exc)))
+    return found
+
+
+@pytest.mark.parametrize("kind", ["none", "frozen", "ignored"])
+def test_a_module_without_trainable_parameters_is_torchs_runtimeerror(ranks, kind) -> None:
+    (ref, ours), = ranks.run(_no_trainable_parameter_errors, world_size=1, args=(kind,))
+    assert ref[0] == ours[0] == "RuntimeError", (ref, ours)
+    assert ours[1].startswith(ref[1] + " (DDPWrapper: "), (ref, ours)  # torch's sentence, then the fix
+
+
+def _sync_batchnorm_errors(rank: int, world_size: int, training: bool) -> list[tuple]:
+    """A CPU module with SyncBatchNorm layers, its weights different on each rank: what
+    wrapping it (then one forward) raises, whether the message carries torch's sentence, the
+    FutureWarnings, and the weights the failed construction left (torch copies rank 0's
+    before it refuses)."""
     found = []
     for cls in (TorchDDP, fastddp.DDPWrapper):
         model = nn.SyncBatchNorm.convert_sync_batchnorm(_model()).train(training)
-        try:
-            cls(model)(torch.randn(4, 3))
-            found.append(("ok", False))
-        except ValueError as exc:
-            found.append(("ValueError", "SyncBatchNorm layers only work with GPU modules" in str(exc)))
+        with torch.no_grad():
+            model[0].weight.add_(rank)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                cls(model, broadcast_buffers=True)(torch.randn(4, 3))
+                outcome = ("ok", False)
+            except ValueError as exc:
+                outcome = ("ValueError", "SyncBatchNorm layers only work with GPU modules" in str(exc))
+        warned = [str(w.message)[:40] for w in caught if w.category is FutureWarning]
+        found.append((*outcome, warned, model[0].weight.detach().clone()))
     return found
 
 
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 def test_sync_batchnorm_on_a_cpu_module_is_torchs_valueerror_at_construction(ranks, training) -> None:
     # in eval mode SyncBatchNorm itself would run on the CPU: only the wrapper refuses it
-    assert ranks.run(_sync_batchnorm_errors, world_size=2, args=(training,)) == [[("ValueError", True)] * 2] * 2
+    results = ranks.run(_sync_batchnorm_errors, world_size=2, args=(training,))
+    for ref, ours in results:
+        assert ref[:2] == ours[:2] == ("ValueError", True), (ref[:2], ours[:2])
+        assert ref[2] == ours[2] and len(ref[2]) == 1, (ref[2], ours[2])  # broadcast_buffers' FutureWarning
+        assert torch.equal(ref[3], ours[3])
+    assert torch.equal(results[1][1][3], results[0][1][3])  # rank 0's weights on every rank

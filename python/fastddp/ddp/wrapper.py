@@ -210,7 +210,6 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, ModuleStateSync, Pickling, To
         checks.check_lazy(module)
         self.output_device = output_device  # normalised by _select_parameters
         named = self._select_parameters(module, device_ids, static_graph, comm_dtype)
-        checks.refuse_cpu_sync_batchnorm(module, named[0][1].device.type)
         checks.deprecated_arguments(broadcast_buffers, forward_sync_buffers, check_reduction)
         # group rank 0's once checked: alike buckets on every rank
         self._bucket_cap_mb, self._first_bucket_mb = bucket_cap_mb, first_bucket_mb
@@ -221,6 +220,8 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, ModuleStateSync, Pickling, To
                 self._bucket_cap_mb, self._first_bucket_mb = rank_check.verify_across_ranks(
                     named, self.process_group, self._world_size, shared, (bucket_cap_mb, first_bucket_mb))
                 self._sync_module_states(init_sync_buffers)
+        # after the construction's collectives, as torch DDP refuses it (rank 0's state already copied)
+        checks.refuse_cpu_sync_batchnorm(module, named[0][1].device.type)
         self._module_buffers = self._synced_buffers()  # broadcast from rank 0 before forwards
         self._has_rebuilt_buckets = False  # torch DDP's name (ddp_zero_hook reads it)
         self._sizes_before_rebuild: Optional[list[int]] = None  # see _rebuild_buckets
@@ -247,7 +248,9 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, ModuleStateSync, Pickling, To
         self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
         named = checks.reducer_parameters(module, self.parameters_to_ignore)
         if not named:
-            raise RuntimeError("DDPWrapper: the module has no parameter that requires a gradient")
+            raise RuntimeError("DistributedDataParallel is not needed when a module doesn't have any parameter "
+                               "that requires a gradient. (DDPWrapper: every parameter has requires_grad=False "
+                               "or is in the parameters to ignore; wrap a module with trainable parameters)")
         checks.refuse_meta(named)
         # forward moves the inputs there; the attributes hold device indices, as torch DDP's
         self._input_device = checks.input_device(named, device_ids, self.output_device)
