@@ -27,7 +27,6 @@ bool wire_differs(const at::Tensor& host) {
 // bits as four 16-bit chunks, which fp32 and fp64 hold exactly; a rank writes only its own
 // slot and zeros the others, so the SUM all-reduce of the bucket gathers every rank's.
 constexpr int64_t kChunks = 4;
-constexpr int kMaxHeaderWorld = 256;  // beyond, the header would outweigh a small bucket
 
 template <typename T>
 void write_slot(T* header, int64_t elems, int rank, const Fingerprint& fp) {
@@ -58,7 +57,10 @@ std::vector<Fingerprint> read_slots(const T* header, int world) {
 
 int64_t Reducer::fingerprint_header_elems(const at::Tensor& first, bool compress) const {
   const int world = process_group_->getSize();
-  if (!fingerprint_ || compress || !first.device().is_cpu() || world > kMaxHeaderWorld) return 0;
+  // Two ranks only: from three on, gloo's order of addition follows the bucket's length
+  // (ring_order.h), so a header would change the gradients' bits; the fingerprint then goes in
+  // an all-reduce of its own beside the bucket's.
+  if (!fingerprint_ || compress || !first.device().is_cpu() || world > 2) return 0;
   if (first.scalar_type() != at::kFloat && first.scalar_type() != at::kDouble) return 0;
   return static_cast<int64_t>(world) * kFingerprintWords * kChunks;
 }

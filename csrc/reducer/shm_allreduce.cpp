@@ -1,5 +1,6 @@
 #include "reducer/shm_allreduce.h"
 #include "reducer/layout.h"
+#include "reducer/ring_order.h"
 #include "reducer/shm_kernels.h"
 #include "reducer/shm_segment.h"
 
@@ -484,10 +485,17 @@ double ShmAllreduce::execute_chunk(const Task& task, int64_t chunk, uint32_t seq
   const bool sq = task.sum_of_squares;
   std::vector<double> slice_squares(world_, 0.0);
   std::vector<const char*> slices(world_);
-  for_each_run(task.pieces, elem, first + my_lo, my_n, [&](char* data, int64_t k, int64_t count) {
-    for (int j = 0; j < world_; ++j) slices[j] = segment_->region(j) + stage_offset + (my_lo + k) * elem;
-    slices[rank_] = data;
-    slice_squares[rank_] += reduce_slice(dtype, data, mine + (my_lo + k) * elem, slices, count, task.scale, sq);
+  // gloo's order of addition (ring_order.h); the copies below cut the slices at the same places,
+  // so that a slice's squares are summed in the same blocks by its owner and by its readers
+  const RingOrder order(task.numel, elem, world_);
+  order.for_each_run(first + my_lo, my_n, [&](int64_t at, int64_t length, const std::vector<int>& ranks) {
+    for_each_run(task.pieces, elem, first + my_lo + at, length, [&](char* data, int64_t k, int64_t count) {
+      const int64_t offset = my_lo + at + k;
+      for (int j = 0; j < world_; ++j) {
+        slices[j] = ranks[j] == rank_ ? data : segment_->region(ranks[j]) + stage_offset + offset * elem;
+      }
+      slice_squares[rank_] += reduce_slice(dtype, data, mine + offset * elem, slices, count, task.scale, sq);
+    });
   });
   publish(kReduced, seq);
   // Copy the other ranks' reduced slices into my gradients.
@@ -496,8 +504,10 @@ double ShmAllreduce::execute_chunk(const Task& task, int64_t chunk, uint32_t seq
     wait_for(j, kReduced, seq);
     const int64_t j_lo = lo(j), j_n = lo(j + 1) - j_lo;
     const char* reduced = segment_->region(j) + stage_offset;
-    for_each_run(task.pieces, elem, first + j_lo, j_n, [&](char* data, int64_t i, int64_t count) {
-      slice_squares[j] += copy_slice(dtype, data, reduced + (j_lo + i) * elem, count, sq);
+    order.for_each_run(first + j_lo, j_n, [&](int64_t at, int64_t length, const std::vector<int>&) {
+      for_each_run(task.pieces, elem, first + j_lo + at, length, [&](char* data, int64_t i, int64_t count) {
+        slice_squares[j] += copy_slice(dtype, data, reduced + (j_lo + at + i) * elem, count, sq);
+      });
     });
   }
   publish(kDone, seq);

@@ -3,8 +3,7 @@ process group.
 
 Each test runs torch DDP and DDPWrapper side by side in the same gloo ranks, on the same group,
 from the same (rank-dependent) initial weights and inputs, and compares what a user observes:
-gradients and parameters bit for bit after every step (gloo all-reduce in a group of two, where
-dividing by the world size is exact), buffers, and the exception type where both refuse.
+gradients and parameters bit for bit after every step, buffers, and the exception type where both refuse.
 Sparse gradients: tests/contracts/test_ddp_contract_sparse.py.
 """
 
@@ -52,10 +51,8 @@ def build_pair(factory: Callable[[], nn.Module], group: Optional[dist.ProcessGro
     return ours, ref
 
 
-def _same(a: torch.Tensor, b: torch.Tensor, exact: bool) -> bool:
-    """Bit for bit (NaN where the other has NaN: an fp16 step that overflowed), or close."""
-    if not exact:
-        return torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit (NaN where the other has NaN: an fp16 step that overflowed)."""
     if torch.equal(a, b):
         return True
     if not a.is_floating_point() or not torch.equal(a.isnan(), b.isnan()):
@@ -63,19 +60,18 @@ def _same(a: torch.Tensor, b: torch.Tensor, exact: bool) -> bool:
     return torch.equal(a.masked_fill(a.isnan(), 0), b.masked_fill(b.isnan(), 0))
 
 
-def differences(ours: nn.Module, ref: nn.Module, grads: bool, exact: bool = True) -> list[str]:
-    """Names of the gradients, parameters and buffers that are not torch DDP's (bit for bit
-    when ``exact``, else up to the rounding of another summation order)."""
+def differences(ours: nn.Module, ref: nn.Module, grads: bool) -> list[str]:
+    """Names of the gradients, parameters and buffers that are not torch DDP's bit for bit."""
     bad = []
     for (name, p), q in zip(ours.module.named_parameters(), ref.module.parameters()):
         if grads and (p.grad is None) != (q.grad is None):
             bad.append(f"{name}.grad presence")
-        elif grads and p.grad is not None and not _same(p.grad, q.grad, exact):
+        elif grads and p.grad is not None and not _same(p.grad, q.grad):
             bad.append(f"{name}.grad")
-        if not _same(p, q, exact):
+        if not _same(p, q):
             bad.append(name)
     for (name, x), y in zip(ours.module.named_buffers(), ref.module.buffers()):
-        if not _same(x, y, exact):
+        if not _same(x, y):
             bad.append(f"buffer {name}")
     return bad
 
@@ -97,12 +93,11 @@ def train_side_by_side(ours: nn.Module, ref: nn.Module, rank: int, steps: int = 
             model(x).pow(2).mean().backward()
         if accumulate and step % 2 == 0:
             continue
-        exact = ours.transport != "shm"  # shared memory sums in another order
-        found += [f"step {step}: {d}" for d in differences(ours, ref, grads=True, exact=exact)]
+        found += [f"step {step}: {d}" for d in differences(ours, ref, grads=True)]
         for opt in opts:
             opt.step()
             opt.zero_grad()
-        found += [f"step {step} after the update: {d}" for d in differences(ours, ref, grads=False, exact=exact)]
+        found += [f"step {step} after the update: {d}" for d in differences(ours, ref, grads=False)]
     return found
 
 
@@ -243,7 +238,7 @@ def _subgroup_training(rank: int, world_size: int, transport: str) -> Any:
 def test_subgroup_trains_as_torch(ranks, transport: str) -> None:
     """A dist.new_group([1, 2]) subgroup of three ranks: broadcasts from its first rank (global
     rank 1), the reduction over its two ranks, bit for bit as torch DDP on gloo (the shared
-    memory maps that group's ranks; equal up to the summation order). On the rank outside the group both refuse with one type."""
+    memory maps that group's ranks). On the rank outside the group both refuse with one type."""
     results = ranks.run(_subgroup_training, world_size=3, args=(transport,))
     assert results[1:] == [(transport, [], ("RuntimeError", "RuntimeError"))] * 2  # deepcopy: default group only
     assert results[0]["ours"] == results[0]["torch"], results[0]

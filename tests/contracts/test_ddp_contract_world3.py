@@ -1,0 +1,51 @@
+"""Contract: at three ranks and more, DDPWrapper's float32 and float64 gradients are torch DDP's
+bit for bit, on the shared-memory transport too. torch DDP scales each gradient by 1/world in
+its dtype and gloo's ring all-reduce adds the ranks' values in an order that depends on where
+an element falls in the bucket (docs/design.md, "The summation order"); the shared sum adds
+them in that order."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from .test_ddp_contract import bn_mlp, build_pair, differences
+
+
+def wide() -> nn.Module:
+    """Buckets of several MiB with sizes that do not divide evenly: gloo splits such a bucket
+    into more than two segments per rank, with a short last chunk."""
+    return nn.Sequential(nn.Linear(701, 1103), nn.Tanh(), nn.Linear(1103, 517), nn.Tanh(),
+                         nn.Linear(517, 3))
+
+
+MODELS = {"bn_mlp": (bn_mlp, 6), "wide": (wide, 701)}
+
+
+def _train(rank: int, world_size: int, model: str, transport: str, dtype: torch.dtype) -> Any:
+    factory, width = MODELS[model]
+    ours, ref = build_pair(lambda: factory().to(dtype), None, rank,
+                           ours_kwargs={"shm_allreduce": transport == "shm"})
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (ours, ref)]
+    g = torch.Generator().manual_seed(100 + rank)
+    found = []
+    for step in range(3):
+        x = (torch.randn(7, width, generator=g) + rank).to(dtype)
+        for m in (ours, ref):
+            m(x).pow(2).mean().backward()
+        found += [f"step {step}: {d}" for d in differences(ours, ref, grads=True)]
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    return ours.transport, found
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("transport", ["shm", "c10d"])
+def test_three_ranks_reduce_as_torch_bit_for_bit(ranks, transport: str, model: str, dtype: torch.dtype) -> None:
+    results = ranks.run(_train, world_size=3, args=(model, transport, dtype))
+    assert results == [(transport, [])] * 3, results
