@@ -105,13 +105,9 @@ void Reducer::move_lent_grads_locked() {
 }
 
 bool Reducer::shm_sums_as_c10d(at::ScalarType dtype) const {
-  // Shared memory sums in fp32/fp64 and rounds once. gloo adds a bf16/fp16 bucket rank by rank,
-  // rounding after each addition: at two ranks that is one rounding of the same exact sum, so
-  // the bits are torch DDP's; at more it is an order of gloo's own, and such a bucket goes
-  // through the process group so that its rounding (and the training that depends on it) stays
-  // exactly torch DDP's.
-  if (dtype == at::kFloat || dtype == at::kDouble) return true;
-  return (dtype == at::kBFloat16 || dtype == at::kHalf) && process_group_->getSize() == 2;
+  // Shared memory adds the ranks' values in gloo's order, rounding each sum to the bucket's dtype
+  // as gloo does (shm_kernels.h, ring_order.h): torch DDP's bits for every dtype it reduces.
+  return dtype == at::kFloat || dtype == at::kDouble || dtype == at::kBFloat16 || dtype == at::kHalf;
 }
 
 void Reducer::allocate_bucket_locked(Bucket& bucket, const at::Tensor& first, int64_t total, bool last) {

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 
 namespace fastddp::reducer {
 
@@ -26,14 +27,24 @@ inline Acc scaled_as_t(T value, Acc scale) {
   return static_cast<Acc>(static_cast<T>(static_cast<Acc>(value) * scale));
 }
 
-// dst[i] = sum over src of scale * src[k][i], accumulated in Acc in rank order, and the same
-// values into `copy` when it is not null. Each rank's value is scaled (and rounded to T) before
-// the sum, as torch DDP divides each gradient before its all-reduce: at world size 2 the result
-// has torch's bits also where the sum itself would overflow or the halves are subnormal, and for
-// bf16/fp16 the two rounded halves add exactly in fp32 (or round as the one rounding gloo's sum
-// makes), so one rounding to T gives gloo's result. dst may be one of the sources: each block is
-// read completely before it is written. Returns the sum of squares of the written values when
-// `squares` (each block is squared, and copied, while it is in L1).
+// A sum rounded to T and back (a no-op where T is Acc).
+template <typename T, typename Acc>
+inline Acc rounded_to(Acc value) {
+  if constexpr (std::is_same_v<T, Acc>) {
+    return value;
+  } else {
+    return static_cast<Acc>(static_cast<T>(value));
+  }
+}
+
+// dst[i] = sum over src of scale * src[k][i], added in the order of src, and the same values
+// into `copy` when it is not null. Each rank's value is scaled (and rounded to T) before the
+// sum, as torch DDP divides each gradient before its all-reduce: at world size 2 the result has
+// torch's bits also where the sum itself would overflow or the halves are subnormal. Each
+// addition rounds to T, as gloo's does (a bf16/fp16 pair is added in fp32 and rounded), so with
+// src in gloo's order (ring_order.h) the result is gloo's at every world size. dst may be one of
+// the sources: each block is read completely before it is written. Returns the sum of squares of
+// the written values when `squares` (each block is squared, and copied, while it is in L1).
 template <typename T, typename Acc>
 double sum_slices(T* dst, T* copy, const std::vector<const T*>& src, int64_t n, Acc scale, bool squares) {
   Acc acc[kBlock];
@@ -50,9 +61,9 @@ double sum_slices(T* dst, T* copy, const std::vector<const T*>& src, int64_t n, 
     for (size_t k = 1; k < src.size(); ++k) {
       const T* s = src[k] + base;
       if (scaled) {
-        for (int64_t i = 0; i < m; ++i) acc[i] += scaled_as_t(s[i], scale);
+        for (int64_t i = 0; i < m; ++i) acc[i] = rounded_to<T>(acc[i] + scaled_as_t(s[i], scale));
       } else {
-        for (int64_t i = 0; i < m; ++i) acc[i] += static_cast<Acc>(s[i]);
+        for (int64_t i = 0; i < m; ++i) acc[i] = rounded_to<T>(acc[i] + static_cast<Acc>(s[i]));
       }
     }
     T* d = dst + base;

@@ -13,8 +13,8 @@
 namespace fastddp::reducer {
 
 // dst[i] = sum over k of scale * src[k][i] for n elements of `dtype` (float32, float64, bfloat16
-// or float16; the half types accumulate in float), in rank order, also written to `copy`
-// unless it is null. dst may be one of the sources. Returns the sum of squares of the written
+// or float16; the half types add in float and round each sum), in the order of src, also
+// written to `copy` unless it is null. dst may be one of the sources. Returns the sum of squares of the written
 // values when `squares`, else 0.
 double reduce_slice(at::ScalarType dtype, char* dst, char* copy, const std::vector<const char*>& src, int64_t n,
                     double scale, bool squares);

@@ -186,7 +186,7 @@ def test_a_module_without_trainable_parameters_is_torchs_runtimeerror(ranks, kin
 
 def _sync_batchnorm_errors(rank: int, world_size: int, training: bool) -> list[tuple]:
     """A CPU module with SyncBatchNorm layers, its weights different on each rank: what
-    wrapping it (then one forward) raises, whether the message carries torch's sentence, the
+    wrapping it (then one forward) raises, whether the message starts with torch's sentence, the
     FutureWarnings, and the weights the failed construction left (torch copies rank 0's
     before it refuses)."""
     found = []
@@ -200,7 +200,7 @@ def _sync_batchnorm_errors(rank: int, world_size: int, training: bool) -> list[t
                 cls(model, broadcast_buffers=True)(torch.randn(4, 3))
                 outcome = ("ok", False)
             except ValueError as exc:
-                outcome = ("ValueError", "SyncBatchNorm layers only work with GPU modules" in str(exc))
+                outcome = ("ValueError", str(exc).startswith("SyncBatchNorm layers only work with GPU modules"))
         warned = [str(w.message)[:40] for w in caught if w.category is FutureWarning]
         found.append((*outcome, warned, model[0].weight.detach().clone()))
     return found

@@ -1,11 +1,13 @@
 """Contract: bf16 and fp16 gradients reduce to torch DDP's bits, side by side in the same two
-gloo ranks.
+or three gloo ranks, with the gradients sent as they are and compressed (torch's
+``bf16_compress_hook``/``fp16_compress_hook``, DDPWrapper's ``comm_dtype``).
 
 torch DDP divides a bf16/fp16 gradient by the world size in its own dtype and gloo adds the
-ranks' halves, rounding after each addition. At two ranks DDPWrapper sums them through shared
-memory (each half rounded as torch rounds it, the two added in fp32 and rounded once), which
-must give the same bits for every value: subnormal halves, sums that overflow, signed zeros,
-operands whose exponents lie far apart, infinities and NaN.
+ranks' values, rounding after each addition, in the order of its ring (csrc/reducer/ring_order.h).
+DDPWrapper sums them through shared memory (each value rounded as torch rounds it, each
+addition rounded, in gloo's order), which must give the same bits for every value: subnormal
+values, sums that overflow, signed zeros, operands whose exponents lie far apart, infinities
+and NaN.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import fastddp
@@ -43,13 +46,20 @@ def _edge_values(dtype: torch.dtype, rank: int) -> torch.Tensor:
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int16)
+    return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
 
 
-def _reduced_bits(rank: int, world_size: int, dtype: torch.dtype) -> tuple[str, int]:
+def _reduced_bits(rank: int, world_size: int, dtype: torch.dtype, compressed: bool) -> tuple[str, int]:
     given = _edge_values(dtype, rank)
-    ours = fastddp.DDPWrapper(_Direct(given.numel(), dtype))
-    ref = TorchDDP(_Direct(given.numel(), dtype))
+    if compressed:  # float32 parameters, the gradients sent as dtype
+        ours = fastddp.DDPWrapper(_Direct(given.numel(), torch.float32), comm_dtype=dtype)
+        ref = TorchDDP(_Direct(given.numel(), torch.float32))
+        hook = {torch.bfloat16: default_hooks.bf16_compress_hook, torch.float16: default_hooks.fp16_compress_hook}
+        ref.register_comm_hook(None, hook[dtype])
+        given = given.float()
+    else:
+        ours = fastddp.DDPWrapper(_Direct(given.numel(), dtype))
+        ref = TorchDDP(_Direct(given.numel(), dtype))
     assert ours.bucket_report()["buckets"][0]["transport"] == "shm", ours.bucket_report()
     for model in (ours, ref):
         model(given).backward()
@@ -59,7 +69,10 @@ def _reduced_bits(rank: int, world_size: int, dtype: torch.dtype) -> tuple[str, 
     return str(a.dtype), int(torch.isnan(a).sum())
 
 
+@pytest.mark.parametrize("compressed", [False, True], ids=["native", "compressed"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_buckets_reduce_to_torch_ddps_bits(ranks, dtype: torch.dtype) -> None:
-    results = ranks.run(_reduced_bits, args=(dtype,))
-    assert results[0] == results[1] and results[0][1] > 0, results  # NaN reached the comparison
+@pytest.mark.parametrize("world", [2, 3])
+def test_half_precision_buckets_reduce_to_torch_ddps_bits(ranks, world: int, dtype: torch.dtype,
+                                                          compressed: bool) -> None:
+    results = ranks.run(_reduced_bits, world_size=world, args=(dtype, compressed))
+    assert len(set(results)) == 1 and results[0][1] > 0, results  # NaN reached the comparison

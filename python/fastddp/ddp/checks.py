@@ -199,10 +199,10 @@ def refuse_cpu_sync_batchnorm(module: nn.Module, device_type: str) -> None:
     evaluation forward would run)."""
     names = [n for n, m in module.named_modules() if isinstance(m, nn.SyncBatchNorm)]
     if names and device_type == "cpu":
-        raise ValueError(f"DDPWrapper: SyncBatchNorm layers only work with GPU modules (as in torch DDP), and "
-                         f"this module's parameters are on the CPU; {names[0] or 'the module'!r} is a "
-                         "SyncBatchNorm. Keep nn.BatchNorm layers on the CPU (leave out "
-                         "nn.SyncBatchNorm.convert_sync_batchnorm), or move the module to a GPU before wrapping.")
+        raise ValueError(f"SyncBatchNorm layers only work with GPU modules (DDPWrapper: this module's parameters "
+                         f"are on the CPU and {names[0] or 'the module'!r} is a SyncBatchNorm; keep nn.BatchNorm "
+                         "layers on the CPU (leave out nn.SyncBatchNorm.convert_sync_batchnorm), or move the "
+                         "module to a GPU before wrapping)")
 
 
 def input_device(named: list[tuple[str, nn.Parameter]], device_ids: Any,
