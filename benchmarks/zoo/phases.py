@@ -114,6 +114,7 @@ def main() -> None:
         p.error(f"--steps must be at least 1, got {args.steps}")
     with tempfile.TemporaryDirectory() as tmp:
         args.scratch = tmp
+        workload(args.model, torch.device("cpu"), Path(tmp))  # writes the video clips once, before the ranks read them
         out = mp.Manager().dict()
         for n, kind in enumerate(args.contenders):
             init = f"file://{tmp}/pg{n}"

@@ -95,6 +95,7 @@ def main() -> None:
         p.error(f"--steps and --rounds must be at least 1, got {args.steps} and {args.rounds}")
     with tempfile.TemporaryDirectory() as tmp:
         args.scratch = tmp
+        workload(args.model, torch.device("cpu"), Path(tmp))  # writes the video clips once, before the ranks read them
         out = mp.Manager().dict()
         mp.start_processes(_rank, args=(args, out), nprocs=2, start_method="spawn")
         slower = dict(zip(CONTENDERS, out["slower"]))
