@@ -118,6 +118,9 @@ def make_pair(factory, ddp_kwargs: dict, ours_kwargs: dict | None = None):
 
 
 def compare_models(ours, ref, grads: bool = True, **tol) -> None:
+    """Gradients, parameters and buffers of the two wrapped modules: bit for bit, or within
+    ``tol`` (rtol/atol) where the two reduce in different precisions."""
+    tol = tol or {"rtol": 0, "atol": 0}
     for (name, p), q in zip(ours.module.named_parameters(), ref.module.parameters()):
         if grads:
             if q.grad is None:

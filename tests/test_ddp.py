@@ -104,11 +104,10 @@ def _mixed_dtypes(rank: int, world_size: int, transport: str) -> None:
     ours, ref = make_pair(mixed_mlp, {})
     train_both(ours, ref, rand_vec)
     assert {b["dtype"] for b in ours.bucket_report()["buckets"]} == {"torch.float32", "torch.bfloat16"}
-    # shared memory takes the fp32 buckets, and the bf16 ones at two ranks, where its sum has
-    # gloo's bits (test_ddp_contract_half_buckets.py); at more, bf16 stays on gloo's rounding
+    # shared memory takes the bf16 buckets too: its sum has gloo's bits at every world size
+    # (test_ddp_contract_half_buckets.py)
     for b in ours.bucket_report()["buckets"]:
-        on_shm = ours.transport == "shm" and (b["dtype"] == "torch.float32" or world_size == 2)
-        assert b["transport"] == ("shm" if on_shm else "c10d"), b
+        assert b["transport"] == ours.transport, b
 
 
 def _accumulate(ours, ref, rank: int, use_extra=None) -> None:

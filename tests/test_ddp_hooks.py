@@ -25,9 +25,8 @@ HOOKS = {"fp16": (default_hooks.fp16_compress_hook, torch.float16),
          "allreduce": (default_hooks.allreduce_hook, None)}
 
 # torch's compression hooks cast to the wire dtype and divide by the world size there, and so
-# does DDPWrapper: at world size 2 (where the sum of the two ranks' values does not depend on
-# the order gloo adds them in) fp16 and bf16 come out bit for bit torch's. In larger worlds the
-# order depends on the bucket's length, and the fingerprint header lengthens DDPWrapper's last.
+# does DDPWrapper: fp16 and bf16 come out bit for bit torch's (at three ranks and more too:
+# tests/contracts/test_ddp_contract_half_buckets.py).
 EXACT = {"rtol": 0, "atol": 0}
 PARITY = {"fp16": (EXACT, 3), "bf16": (EXACT, 3), "allreduce": (EXACT, 3)}
 

@@ -1,4 +1,4 @@
-"""Contract: at three ranks and more, DDPWrapper's float32 and float64 gradients are torch DDP's
+"""Contract: at three and four ranks, DDPWrapper's float32 and float64 gradients are torch DDP's
 bit for bit, on the shared-memory transport too. torch DDP scales each gradient by 1/world in
 its dtype and gloo's ring all-reduce adds the ranks' values in an order that depends on where
 an element falls in the bucket (docs/design.md, "The summation order"); the shared sum adds
@@ -46,6 +46,8 @@ def _train(rank: int, world_size: int, model: str, transport: str, dtype: torch.
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
 @pytest.mark.parametrize("model", list(MODELS))
 @pytest.mark.parametrize("transport", ["shm", "c10d"])
-def test_three_ranks_reduce_as_torch_bit_for_bit(ranks, transport: str, model: str, dtype: torch.dtype) -> None:
-    results = ranks.run(_train, world_size=3, args=(model, transport, dtype))
-    assert results == [(transport, [])] * 3, results
+@pytest.mark.parametrize("world", [3, 4])
+def test_larger_worlds_reduce_as_torch_bit_for_bit(ranks, world: int, transport: str, model: str,
+                                                   dtype: torch.dtype) -> None:
+    results = ranks.run(_train, world_size=world, args=(model, transport, dtype))
+    assert results == [(transport, [])] * world, results
