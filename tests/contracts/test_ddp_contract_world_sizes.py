@@ -1,8 +1,9 @@
 """Contract: at three and four ranks, DDPWrapper's float32 and float64 gradients are torch DDP's
 bit for bit, on the shared-memory transport too. torch DDP scales each gradient by 1/world in
 its dtype and gloo's ring all-reduce adds the ranks' values in an order that depends on where
-an element falls in the bucket (docs/design.md, "The summation order"); the shared sum adds
-them in that order."""
+an element falls in the bucket (csrc/reducer/ring_order.h); the shared sum adds them in that
+order, and on the c10d transport the fingerprint travels in an all-reduce of its own so that
+the bucket keeps torch's length. bf16/fp16: test_ddp_contract_half_buckets.py."""
 
 from __future__ import annotations
 
