@@ -219,8 +219,7 @@ def _used_map_while_joined(rank: int, world_size: int, plan: str, set_to_none: b
                 opt.zero_grad(set_to_none=set_to_none)
         got.append((grads, [p.detach().clone() for p in model.module.parameters()]))
     (ref_grads, ref_params), (grads, params) = got
-    exact = world_size == 2  # (at three ranks fp32 sums differ in the last bits: compatibility.md)
-    tol = {"rtol": 0, "atol": 0} if exact else {}
+    tol = {"rtol": 0, "atol": 0}  # bit for bit at every world size
     for step, (want, have) in enumerate(zip(ref_grads, grads)):
         for name in want:
             assert (want[name] is None) == (have[name] is None), (rank, step, name, want[name], have[name])

@@ -132,9 +132,9 @@ def _store_group_training(rank: int, world_size: int, path: str, transport: str)
 @pytest.mark.parametrize("transport", ["c10d", "shm"])
 def test_store_group_trains_as_torch(ranks, tmp_path, transport: str) -> None:
     """A ProcessGroup built on a FileStore (not registered with the default group): the same
-    gradients, parameters and buffers as torch DDP on it, bit for bit over gloo (up to the
-    summation order over shared memory, whose handshake and reduction run on that group); the
-    shared memory's wait uses the group's own timeout."""
+    gradients, parameters and buffers as torch DDP on it, bit for bit on both transports (the
+    shared memory's handshake and reduction run on that group); the shared memory's wait uses
+    the group's own timeout."""
     results = ranks.run(_store_group_training, world_size=2, args=(str(tmp_path / "store"), transport))
     assert [r["transport"] for r in results] == [transport, transport]
     assert [r["timeout_s"] for r in results] == [77.0, 77.0]
