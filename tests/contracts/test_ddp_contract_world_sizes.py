@@ -35,9 +35,13 @@ def _train(rank: int, world_size: int, model: str, transport: str, dtype: torch.
     found = []
     for step in range(3):
         x = (torch.randn(7, width, generator=g) + rank).to(dtype)
-        for m in (ours, ref):
+        rng = []
+        for m in (ours, ref):  # each step from one global random state; neither may draw from it
+            torch.manual_seed(step)
             m(x).pow(2).mean().backward()
+            rng.append(torch.random.get_rng_state())
         found += [f"step {step}: {d}" for d in differences(ours, ref, grads=True)]
+        found += [] if torch.equal(*rng) else [f"step {step}: global random state"]
         for opt in opts:
             opt.step()
             opt.zero_grad()
