@@ -15,18 +15,15 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
-#include <vector>
 
 namespace fastddp::reducer {
 
 class RingOrder {
  public:
   // The order for a collective of `numel` elements of `elem` bytes over `world` ranks.
-  RingOrder(int64_t numel, int64_t elem, int world) {
+  RingOrder(int64_t numel, int64_t elem, int world) : world_(world) {
     if (world <= 2) {
       span_ = std::numeric_limits<int64_t>::max();
-      orders_.assign(1, {});
-      for (int r = 0; r < world; ++r) orders_[0].push_back(r);
       return;
     }
     constexpr int64_t kMaxSegmentBytes = 1 << 20;  // gloo's kMaxSegmentSize, a multiple of elem
@@ -35,28 +32,33 @@ class RingOrder {
     segments = (segments + world - 1) / world * world;
     const int64_t segment_bytes = ((total + segments - 1) / segments + elem - 1) / elem * elem;
     span_ = std::max<int64_t>(1, segments / world * segment_bytes / elem);
-    orders_.resize(world);
-    for (int c = 0; c < world; ++c) {
-      for (int k = 1; k < world; ++k) orders_[c].push_back(((c - k) % world + world) % world);
-      orders_[c].push_back(c);
-    }
   }
 
-  // Calls fn(offset, count, ranks) for the runs of elements [lo, lo + n) that gloo sums in one
-  // order: `offset` counts from lo, `ranks` lists the ranks in the order their values are added.
+  // The j-th rank whose values chunk c adds (j = 0 first): c-1, c-2, ... down the ring, c last.
+  // At two ranks or fewer, rank order.
+  int rank(int64_t c, int j) const {
+    if (world_ <= 2) return j;
+    if (j == world_ - 1) return static_cast<int>(c);
+    return static_cast<int>(((c - 1 - j) % world_ + world_) % world_);
+  }
+
+  // Calls fn(offset, count, c) for the runs of elements [lo, lo + n) that gloo sums in one
+  // order: `offset` counts from lo, and rank(c, j) lists the ranks in the order their values
+  // are added.
   template <class Fn>
   void for_each_run(int64_t lo, int64_t n, Fn&& fn) const {
+    const int64_t last = std::max(world_, 1) - 1;  // the last chunk runs to the end
     for (int64_t at = lo; at < lo + n;) {
-      const int64_t c = at / span_;
-      const int64_t end = c >= static_cast<int64_t>(orders_.size()) - 1 ? lo + n : std::min(lo + n, (c + 1) * span_);
-      fn(at - lo, end - at, orders_[std::min<int64_t>(c, orders_.size() - 1)]);
+      const int64_t c = std::min(at / span_, last);
+      const int64_t end = c == last ? lo + n : std::min(lo + n, (c + 1) * span_);
+      fn(at - lo, end - at, c);
       at = end;
     }
   }
 
  private:
-  int64_t span_;                         // elements per gloo chunk
-  std::vector<std::vector<int>> orders_;  // per chunk, the ranks in the order of addition
+  int world_;
+  int64_t span_;  // elements per gloo chunk
 };
 
 }  // namespace fastddp::reducer

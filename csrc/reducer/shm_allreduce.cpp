@@ -1,6 +1,5 @@
 #include "reducer/shm_allreduce.h"
 #include "reducer/layout.h"
-#include "reducer/ring_order.h"
 #include "reducer/shm_kernels.h"
 #include "reducer/shm_segment.h"
 
@@ -419,8 +418,10 @@ void ShmAllreduce::exchange_fingerprint(const Task& task) {
 void ShmAllreduce::execute(const Task& task) {
   describe_own_op({task.numel * static_cast<int64_t>(c10::elementSize(task.dtype)), task.seq, kAllreduceOp,
                    static_cast<int32_t>(task.dtype)});
+  // gloo's order of addition (ring_order.h)
+  const RingOrder order(task.numel, static_cast<int64_t>(c10::elementSize(task.dtype)), world_);
   double sumsq = 0.0;
-  for (int64_t c = 0; c < task.chunks; ++c) sumsq += execute_chunk(task, c, task.seq + static_cast<uint32_t>(c));
+  for (int64_t c = 0; c < task.chunks; ++c) sumsq += execute_chunk(task, order, c, task.seq + static_cast<uint32_t>(c));
   task.work->set_sum_of_squares(sumsq);
   // Nobody reads my slots any more: the next collective (or broadcast, or fingerprint) may
   // write them, whichever chunk it starts with.
@@ -452,7 +453,7 @@ void for_each_run(const std::vector<ShmPiece>& pieces, int64_t elem, int64_t lo,
 // my slot, reduced, copy the peers' reduced slices into my gradients, done. Returns the chunk's
 // sum of squares, added in rank order so that every rank arrives at the same bits (one piece:
 // a visitor that wants the squares keeps the bucket's gradients in its flat buffer).
-double ShmAllreduce::execute_chunk(const Task& task, int64_t chunk, uint32_t seq) {
+double ShmAllreduce::execute_chunk(const Task& task, const RingOrder& order, int64_t chunk, uint32_t seq) {
   const auto dtype = task.dtype;
   const int64_t elem = static_cast<int64_t>(c10::elementSize(dtype));
   const int64_t per_chunk = chunk_bytes_ / elem;
@@ -485,14 +486,14 @@ double ShmAllreduce::execute_chunk(const Task& task, int64_t chunk, uint32_t seq
   const bool sq = task.sum_of_squares;
   std::vector<double> slice_squares(world_, 0.0);
   std::vector<const char*> slices(world_);
-  // gloo's order of addition (ring_order.h); the copies below cut the slices at the same places,
-  // so that a slice's squares are summed in the same blocks by its owner and by its readers
-  const RingOrder order(task.numel, elem, world_);
-  order.for_each_run(first + my_lo, my_n, [&](int64_t at, int64_t length, const std::vector<int>& ranks) {
+  // Added in gloo's order; the copies below cut the slices at the same places, so that a slice's
+  // squares are summed in the same blocks by its owner and by its readers.
+  order.for_each_run(first + my_lo, my_n, [&](int64_t at, int64_t length, int64_t c) {
     for_each_run(task.pieces, elem, first + my_lo + at, length, [&](char* data, int64_t k, int64_t count) {
       const int64_t offset = my_lo + at + k;
       for (int j = 0; j < world_; ++j) {
-        slices[j] = ranks[j] == rank_ ? data : segment_->region(ranks[j]) + stage_offset + offset * elem;
+        const int r = order.rank(c, j);
+        slices[j] = r == rank_ ? data : segment_->region(r) + stage_offset + offset * elem;
       }
       slice_squares[rank_] += reduce_slice(dtype, data, mine + offset * elem, slices, count, task.scale, sq);
     });
@@ -504,7 +505,7 @@ double ShmAllreduce::execute_chunk(const Task& task, int64_t chunk, uint32_t seq
     wait_for(j, kReduced, seq);
     const int64_t j_lo = lo(j), j_n = lo(j + 1) - j_lo;
     const char* reduced = segment_->region(j) + stage_offset;
-    order.for_each_run(first + j_lo, j_n, [&](int64_t at, int64_t length, const std::vector<int>&) {
+    order.for_each_run(first + j_lo, j_n, [&](int64_t at, int64_t length, int64_t) {
       for_each_run(task.pieces, elem, first + j_lo + at, length, [&](char* data, int64_t i, int64_t count) {
         slice_squares[j] += copy_slice(dtype, data, reduced + (j_lo + at + i) * elem, count, sq);
       });

@@ -25,6 +25,7 @@
 
 #include "common/fork_safe.h"
 #include "reducer/fingerprint.h"
+#include "reducer/ring_order.h"
 
 #include <ATen/core/Tensor.h>
 #include <ATen/record_function.h>
@@ -128,7 +129,7 @@ class ShmAllreduce {
                int64_t broadcast_offset, int64_t broadcast_bytes, std::chrono::milliseconds timeout);
   void run();
   void execute(const Task& task);
-  double execute_chunk(const Task& task, int64_t chunk, uint32_t seq);
+  double execute_chunk(const Task& task, const RingOrder& order, int64_t chunk, uint32_t seq);
   void exchange_fingerprint(const Task& task);
   void wait_peers(int which, uint32_t seq) const;
   void execute_broadcast(const Task& task);
