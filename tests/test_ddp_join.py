@@ -85,14 +85,7 @@ def _join_parity(rank: int, world_size: int, transport: str, case: str, steps: l
     factory, make_input, forward, kwargs, accumulate = CASES[case]
     kwargs = dict(kwargs)
     hook = kwargs.pop("hook", None)
-    # Bit for bit, but where the scaling differs at a world size that is not a power of two:
-    # torch's allreduce_hook divides each value by the world size (x / 3) where DDPWrapper
-    # multiplies by its inverse (x * fl(1/3)), and with divide_by_initial_world_size=False
-    # DDPWrapper rescales by world / active ranks where torch multiplies once by 1 / active
-    # (docs/compatibility.md): the last bits may differ there.
-    rescaled = hook is default_hooks.allreduce_hook or not divide
-    power_of_two = world_size & (world_size - 1) == 0
-    tol = {} if rescaled and not power_of_two else {"rtol": 0, "atol": 0}
+    tol = {"rtol": 0, "atol": 0}  # bit for bit, at world sizes that are not a power of two too
     n = steps[rank]
 
     def hooked(ddp, torch_side: bool = False):

@@ -32,6 +32,7 @@ void bind_options(py::module_& m) {
       .def_readwrite("find_unused_parameters", &ReducerOptions::find_unused_parameters)
       .def_readwrite("static_graph", &ReducerOptions::static_graph)
       .def_readwrite("comm_dtype", &ReducerOptions::comm_dtype)
+      .def_readwrite("divide_gradients", &ReducerOptions::divide_gradients)
       .def_readwrite("bucket_cap_mb", &ReducerOptions::bucket_cap_mb)
       .def_readwrite("first_bucket_mb", &ReducerOptions::first_bucket_mb)
       .def_readwrite("bucket_caps_mb", &ReducerOptions::bucket_caps_mb)
@@ -105,8 +106,9 @@ void bind_reducer(py::module_& m) {
            "static_graph: reduce the armed first iteration now (torch's reducer._delay_all_reduce()).",
            py::call_guard<py::gil_scoped_release>())
       .def("bucket_buffers", &fastddp::reducer::Reducer::bucket_buffers, "The flat gradient buffers.")
-      .def("set_reduction_scale", &fastddp::reducer::Reducer::set_reduction_scale, py::arg("scale"),
-           "Multiply the next reduction's result by scale (join with divide_by_initial_world_size=False).",
+      .def("set_reduction_divisor", &fastddp::reducer::Reducer::set_reduction_divisor, py::arg("divisor"),
+           "Average the next reduction's gradients over `divisor` ranks instead of the world size (join with "
+           "divide_by_initial_world_size=False).",
            py::call_guard<py::gil_scoped_release>())
       .def("shadow_reduction", &fastddp::reducer::Reducer::shadow_reduction,
            "join(): issue one reduced backward's collectives with zero gradients.",

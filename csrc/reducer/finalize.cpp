@@ -102,7 +102,7 @@ void Reducer::finalize_locked(bool at_next_forward) {
   std::fill(locally_used_.begin(), locally_used_.end(), 0);
   if (fingerprint_) check_fingerprints_locked(missing_error);
   finish_buckets_locked();
-  reduction_scale_ = 1.0;
+  average_.reset();
   write_grads_locked(global_used);
   stats_.backward_comm_end = now_ns();
   diag::status().step_finished();
@@ -166,10 +166,6 @@ void Reducer::finish_buckets_locked() {
     // A compressed bucket's squares were taken of the reduced bf16/fp16 values, which the copy
     // below widens exactly: the same numbers the buffer then holds.
     if (bucket.comm.defined()) bucket.buffer.copy_(bucket.comm);
-    if (reduction_scale_ != 1.0) {  // join(divide_by_initial_world_size=False)
-      bucket.buffer.mul_(reduction_scale_);
-      if (fused_squares) *fused_squares *= reduction_scale_ * reduction_scale_;
-    }
     // The bucket is final: visitors read it while the later buckets are still on the wire.
     if (visiting)
       for (const auto& v : visitors_) v->visit(index, bucket.buffer, fused_squares);

@@ -41,12 +41,13 @@ bool batchable(const at::Tensor& grad, const at::Tensor& view) {
 }  // namespace
 
 bool Reducer::divides_into_bucket_locked(int64_t index) {
-  // Divide by the world size before the reduction (SUM), unless the collective averages
-  // (NCCL AVG; the shared-memory sum scales in its reduction pass), the bucket is compressed
-  // (divided after the cast, as torch's compression hooks do: see launch_ready_buckets_locked)
-  // or there is nothing to divide (a world of one).
+  // Average before the reduction (SUM), unless the collective averages (NCCL AVG; the
+  // shared-memory sum scales in its reduction pass: see wire_scaling_locked), the bucket is
+  // compressed (divided after the cast, as torch's compression hooks do: see
+  // launch_ready_buckets_locked) or there is nothing to divide (a world of one).
   const auto& target = buckets_[param_bucket_[index]];
-  return inv_world_ != 1.0 && !comm_hook_ && !reduce_avg_locked() && !target.shm && !target.comm.defined();
+  return !average_.identity() && !comm_hook_ && !reduce_avg_locked() && !target.comm.defined() &&
+         wire_scaling_locked(target).identity();
 }
 
 void Reducer::copy_grad_to_bucket_locked(int64_t index) {
@@ -64,7 +65,7 @@ void Reducer::copy_grad_to_bucket_locked(int64_t index) {
     // higher-order graph is not reduced.
     at::NoGradGuard no_grad;
     if (divide) {
-      at::mul_out(view, grad.detach(), inv_world_tensor_);
+      average_.into(view, grad.detach());
     } else {
       view.copy_(grad.detach());
     }
@@ -72,7 +73,7 @@ void Reducer::copy_grad_to_bucket_locked(int64_t index) {
     direct_[index] = 1;  // .grad stays autograd's (or the script's) tensor and receives the result
     buckets_[param_bucket_[index]].direct = true;
   } else if (grad.is_alias_of(view)) {
-    if (divide) view.mul_(inv_world_);  // accumulated in place (bucket view): pre-divide there
+    if (divide) average_.into(view, view);  // accumulated in place (bucket view): average there
   } else if (batch_copies_ && !divide && batchable(grad, view)) {
     buckets_[param_bucket_[index]].deferred.push_back(index);  // copied when the bucket is full
   } else {
@@ -83,7 +84,7 @@ void Reducer::copy_grad_to_bucket_locked(int64_t index) {
 void Reducer::copy_into_slot_locked(int64_t index, at::Tensor& view, bool divide) {
   const auto& grad = params_[index].grad();
   if (divide) {
-    at::mul_out(view, grad, inv_world_tensor_);  // the copy and the division in one pass
+    average_.into(view, grad);  // the copy and the averaging in one pass
   } else if (grad.numel() == 0) {
     // Nothing to copy (and an empty tensor's data pointer may be null, which memcpy rejects).
   } else if (copies_as_bytes(grad, view)) {

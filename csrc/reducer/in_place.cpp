@@ -7,10 +7,12 @@ namespace fastddp::reducer {
 
 bool Reducer::reduces_in_place_locked(int64_t index, const at::Tensor& grad, const at::Tensor& view) const {
   // Below this a gradient's copy costs less than the piece it would add to the collective.
+  // The shared-memory sum averages what it reads in place (over the world size only: see
+  // wire_scaling_locked).
   constexpr int64_t kMinBytes = 64 * 1024;
   const auto& bucket = buckets_[param_bucket_[index]];
   return bucket.shm && !bucket.comm.defined() && !gradient_as_bucket_view_ && !passthrough_ && !comm_hook_ &&
-         visitors_.empty() && !buckets_requested_ && reduction_scale_ == 1.0 &&
+         visitors_.empty() && !buckets_requested_ && average_.over_world() &&
          grad.numel() * static_cast<int64_t>(grad.element_size()) >= kMinBytes && plain_like(grad, view) &&
          grad.is_non_overlapping_and_dense() && !grad.is_alias_of(view);
 }

@@ -1,19 +1,16 @@
-// join() support in the reducer (torch DDP's uneven inputs): the reduction scale of an
-// iteration averaged over the ranks still training, and a joined rank's shadow reduction.
+// join() support in the reducer (torch DDP's uneven inputs): the divisor of an iteration
+// averaged over the ranks still training, and a joined rank's shadow reduction.
 #include "reducer/reducer.h"
 
 #include "diag/status.h"
 
 #include <algorithm>
-#include <cmath>
 
 namespace fastddp::reducer {
 
-void Reducer::set_reduction_scale(double scale) {
-  TORCH_CHECK(scale > 0.0 && std::isfinite(scale), "DDPWrapper: the reduction scale must be positive and finite, "
-              "got ", scale);
+void Reducer::set_reduction_divisor(int64_t divisor) {
   std::lock_guard<std::mutex> lock(mutex_);
-  reduction_scale_ = scale;
+  average_.set_divisor(divisor);
 }
 
 void Reducer::shadow_reduction() {
@@ -24,6 +21,11 @@ void Reducer::shadow_reduction() {
               "forward inside the join() block");
   if (passthrough_ || process_group_->getSize() == 1) return;
   diag::PhaseScope joining(diag::Phase::kJoin);
+  // The divisor was this collective's only (set_reduction_divisor), however it ends.
+  struct Restore {
+    Average& average;
+    ~Restore() { average.reset(); }
+  } restore{average_};
   // The same collectives as a reduced backward (launch_ready_buckets_locked, then
   // finalize_backward's used map), in the same order, with zero contributions; with a
   // communication hook, the hook's (as torch DDP's joined ranks run it on zero buckets).

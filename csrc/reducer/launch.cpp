@@ -26,7 +26,7 @@ void Reducer::launch_ready_buckets_locked() {
     if (bucket.comm.defined()) {
       // torch's fp16/bf16 compression hooks: cast, then divide in the wire dtype.
       bucket.comm.copy_(bucket.buffer);
-      if (inv_world_ != 1.0) bucket.comm.div_(static_cast<double>(process_group_->getSize()));
+      if (process_group_->getSize() != 1) bucket.comm.div_(static_cast<double>(process_group_->getSize()));
     }
     bucket.launched = std::chrono::steady_clock::now();
     if (comm_hook_) {
@@ -51,16 +51,25 @@ void Reducer::launch_ready_buckets_locked() {
   }
 }
 
+Scaling Reducer::wire_scaling_locked(const Bucket& bucket) const {
+  // The shared-memory sum scales every rank's values as it reads them, each rank its own slice:
+  // the scaling must be the same on every rank. It is, over the world size; over the ranks
+  // still training (join()), a joined rank's slices would not be, so the ranks still training
+  // average as their gradients enter the buckets and the sum scales nothing.
+  if (!bucket.shm || bucket.comm.defined() || !average_.over_world()) return Scaling{};
+  return average_.scaling();
+}
+
 c10::intrusive_ptr<c10d::Work> Reducer::allreduce_wire_locked(Bucket& bucket, bool squares,
                                                               const Fingerprint* fingerprint) {
   at::Tensor wire = bucket.comm.defined() ? bucket.comm : bucket.wire.defined() ? bucket.wire : bucket.buffer;
   if (bucket.shm && bucket.direct) {
     std::vector<at::Tensor> holders;
     auto pieces = direct_pieces_locked(bucket, &holders);
-    return shm_->allreduce_sum(std::move(pieces), std::move(holders), bucket.buffer.scalar_type(), inv_world_, squares,
+    return shm_->allreduce_sum(std::move(pieces), std::move(holders), bucket.buffer.scalar_type(), wire_scaling_locked(bucket), squares,
                                fingerprint);
   }
-  if (bucket.shm) return shm_->allreduce_sum(wire, bucket.comm.defined() ? 1.0 : inv_world_, squares, fingerprint);
+  if (bucket.shm) return shm_->allreduce_sum(wire, wire_scaling_locked(bucket), squares, fingerprint);
   c10d::AllreduceOptions opts;
   opts.reduceOp = reduce_avg_locked() ? c10d::ReduceOp::AVG : c10d::ReduceOp::SUM;
   std::vector<at::Tensor> tensors{wire};

@@ -20,6 +20,10 @@ struct ReducerOptions {
   bool static_graph = false;
   // All-reduce in this dtype (bf16/fp16 compression); none: in the parameters' dtype.
   std::optional<at::ScalarType> comm_dtype;
+  // Average each gradient by dividing it by the world size (torch's allreduce_hook:
+  // tensor.div_) instead of multiplying it by the inverse (torch DDP's reducer); the last bits
+  // differ at a world size that is not a power of two (average.h).
+  bool divide_gradients = false;
 
   // Bucket planning (torch DDP's bucket_cap_mb and bucket_cap_mb_list): buckets of at most
   // bucket_cap_mb MiB, the first at most first_bucket_mb; with bucket_caps_mb, the k-th

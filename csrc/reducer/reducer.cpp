@@ -83,6 +83,7 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
       find_unused_(options.find_unused_parameters),
       static_graph_(options.static_graph),
       comm_dtype_(options.comm_dtype),
+      average_(process_group_ ? process_group_->getSize() : 1, options.divide_gradients),
       comm_hook_(std::move(comm_hook)) {
   TORCH_CHECK(process_group_, "DDPWrapper: process group is null");
   TORCH_CHECK(names_.size() == params_.size(), "DDPWrapper: ", params_.size(), " parameters but ",
@@ -92,13 +93,10 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
               "own reduction; it cannot be combined with comm_dtype (got ", comm_dtype_ ? c10::toString(*comm_dtype_) : "None",
               ") or the shared-memory transport (shm_allreduce=", shm_allreduce ? (*shm_allreduce ? "True" : "False") : "None",
               ")");
-  inv_world_ = 1.0 / static_cast<double>(process_group_->getSize());
   passthrough_ = options_.single_rank_passthrough && process_group_->getSize() == 1 && !comm_dtype_ && !comm_hook_;
   bool any_cuda = false;
   for (const auto& p : params_) any_cuda = any_cuda || p.is_cuda();
   batch_copies_ = options_.batch_copies.value_or(any_cuda);
-  // A 0-dim CPU double multiplies tensors of any device/dtype without promoting them.
-  inv_world_tensor_ = at::scalar_tensor(inv_world_, at::TensorOptions().dtype(at::kDouble));
   const int64_t n = static_cast<int64_t>(params_.size());
   ready_.assign(n, 0);
   locally_used_.assign(n, 0);
@@ -158,9 +156,10 @@ void Reducer::fail_logged_locked(const std::string& message) {
 }
 
 bool Reducer::reduce_avg_locked() {
+  if (!average_.over_world()) return false;  // join(): averaged over the ranks still training
   if (!reduce_avg_) {
     bool avg = false;
-    if (!comm_dtype_ && !comm_hook_ && process_group_->getSize() > 1 && !buckets_.empty() &&
+    if (!comm_dtype_ && !comm_hook_ && !options_.divide_gradients && process_group_->getSize() > 1 && !buckets_.empty() &&
         buckets_.front().buffer.is_cuda()) {
       try {
         avg = process_group_->getBackend(c10::DeviceType::CUDA)->getBackendName() == "nccl";

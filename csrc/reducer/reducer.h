@@ -4,6 +4,7 @@
 // reductions at the end of backward.
 #pragma once
 
+#include "reducer/average.h"
 #include "reducer/bucket_visitor.h"
 #include "reducer/fingerprint.h"
 #include "reducer/iteration_stats.h"
@@ -130,9 +131,10 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // others' result; .grad is not reassigned.
   void shadow_reduction();
 
-  // join(divide_by_initial_world_size=False): the coming reduction's result is multiplied by
-  // `scale` (world size / ranks still training) before it reaches .grad; once, then 1 again.
-  void set_reduction_scale(double scale);
+  // join(divide_by_initial_world_size=False): the coming reduction averages the gradients over
+  // `divisor` ranks (those still training) instead of the world size; once, then the world size
+  // again (average.h).
+  void set_reduction_divisor(int64_t divisor);
 
   // Order in which gradients became ready in the reduced backward the rebuild follows (torch
   // DDP's: the first one; with static_graph the second, each parameter at its last gradient);
@@ -257,6 +259,9 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void flush_deferred_locked(Bucket& bucket);
   // Issues the bucket's all-reduce on its wire tensor (bucket.comm if compressed, else
   // bucket.buffer): shared memory or c10d, with the division the transport folds in.
+  // How the shared-memory sum scales the bucket's values as it reads them (none: they were
+  // averaged as they entered the bucket, or the wire is not shared memory).
+  Scaling wire_scaling_locked(const Bucket& bucket) const;
   c10::intrusive_ptr<c10d::Work> allreduce_wire_locked(Bucket& bucket, bool squares,
                                                        const Fingerprint* fingerprint = nullptr);
   // Fingerprints (fingerprint.cpp). The fingerprint of the reduction whose last bucket launches
@@ -352,8 +357,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   std::vector<int64_t> hooks_left_;
   at::Tensor static_global_used_;  // int32 per parameter, from the first iteration
   std::optional<at::ScalarType> comm_dtype_;
-  double inv_world_;
-  at::Tensor inv_world_tensor_;
+  Average average_;  // each rank's gradient scaled before the sum (average.h)
   // NCCL averages in the collective itself (ReduceOp::AVG): no division pass per parameter.
   // Decided at the first launch; never with comm_dtype (pre-division guards fp16 overflow).
   std::optional<bool> reduce_avg_;
@@ -383,7 +387,6 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   int64_t grads_requiring_grad_ = 0;  // this backward's gradients made with create_graph=True
   std::string logged_error_;          // see logged_error()
   [[noreturn]] void fail_logged_locked(const std::string& message);  // raise it, and keep it
-  double reduction_scale_ = 1.0;  // set_reduction_scale(), for the next reduction only
   bool buckets_hold_grads_ = false;  // see grads_in_buckets()
   int64_t relocations_ = 0;          // buckets moved by ensure_private_locked
   // gradient_as_bucket_view=False: the tensor last lent to each parameter as .grad (an alias of

@@ -1,6 +1,5 @@
 #include "reducer/shm_allreduce.h"
 #include "reducer/layout.h"
-#include "reducer/shm_kernels.h"
 #include "reducer/shm_segment.h"
 
 #include <ATen/ops/from_blob.h>
@@ -66,7 +65,7 @@ struct ShmAllreduce::Task {
   int64_t numel;                    // all-reduce: elements over all pieces
   at::ScalarType dtype;
   int64_t chunks;     // all-reduce: chunks, one sequence number each from seq on
-  double scale;
+  Scaling scale;
   uint32_t seq;
   std::vector<at::Tensor> broadcast;  // non-empty: a broadcast from rank 0 of these tensors
   bool sum_of_squares = false;        // all-reduce: also square the result (ShmWork)
@@ -121,7 +120,7 @@ ShmAllreduce::~ShmAllreduce() {
   leave(kClosed);  // after its last collective: a peer waiting for another one fails at once
 }
 
-c10::intrusive_ptr<ShmWork> ShmAllreduce::allreduce_sum(const at::Tensor& t, double scale, bool sum_of_squares,
+c10::intrusive_ptr<ShmWork> ShmAllreduce::allreduce_sum(const at::Tensor& t, Scaling scale, bool sum_of_squares,
                                                         const Fingerprint* fingerprint) {
   TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), "DDPWrapper: shared-memory all-reduce needs a contiguous "
               "CPU tensor, got ", t.device(), t.is_contiguous() ? "" : " (non-contiguous)");
@@ -130,7 +129,7 @@ c10::intrusive_ptr<ShmWork> ShmAllreduce::allreduce_sum(const at::Tensor& t, dou
 }
 
 c10::intrusive_ptr<ShmWork> ShmAllreduce::allreduce_sum(std::vector<ShmPiece> pieces, std::vector<at::Tensor> holders,
-                                                        at::ScalarType dtype, double scale, bool sum_of_squares,
+                                                        at::ScalarType dtype, Scaling scale, bool sum_of_squares,
                                                         const Fingerprint* fingerprint) {
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kBFloat16 || dtype == at::kHalf,
               "DDPWrapper: shared-memory all-reduce supports float32/float64/bfloat16/float16, got ", dtype);
@@ -167,7 +166,7 @@ void ShmAllreduce::broadcast_from_root(const std::vector<at::Tensor>& tensors) {
   auto work = c10::make_intrusive<ShmWork>(c10d::OpType::BROADCAST, "fastddp:shm_broadcast");
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    queue_.push_back(Task{work, {}, {}, 0, at::kFloat, 0, 1.0, next_seq_++, tensors});
+    queue_.push_back(Task{work, {}, {}, 0, at::kFloat, 0, Scaling{}, next_seq_++, tensors});
   }
   cv_.notify_one();
   work->wait();

@@ -26,6 +26,7 @@
 #include "common/fork_safe.h"
 #include "reducer/fingerprint.h"
 #include "reducer/ring_order.h"
+#include "reducer/shm_kernels.h"
 
 #include <ATen/core/Tensor.h>
 #include <ATen/record_function.h>
@@ -102,20 +103,21 @@ class ShmAllreduce {
 
   int64_t chunk_bytes() const { return chunk_bytes_; }
 
-  // Sums `t` (a contiguous CPU tensor, the same size on every rank) over the ranks in place and multiplies the sum by `scale` in the
-  // same pass (1/world averages), asynchronously: every rank must issue the same sequence of
+  // Sums `t` (a contiguous CPU tensor, the same size on every rank) over the ranks in place,
+  // each rank's values scaled by `scale` in the same pass (the average over the ranks, as torch
+  // DDP scales them before its all-reduce), asynchronously: every rank must issue the same sequence of
   // calls with tensors at the same offsets. `sum_of_squares`: also compute the sum of squares
   // of the result (ShmWork::sum_of_squares), fused into the reduction and copy passes.
   // `fingerprint`: this rank's fingerprint of the reduction, written into its slot before it
   // publishes its arrival; once every peer arrived, the ranks' are compared
   // (ShmWork::fingerprint_mismatch). Every rank passes one for the same collectives.
-  c10::intrusive_ptr<ShmWork> allreduce_sum(const at::Tensor& t, double scale = 1.0, bool sum_of_squares = false,
+  c10::intrusive_ptr<ShmWork> allreduce_sum(const at::Tensor& t, Scaling scale = {}, bool sum_of_squares = false,
                                             const Fingerprint* fingerprint = nullptr);
   // The same over `pieces` of `dtype` elements (the same total on every rank; each rank may cut
   // its memory into other pieces). `holders` keep the pieces' memory alive until the collective
   // ends; the comm thread lets go of them before the work completes.
   c10::intrusive_ptr<ShmWork> allreduce_sum(std::vector<ShmPiece> pieces, std::vector<at::Tensor> holders,
-                                            at::ScalarType dtype, double scale, bool sum_of_squares,
+                                            at::ScalarType dtype, Scaling scale, bool sum_of_squares,
                                             const Fingerprint* fingerprint);
 
   // Copies group rank 0's `tensors` (any CPU tensors, at most broadcast_bytes() in all) into

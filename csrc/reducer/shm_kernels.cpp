@@ -20,13 +20,6 @@ namespace {
 // blocking on both sides gives the same bits on every rank.
 constexpr int64_t kBlock = 2048;
 
-// A value scaled as torch DDP scales a gradient in its own dtype before the all-reduce
-// (at::mul_out computes in Acc and rounds to T): a no-op for fp32/fp64, a rounding for bf16/fp16.
-template <typename T, typename Acc>
-inline Acc scaled_as_t(T value, Acc scale) {
-  return static_cast<Acc>(static_cast<T>(static_cast<Acc>(value) * scale));
-}
-
 // A sum rounded to T and back (a no-op where T is Acc).
 template <typename T, typename Acc>
 inline Acc rounded_to(Acc value) {
@@ -37,34 +30,26 @@ inline Acc rounded_to(Acc value) {
   }
 }
 
-// dst[i] = sum over src of scale * src[k][i], added in the order of src, and the same values
-// into `copy` when it is not null. Each rank's value is scaled (and rounded to T) before the
-// sum, as torch DDP divides each gradient before its all-reduce: at world size 2 the result has
-// torch's bits also where the sum itself would overflow or the halves are subnormal. Each
-// addition rounds to T, as gloo's does (a bf16/fp16 pair is added in fp32 and rounded), so with
-// src in gloo's order (ring_order.h) the result is gloo's at every world size. dst may be one of
-// the sources: each block is read completely before it is written. Returns the sum of squares of
-// the written values when `squares` (each block is squared, and copied, while it is in L1).
-template <typename T, typename Acc>
-double sum_slices(T* dst, T* copy, const std::vector<const T*>& src, int64_t n, Acc scale, bool squares) {
+// dst[i] = sum over src of scale(src[k][i]), added in the order of src, and the same values
+// into `copy` when it is not null. `scale` maps a T to Acc: each rank's value is scaled (and
+// rounded to T) before the sum, as torch DDP averages each gradient before its all-reduce, so at
+// world size 2 the result has torch's bits also where the sum itself would overflow or the
+// halves are subnormal. Each addition rounds to T, as gloo's does (a bf16/fp16 pair is added in
+// fp32 and rounded), so with src in gloo's order (ring_order.h) the result is gloo's at every
+// world size. dst may be one of the sources: each block is read completely before it is
+// written. Returns the sum of squares of the written values when `squares` (each block is
+// squared, and copied, while it is in L1).
+template <typename T, typename Acc, class Scale>
+double sum_slices(T* dst, T* copy, const std::vector<const T*>& src, int64_t n, Scale scale, bool squares) {
   Acc acc[kBlock];
   double sumsq = 0.0;
-  const bool scaled = scale != Acc(1);
   for (int64_t base = 0; base < n; base += kBlock) {
     const int64_t m = std::min(kBlock, n - base);
     const T* s0 = src[0] + base;
-    if (scaled) {
-      for (int64_t i = 0; i < m; ++i) acc[i] = scaled_as_t(s0[i], scale);
-    } else {
-      for (int64_t i = 0; i < m; ++i) acc[i] = static_cast<Acc>(s0[i]);
-    }
+    for (int64_t i = 0; i < m; ++i) acc[i] = scale(s0[i]);
     for (size_t k = 1; k < src.size(); ++k) {
       const T* s = src[k] + base;
-      if (scaled) {
-        for (int64_t i = 0; i < m; ++i) acc[i] = rounded_to<T>(acc[i] + scaled_as_t(s[i], scale));
-      } else {
-        for (int64_t i = 0; i < m; ++i) acc[i] = rounded_to<T>(acc[i] + static_cast<Acc>(s[i]));
-      }
+      for (int64_t i = 0; i < m; ++i) acc[i] = rounded_to<T>(acc[i] + scale(s[i]));
     }
     T* d = dst + base;
     for (int64_t i = 0; i < m; ++i) d[i] = static_cast<T>(acc[i]);
@@ -74,13 +59,26 @@ double sum_slices(T* dst, T* copy, const std::vector<const T*>& src, int64_t n, 
   return sumsq;
 }
 
+// The scaling as torch applies it to a tensor of T (at::mul / at::div with a scalar compute in
+// Acc and round to T): a no-op rounding for fp32/fp64, a rounding for bf16/fp16.
 template <typename T, typename Acc>
-double sum_bytes(char* dst, char* copy, const std::vector<const char*>& src, int64_t n, double scale, bool squares) {
+double sum_bytes(char* dst, char* copy, const std::vector<const char*>& src, int64_t n, Scaling scaling,
+                 bool squares) {
   std::vector<const T*> typed;
   typed.reserve(src.size());
   for (const char* s : src) typed.push_back(reinterpret_cast<const T*>(s));
-  return sum_slices<T, Acc>(reinterpret_cast<T*>(dst), reinterpret_cast<T*>(copy), typed, n,
-                            static_cast<Acc>(scale), squares);
+  T* out = reinterpret_cast<T*>(dst);
+  T* again = reinterpret_cast<T*>(copy);
+  const Acc f = static_cast<Acc>(scaling.factor);
+  if (scaling.identity()) {
+    return sum_slices<T, Acc>(out, again, typed, n, [](T v) { return static_cast<Acc>(v); }, squares);
+  }
+  if (scaling.divide) {
+    return sum_slices<T, Acc>(out, again, typed, n,
+                              [f](T v) { return static_cast<Acc>(static_cast<T>(static_cast<Acc>(v) / f)); }, squares);
+  }
+  return sum_slices<T, Acc>(out, again, typed, n,
+                            [f](T v) { return static_cast<Acc>(static_cast<T>(static_cast<Acc>(v) * f)); }, squares);
 }
 
 // memcpy of `n` elements, returning the sum of squares of the copied values when `squares`
@@ -105,7 +103,7 @@ double copy_elements(char* dst, const char* src, int64_t n, bool squares) {
 
 // The reduction of one slice per dtype, each compiled for AVX2 + FMA and the baseline.
 FASTDDP_CPU_CLONES double reduce_slice(at::ScalarType dtype, char* dst, char* copy, const std::vector<const char*>& src,
-                                       int64_t n, double scale, bool squares) {
+                                       int64_t n, Scaling scale, bool squares) {
   switch (dtype) {
     case at::kFloat: return sum_bytes<float, float>(dst, copy, src, n, scale, squares);
     case at::kDouble: return sum_bytes<double, double>(dst, copy, src, n, scale, squares);

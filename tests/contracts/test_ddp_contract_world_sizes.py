@@ -3,7 +3,9 @@ bit for bit, on the shared-memory transport too. torch DDP scales each gradient 
 its dtype and gloo's ring all-reduce adds the ranks' values in an order that depends on where
 an element falls in the bucket (csrc/reducer/ring_order.h); the shared sum adds them in that
 order, and on the c10d transport the fingerprint travels in an all-reduce of its own so that
-the bucket keeps torch's length. bf16/fp16: test_ddp_contract_half_buckets.py."""
+the bucket keeps torch's length. torch's allreduce_hook divides each gradient by the world size
+where the reducer multiplies it by the inverse: DDPWrapper does what was registered.
+bf16/fp16: test_ddp_contract_half_buckets.py."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from .test_ddp_contract import bn_mlp, build_pair, differences
 
@@ -26,10 +29,14 @@ def wide() -> nn.Module:
 MODELS = {"bn_mlp": (bn_mlp, 6), "wide": (wide, 701)}
 
 
-def _train(rank: int, world_size: int, model: str, transport: str, dtype: torch.dtype) -> Any:
+def _train(rank: int, world_size: int, model: str, transport: str, dtype: torch.dtype,
+           hook: bool = False) -> Any:
     factory, width = MODELS[model]
     ours, ref = build_pair(lambda: factory().to(dtype), None, rank,
                            ours_kwargs={"shm_allreduce": transport == "shm"})
+    if hook:
+        for m in (ours, ref):
+            m.register_comm_hook(None, default_hooks.allreduce_hook)
     opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (ours, ref)]
     g = torch.Generator().manual_seed(100 + rank)
     found = []
@@ -56,3 +63,11 @@ def test_larger_worlds_reduce_as_torch_bit_for_bit(ranks, world: int, transport:
                                                    dtype: torch.dtype) -> None:
     results = ranks.run(_train, world_size=world, args=(model, transport, dtype))
     assert results == [(transport, [])] * world, results
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("transport", ["shm", "c10d"])
+def test_allreduce_hook_divides_as_torch_at_three_ranks(ranks, transport: str, dtype: torch.dtype) -> None:
+    """x / 3 and x * fl(1/3) differ in the last bit for about a third of float32 values."""
+    results = ranks.run(_train, world_size=3, args=("wide", transport, dtype, True))
+    assert results == [(transport, [])] * 3, results

@@ -10,6 +10,7 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.constants import default_pg_timeout
 
 from .. import diag
@@ -75,6 +76,8 @@ class Buckets:
         options.find_unused_parameters = bool(self.find_unused_parameters)
         options.static_graph = self.static_graph
         options.comm_dtype = self.comm_dtype
+        # torch's allreduce_hook divides each gradient by the world size, its reducer multiplies
+        options.divide_gradients = self._comm_hook is default_hooks.allreduce_hook
         # a Python hook reduces through its own collectives; a copy (deepcopy / unpickled)
         # does no set-up collective
         options.shm_allreduce = (None if self._python_hook is not None or self._is_copy

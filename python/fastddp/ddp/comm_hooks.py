@@ -69,10 +69,11 @@ class CommHooks:
         documentation requires; the hook runs in every reduced backward, in a world of one too,
         and replaces the shared-memory transport.
 
-        torch's ``default_hooks.allreduce_hook`` (what the reducer does anyway),
-        ``fp16_compress_hook`` and ``bf16_compress_hook`` (the same as ``comm_dtype=
-        torch.float16`` / ``torch.bfloat16``) run in C++ instead of Python, with the
-        shared-memory transport kept."""
+        torch's ``default_hooks.allreduce_hook`` (each gradient divided by the world size,
+        where the reducer without a hook multiplies by its inverse: other last bits at a world
+        size that is not a power of two), ``fp16_compress_hook`` and ``bf16_compress_hook``
+        (the same as ``comm_dtype=torch.float16`` / ``torch.bfloat16``) run in C++ instead of
+        Python, with the shared-memory transport kept."""
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
         known: dict[Callable, Optional[torch.dtype]] = {
@@ -108,7 +109,7 @@ class CommHooks:
         self._run_log.comm_hook = getattr(hook, "__qualname__", name)  # torch's logger's name for it
         if dtype is not None and dtype != self.comm_dtype:
             self.comm_dtype = dtype
-            self._replace_reducer()
+        self._replace_reducer()  # the reducer runs the hook: comm_dtype, or allreduce_hook's division
 
     def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
         """torch DDP's C++ built-in hooks (``dist.BuiltinCommHookType``): ``ALLREDUCE`` is what

@@ -72,14 +72,23 @@ class UnevenInputs:
     def _shadow_iteration(self) -> None:
         """On a joined rank: answer one iteration of the ranks still training (the bucket
         rebuild, the buffer broadcast and one reduced backward's collectives, as they agreed)."""
-        sync, rebuild, _, buffers_from, sync_buffers = self._join_agree(False, False, active=False)
+        sync, rebuild, n_active, buffers_from, sync_buffers = self._join_agree(False, False, active=False)
         if rebuild:
             self._rebuild_buckets()
         if sync_buffers:
             self._sync_buffers_before_forward(buffers_from)
         if sync:
+            self._average_over(n_active)
             with diag.phase(diag.Phase.JOIN):
                 self._reducer.shadow_reduction()
+
+    def _average_over(self, n_active: int) -> None:
+        """The coming reduction's divisor, on every rank alike (the shared-memory sum scales
+        each rank's slice where it is summed): the ranks still training with
+        ``divide_by_initial_world_size=False``, else the world size. A registered hook, torch's
+        built-in ones too, divides by the group size itself, as under torch DDP."""
+        if not self._divide_by_initial_world_size and n_active < self._world_size and self._comm_hook is None:
+            self._reducer.set_reduction_divisor(n_active)
 
     def _sync_final_model(self, is_last_joiner: bool) -> None:
         """After join(): every rank takes the parameters and buffers of the highest-ranked

@@ -314,12 +314,8 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, ModuleStateSync, Pickling, To
                 sync, rebuild, active=True, sync_buffers=sync_buffers)
             if work is not None:
                 work.wait()
-            if sync and not self._divide_by_initial_world_size and n_active < self._world_size \
-                    and self._comm_hook is None:
-                # average over the ranks still training instead of the initial world size (a
-                # registered hook, torch's built-in ones too, divides by the group size itself,
-                # as under torch DDP)
-                self._reducer.set_reduction_scale(self._world_size / n_active)
+            if sync:
+                self._average_over(n_active)
         if rebuild:
             self._rebuild_buckets()
         if sync_buffers:
