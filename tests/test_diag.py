@@ -201,7 +201,9 @@ sys.stdin.readline()  # the store's host is killed meanwhile
 time.sleep(2.0)  # the watchdog polls it every 0.25 s
 model(torch.randn(3, 4)).sum().backward()  # gloo needs no store: training goes on
 print("done", flush=True)
-# gloo's threads end here, not while the interpreter finalizes (docs/compatibility.md, Teardown)
+# gloo's threads end here, not while the interpreter finalizes (docs/compatibility.md, Teardown):
+# the wrapper holds the group (as torch DDP does), so it goes first
+del model
 dist.destroy_process_group()
 """
 
