@@ -100,7 +100,8 @@ def _outcome(cls: type, kwargs: dict[str, Any]) -> tuple:
     """The exception type of wrapping ``_model()`` with ``kwargs``, or the attributes torch sets
     from them."""
     names = ("find_unused_parameters", "gradient_as_bucket_view", "static_graph", "forward_sync_buffers",
-             "broadcast_buffers", "bucket_bytes_cap", "skip_all_reduce_unused_params", "batched_grad_copy")
+             "broadcast_buffers", "bucket_bytes_cap", "bucket_bytes_cap_list", "bucket_bytes_cap_default",
+             "skip_all_reduce_unused_params", "batched_grad_copy")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:

@@ -27,8 +27,8 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
 
 
-def _pair() -> tuple[nn.Module, nn.Module]:
-    return TorchDDP(_model()), fastddp.DDPWrapper(_model())
+def _pair(**kwargs: Any) -> tuple[nn.Module, nn.Module]:
+    return TorchDDP(_model(), **kwargs), fastddp.DDPWrapper(_model(), **kwargs)
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -138,12 +138,12 @@ def test_torch_ddp_internal_methods_raise_naming_themselves(ranks) -> None:
     assert ranks.run(_internal_methods, world_size=1) == [INTERNALS]
 
 
-def _public_attributes(rank: int, world_size: int) -> list[str]:
+def _public_attributes(rank: int, world_size: int, kwargs: dict[str, Any]) -> list[str]:
     """Every public attribute torch DDP's constructor sets: the same value on a DDPWrapper
     (buffers compared by identity with each model's own), or, for the ones that belong to
     torch's C++ reducer and logger, an AttributeError that says so; and no other public attribute."""
-    ref, ours = _pair()
-    own = {"logger", "bucket_bytes_cap_default", "bucket_bytes_cap_list"}
+    ref, ours = _pair(**kwargs)
+    own = {"logger"}
     missing = []
     for name in sorted(n for n in vars(ref) if not n.startswith("_")):
         if name in own:
@@ -168,9 +168,12 @@ def _public_attributes(rank: int, world_size: int) -> list[str]:
     return missing
 
 
-def test_torch_ddp_public_attributes(ranks) -> None:
-    assert set(ranks.run(_public_attributes, world_size=1)[0]) <= {
-        "logger", "bucket_bytes_cap_default", "bucket_bytes_cap_list"}
+@pytest.mark.parametrize("kwargs", [{}, {"bucket_cap_mb": 5}, {"bucket_cap_mb_list": [1, 3.5]},
+                                    {"bucket_cap_mb": 0.5, "bucket_cap_mb_list": [2]}])
+def test_torch_ddp_public_attributes(ranks, kwargs: dict[str, Any]) -> None:
+    """The bucket caps among them: bucket_bytes_cap, bucket_bytes_cap_list (bucket_cap_mb_list
+    in bytes) and bucket_bytes_cap_default (the smaller default first bucket)."""
+    assert set(ranks.run(_public_attributes, world_size=1, args=(kwargs,))[0]) <= {"logger"}
 
 
 def _profiled_forwards(rank: int, world_size: int) -> list[int]:

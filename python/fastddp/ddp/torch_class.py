@@ -16,14 +16,15 @@ from __future__ import annotations
 
 import inspect
 import os
-from typing import Any, Callable, NoReturn
+from typing import Any, Callable, NoReturn, Optional
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 # torch DDP's attributes that belong to its own C++ reducer and logger: no DDPWrapper has them
-TORCH_ONLY_ATTRIBUTES = ("logger", "bucket_bytes_cap_default", "bucket_bytes_cap_list")
+TORCH_ONLY_ATTRIBUTES = ("logger",)
+_MIB = 1024 * 1024
 
 
 class TorchReducerCalls:
@@ -86,9 +87,14 @@ class TorchAttributes:
     # it, so a compiled module inside a DDPWrapper is split into buckets as inside torch DDP.
     _inside_ddp_forward = DistributedDataParallel._inside_ddp_forward
 
-    def _describe_as_torch_ddp(self, bucket_cap_mb: float) -> None:
-        """Set the descriptive attributes torch DDP's constructor sets."""
-        self.bucket_bytes_cap = int(bucket_cap_mb * 1024 * 1024)
+    def _describe_as_torch_ddp(self, bucket_cap_mb: float, first_bucket_mb: float,
+                               caps_mb: Optional[list[float]]) -> None:
+        """Set the descriptive attributes torch DDP's constructor sets (the bucket caps as
+        torch's _BucketCapacityConfig gives them: the cap, the per-bucket caps given with
+        ``bucket_cap_mb_list``, and whether the first bucket is the smaller default one)."""
+        self.bucket_bytes_cap = int(bucket_cap_mb * _MIB)
+        self.bucket_bytes_cap_list = [int(cap * _MIB) for cap in caps_mb or ()]
+        self.bucket_bytes_cap_default = int(first_bucket_mb * _MIB) < self.bucket_bytes_cap
         self.is_multi_device_module = len({p.device for p in self._reduced_params}) > 1
         self.device_type = self._reduced_params[0].device.type
         self.device = self._reduced_params[0].device

@@ -227,7 +227,7 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, ModuleStateSync, Pickling, To
         self._sizes_before_rebuild: Optional[list[int]] = None  # see _rebuild_buckets
         self._run_log = RunLog()  # what torch DDP's logger records as it runs (logging_data.py)
         self._bucket_caps_mb = caps
-        self._describe_as_torch_ddp(bucket_cap_mb)
+        self._describe_as_torch_ddp(bucket_cap_mb, first_bucket_mb, caps)
         self._shm_requested = shm_allreduce
         self._comm_hook: Optional[Callable] = None
         self._python_hook: Optional[tuple[object, Callable]] = None  # (state, hook) run per bucket
