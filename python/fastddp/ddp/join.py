@@ -87,8 +87,8 @@ class UnevenInputs:
         each rank's slice where it is summed): the ranks still training with
         ``divide_by_initial_world_size=False``, else the world size. A registered hook, torch's
         built-in ones too, divides by the group size itself, as under torch DDP."""
-        if not self._divide_by_initial_world_size and n_active < self._world_size and self._comm_hook is None:
-            self._reducer.set_reduction_divisor(n_active)
+        over_active = not self._divide_by_initial_world_size and self._comm_hook is None
+        self._reducer.set_reduction_divisor(n_active if over_active else self._world_size)
 
     def _sync_final_model(self, is_last_joiner: bool) -> None:
         """After join(): every rank takes the parameters and buffers of the highest-ranked
