@@ -250,7 +250,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // Whether `grad` (parameter `index`'s) is reduced in place in its own memory instead of being
   // copied into its bucket slot first: a large dense gradient laid out as the slot, in a bucket
   // the shared-memory transport reduces uncompressed, with nothing that reads the flat buffers
-  // (no communication hook, no visitor, no bucket_buffers() consumer, no join() rescaling).
+  // (no communication hook, no visitor, no bucket_buffers() consumer), averaged by the sum
+  // (over the world size: see wire_scaling_locked).
   bool reduces_in_place_locked(int64_t index, const at::Tensor& grad, const at::Tensor& view) const;
   // The memory of a bucket with gradients reduced in place: runs of the flat buffer between
   // them, and the gradients themselves; `holders` keep it alive.
