@@ -122,6 +122,8 @@ void bind_reducer(py::module_& m) {
       .def("rebuild_buckets_in_arrival_order", &fastddp::reducer::Reducer::rebuild_buckets_in_arrival_order,
            "Re-plan the buckets in group rank 0's gradient arrival order (a collective); True if they changed.",
            py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("graph_static", &fastddp::reducer::Reducer::graph_static,
+                             "torch's reducer._ddp_graph_static(): the same parameters unused in every reducing forward.")
       .def_property_readonly("reductions",
                              py::cpp_function(&fastddp::reducer::Reducer::reductions,
                                               py::call_guard<py::gil_scoped_release>()),

@@ -140,6 +140,11 @@ int64_t Reducer::reductions() const {
   return reductions_;
 }
 
+bool Reducer::graph_static() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return graph_static_;
+}
+
 IterationStats Reducer::iteration_stats() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return stats_;
@@ -212,6 +217,7 @@ void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs, bool 
     // and are ready right away (zero contribution).
     const auto reached = reached_accumulators(outputs, grad_accumulators_);
     note_unused_locked(reached);
+    note_graph_static_locked();
     // torch DDP's hint, on stderr as there (the binding runs without the GIL, so c10's default
     // handler prints it): the graph walk costs every iteration and found nothing to skip.
     if (std::all_of(reached.begin(), reached.end(), [](char r) { return r != 0; })) {

@@ -145,6 +145,10 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // Reduced backwards finished so far.
   int64_t reductions() const;
 
+  // torch DDP's reducer._ddp_graph_static(): with find_unused_parameters (and no static_graph),
+  // whether every reducing forward so far left the same parameters unused; true otherwise.
+  bool graph_static() const;
+
   // The last reducing backward's phase times and bucket count (iteration_stats.h).
   IterationStats iteration_stats() const;
 
@@ -282,6 +286,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void note_reducing_forward_locked();
   // find_unused_parameters: the parameters the reducing forward did not reach.
   void note_unused_locked(const std::vector<char>& reached);
+  void note_graph_static_locked();
   // The error for parameters without a gradient at the end of backward (empty: none); notes
   // them for the fingerprint.
   std::string missing_gradients_locked(bool at_next_forward);
@@ -418,6 +423,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   int64_t fp_unused_ = 0;           // hash of the parameters the reducing forward did not reach
   int64_t fp_missing_ = 0;          // hash of the parameters without a gradient (finalize)
   std::vector<char> unused_now_;    // find_unused_parameters: not reached by the reducing forward
+  std::vector<char> first_unused_;  // the first reducing forward's unused_now_ (graph_static())
+  bool graph_static_ = true;        // every search since found first_unused_ again
   std::vector<char> missing_now_;   // requiring grad, yet no gradient in this backward
   Fingerprint fp_sent_;             // this rank's fingerprint of the current reduction
   at::Tensor fp_wire_;              // process-group transport: [f, -f], all-reduced with MAX

@@ -212,3 +212,41 @@ def _profiled_collectives(rank: int, world_size: int) -> dict[str, int]:
 
 def test_shared_memory_collectives_are_events_in_a_profile(ranks) -> None:
     assert ranks.run(_profiled_collectives) == [{"all_reduce": 3, "broadcast": 3}] * 2
+
+
+class _CountClones(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.clones = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        self.clones += func._overloadpacket == torch.ops.aten.clone
+        return func(*args, **(kwargs or {}))
+
+
+def _sink_clones(rank: int, world_size: int, kwargs: dict[str, Any], clone: Any) -> list[Any]:
+    """Per class: the clones a forward and backward make, and the gradients."""
+    found = []
+    for cls in (TorchDDP, fastddp.DDPWrapper):
+        model = cls(_model(), **kwargs)
+        if clone is not None:
+            model._set_ddp_sink_clone(clone)
+        counter = _CountClones()
+        with counter:
+            model(torch.randn(5, 3, generator=torch.Generator().manual_seed(rank))).sum().backward()
+        found.append((counter.clones, [p.grad.clone() for p in model.parameters()]))
+    (torch_clones, torch_grads), (our_clones, our_grads) = found
+    assert all(torch.equal(a, b) for a, b in zip(torch_grads, our_grads))
+    return [torch_clones, our_clones]
+
+
+@pytest.mark.parametrize("clone", [None, True, False, 0])
+@pytest.mark.parametrize("kwargs", [{"find_unused_parameters": True}, {"static_graph": True}, {}])
+def test_set_ddp_sink_clone_as_torch(ranks, kwargs: dict[str, Any], clone: Any) -> None:
+    """torch DDP's _set_ddp_sink_clone(False): the outputs that go through its sink node are the
+    module's own tensors, not clones (the same number of clones on both sides, and the same
+    gradients)."""
+    torch_clones, our_clones = ranks.run(_sink_clones, world_size=1, args=(kwargs, clone))[0]
+    assert our_clones == torch_clones
+    sink = bool(kwargs) and clone in (None, True)
+    assert (torch_clones > 0) == sink, torch_clones

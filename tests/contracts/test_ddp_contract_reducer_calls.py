@@ -12,6 +12,8 @@ side by side with torch DDP in the same two gloo ranks.
   ``static_graph=True`` its ``DDPStrategy.post_backward`` calls ``ddp.reducer._delay_all_reduce()``
   after the first manual backward: that backward never reaches the outputs whose backward would
   reduce static_graph's first iteration.
+- ``ddp.reducer._ddp_graph_static()``: whether the unused parameters were the same in every
+  iteration (torch's hint that ``static_graph=True`` would do).
 
 Losses, gradients and parameters must be torch DDP's bit for bit.
 """
@@ -179,3 +181,41 @@ def _other_reducer_calls(rank: int, world_size: int) -> str:
 def test_other_reducer_calls_are_refused_naming_them(ranks) -> None:
     message = ranks.run(_other_reducer_calls, world_size=1)[0]
     assert "reducer._set_static_graph" in message and "prepare_for_backward" in message, message
+
+
+class _Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, use: str) -> torch.Tensor:
+        return sum((getattr(self, k)(x) for k in use), torch.zeros(()))
+
+
+# per iteration, the branches each forward uses
+_USE_PLANS = {"same": ["ab"] * 5, "changes": ["ab", "ab", "ac", "ab", "ab"], "all": ["abc"] * 3,
+              "later": ["ab", "ab", "ab", "a"]}
+
+
+def _graph_static(rank: int, world_size: int, kwargs: dict[str, Any], plan: str) -> list[list[bool]]:
+    seen = []
+    for cls in (TorchDDP, fastddp.DDPWrapper):
+        ddp = cls(_Branchy(), **kwargs)
+        after = []
+        for use in _USE_PLANS[plan]:
+            ddp(torch.randn(3, 4), use).sum().backward()
+            after.append(ddp.reducer._ddp_graph_static())
+        seen.append(after)
+    return seen
+
+
+@pytest.mark.parametrize(("kwargs", "plan"), [
+    *(({"find_unused_parameters": True}, plan) for plan in _USE_PLANS),
+    ({}, "all"),  # (without find_unused_parameters a changing graph fails the reduction)
+    *(({"find_unused_parameters": True, "static_graph": True}, plan) for plan in ("same", "all")),
+])
+def test_ddp_graph_static_as_torch(ranks, kwargs: dict[str, Any], plan: str) -> None:
+    torch_side, ours = ranks.run(_graph_static, world_size=1, args=(kwargs, plan))[0]
+    assert ours == torch_side
+    assert torch_side[-1] == (plan not in ("changes", "later"))

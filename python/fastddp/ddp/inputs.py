@@ -29,35 +29,36 @@ def find_tensors(obj: Any) -> list[torch.Tensor]:
 
 class _OutputSink(torch.autograd.Function):
     """torch DDP's ``_DDPSink``: one node in front of the forward's outputs (cloned, as torch
-    clones them). A backward from any of them runs this node, which sends undefined gradients
-    down the graphs of the outputs the loss left out, so their parameters' hooks fire without a
-    gradient (unused in this backward) instead of never firing."""
+    clones them, unless ``_set_ddp_sink_clone(False)``). A backward from any of them runs this
+    node, which sends undefined gradients down the graphs of the outputs the loss left out, so
+    their parameters' hooks fire without a gradient (unused in this backward) instead of never
+    firing."""
 
     @staticmethod
-    def forward(ctx: Any, on_backward: Optional[Callable[[], None]],
+    def forward(ctx: Any, on_backward: Optional[Callable[[], None]], clone: bool,
                 *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.set_materialize_grads(False)  # an output the loss left out gets None, not zeros
         ctx.on_backward = on_backward
-        return tuple(t.clone() for t in tensors)
+        return tuple(t.clone() for t in tensors) if clone else tensors
 
     @staticmethod
     def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], ...]:
         if ctx.on_backward is not None:
             ctx.on_backward()
-        return (None, *grads)
+        return (None, None, *grads)
 
 
-def through_sink(output: Any, on_backward: Optional[Callable[[], None]] = None) -> Any:
+def through_sink(output: Any, on_backward: Optional[Callable[[], None]] = None, clone: bool = True) -> Any:
     """``output`` as torch DDP returns it through its ``_DDPSink`` (``find_unused_parameters=True``,
     and a ``static_graph`` wrapper until its first backward): rebuilt by ``torch.utils._pytree``
-    (as torch rebuilds it), with every tensor that has a ``grad_fn`` replaced by its clone from
-    one :class:`_OutputSink` node; the other leaves as they are (tensors inside a type pytree
-    does not know, such as a dataclass, included). ``on_backward`` runs when a backward
-    reaches the node."""
+    (as torch rebuilds it), with every tensor that has a ``grad_fn`` replaced by its output of
+    one :class:`_OutputSink` node (a clone unless ``clone`` is False); the other leaves as they
+    are (tensors inside a type pytree does not know, such as a dataclass, included).
+    ``on_backward`` runs when a backward reaches the node."""
     leaves, spec = tree_flatten(output)
     index = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     if index:
-        for i, t in zip(index, _OutputSink.apply(on_backward, *(leaves[i] for i in index))):
+        for i, t in zip(index, _OutputSink.apply(on_backward, clone, *(leaves[i] for i in index))):
             leaves[i] = t
     return tree_unflatten(leaves, spec)
 
@@ -69,13 +70,14 @@ class OutputSink:
 
     def __init__(self) -> None:
         self.static_reached = False
+        self.clone = True  # torch DDP's _set_ddp_sink_clone()
 
     def __call__(self, output: Any, find_unused_parameters: bool, static_graph: bool, reducing: bool) -> Any:
         if static_graph:
-            return output if self.static_reached else through_sink(output, self._reached)
+            return output if self.static_reached else through_sink(output, self._reached, self.clone)
         if not find_unused_parameters:
             return output
-        return through_sink(output, _one_backward_per_forward() if reducing else None)
+        return through_sink(output, _one_backward_per_forward() if reducing else None, self.clone)
 
     def _reached(self) -> None:
         self.static_reached = True

@@ -35,7 +35,8 @@ class TorchReducerCalls:
     ``prepare_for_backward(outputs)``, which arms the next backward to be reduced, and
     ``_rebuild_buckets()``, which rebuilds the buckets when torch's rule says they are due
     (True when it did); Lightning's manual optimization with ``static_graph=True`` calls
-    ``_delay_all_reduce()`` after the first backward. Every other method of torch's reducer
+    ``_delay_all_reduce()`` after the first backward; ``_ddp_graph_static()`` says whether the
+    unused parameters were the same in every iteration. Every other method of torch's reducer
     raises ``NotImplementedError`` naming it."""
 
     def __init__(self, ddp: Any) -> None:
@@ -59,13 +60,18 @@ class TorchReducerCalls:
         inside the module's forward and so never reaches the outputs that would reduce it)."""
         self._ddp._reduce_static_first_now()
 
+    def _ddp_graph_static(self) -> bool:
+        """Whether every reducing forward so far left the same parameters unused (with
+        ``find_unused_parameters=True``; always True without it, and with ``static_graph``)."""
+        return self._ddp._reducer.graph_static
+
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):  # copy, pickle and friends probe for these
             raise AttributeError(name)
         raise NotImplementedError(
             f"DDPWrapper.reducer.{name}: DDPWrapper's reducer answers only the calls training libraries "
             "make on torch DistributedDataParallel's C++ reducer (prepare_for_backward, _rebuild_buckets, "
-            "_delay_all_reduce). "
+            "_delay_all_reduce, _ddp_graph_static). "
             "Use torch.nn.parallel.DistributedDataParallel for code that needs the rest of it.")
 
 

@@ -339,6 +339,13 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, ModuleStateSync, Pickling, To
         return self._output_sink(output, self.find_unused_parameters, self.static_graph,
                                  reducing=grad_enabled and self.require_backward_grad_sync)
 
+    def _set_ddp_sink_clone(self, val: bool) -> None:
+        """torch DDP's switch: whether the outputs that go through its sink node
+        (``find_unused_parameters=True``, ``static_graph``'s first iteration) are clones (the
+        default; an in-place change of one then does not fail the backward) or the module's
+        own tensors (no copy)."""
+        self._output_sink.clone = val
+
     def _prepare_reduction(self, output: Any, sync: bool) -> None:
         """Arm the reducer for the next backward (``sync``: reduce it). The reducer hooks the
         tensors in ``output``: a backward that misses gradients while some output is still to be
