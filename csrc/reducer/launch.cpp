@@ -66,8 +66,8 @@ c10::intrusive_ptr<c10d::Work> Reducer::allreduce_wire_locked(Bucket& bucket, bo
   if (bucket.shm && bucket.direct) {
     std::vector<at::Tensor> holders;
     auto pieces = direct_pieces_locked(bucket, &holders);
-    return shm_->allreduce_sum(std::move(pieces), std::move(holders), bucket.buffer.scalar_type(), wire_scaling_locked(bucket), squares,
-                               fingerprint);
+    return shm_->allreduce_sum(std::move(pieces), std::move(holders), bucket.buffer.scalar_type(),
+                               wire_scaling_locked(bucket), squares, fingerprint);
   }
   if (bucket.shm) return shm_->allreduce_sum(wire, wire_scaling_locked(bucket), squares, fingerprint);
   c10d::AllreduceOptions opts;

@@ -164,8 +164,9 @@ bool Reducer::reduce_avg_locked() {
   if (!average_.over_world()) return false;  // join(): averaged over the ranks still training
   if (!reduce_avg_) {
     bool avg = false;
-    if (!comm_dtype_ && !comm_hook_ && !options_.divide_gradients && process_group_->getSize() > 1 && !buckets_.empty() &&
-        buckets_.front().buffer.is_cuda()) {
+    // (torch's allreduce_hook divides before a SUM: the division is kept, and so its bits)
+    if (!comm_dtype_ && !comm_hook_ && !options_.divide_gradients && process_group_->getSize() > 1 &&
+        !buckets_.empty() && buckets_.front().buffer.is_cuda()) {
       try {
         avg = process_group_->getBackend(c10::DeviceType::CUDA)->getBackendName() == "nccl";
       } catch (const c10::Error&) {
