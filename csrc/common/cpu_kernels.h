@@ -19,6 +19,15 @@
 #define FASTDDP_CPU_CLONES
 #endif
 
+// A helper that a FASTDDP_CPU_CLONES function calls: inlined into each clone, so that its loops
+// are compiled for that clone's target. A helper the compiler chooses not to inline (a large
+// loop nest) is one baseline copy that both clones call.
+#if defined(__GNUC__)
+#define FASTDDP_CLONED_HELPER __attribute__((always_inline)) inline
+#else
+#define FASTDDP_CLONED_HELPER inline
+#endif
+
 namespace fastddp {
 
 // Sum of squares of p[0..n), accumulated in double. NaN exactly when an element is inf or NaN

@@ -40,7 +40,8 @@ inline Acc rounded_to(Acc value) {
 // written. Returns the sum of squares of the written values when `squares` (each block is
 // squared, and copied, while it is in L1).
 template <typename T, typename Acc, class Scale>
-double sum_slices(T* dst, T* copy, const std::vector<const T*>& src, int64_t n, Scale scale, bool squares) {
+FASTDDP_CLONED_HELPER double sum_slices(T* dst, T* copy, const std::vector<const T*>& src, int64_t n, Scale scale,
+                                        bool squares) {
   Acc acc[kBlock];
   double sumsq = 0.0;
   for (int64_t base = 0; base < n; base += kBlock) {
@@ -62,8 +63,8 @@ double sum_slices(T* dst, T* copy, const std::vector<const T*>& src, int64_t n, 
 // The scaling as torch applies it to a tensor of T (at::mul / at::div with a scalar compute in
 // Acc and round to T): a no-op rounding for fp32/fp64, a rounding for bf16/fp16.
 template <typename T, typename Acc>
-double sum_bytes(char* dst, char* copy, const std::vector<const char*>& src, int64_t n, Scaling scaling,
-                 bool squares) {
+FASTDDP_CLONED_HELPER double sum_bytes(char* dst, char* copy, const std::vector<const char*>& src, int64_t n,
+                                       Scaling scaling, bool squares) {
   std::vector<const T*> typed;
   typed.reserve(src.size());
   for (const char* s : src) typed.push_back(reinterpret_cast<const T*>(s));
@@ -84,7 +85,7 @@ double sum_bytes(char* dst, char* copy, const std::vector<const char*>& src, int
 // memcpy of `n` elements, returning the sum of squares of the copied values when `squares`
 // (block by block, so each block is squared from L1 right after it was copied).
 template <typename T>
-double copy_elements(char* dst, const char* src, int64_t n, bool squares) {
+FASTDDP_CLONED_HELPER double copy_elements(char* dst, const char* src, int64_t n, bool squares) {
   if (!squares) {
     std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(T));
     return 0.0;
