@@ -112,8 +112,9 @@ class CommHooks:
         self._replace_reducer()  # the reducer runs the hook: comm_dtype, or allreduce_hook's division
 
     def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
-        """torch DDP's C++ built-in hooks (``dist.BuiltinCommHookType``): ``ALLREDUCE`` is what
-        the reducer does anyway, ``FP16_COMPRESS`` is ``comm_dtype=torch.float16``."""
+        """torch DDP's C++ built-in hooks (``dist.BuiltinCommHookType``): ``ALLREDUCE`` is
+        ``allreduce_hook`` (each gradient divided by the group size), ``FP16_COMPRESS`` is
+        ``comm_dtype=torch.float16``."""
         kind = getattr(comm_hook_type, "name", str(comm_hook_type))
         hooks = {"ALLREDUCE": "allreduce_hook", "FP16_COMPRESS": "fp16_compress_hook"}
         if kind not in hooks:
