@@ -236,7 +236,16 @@ void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs, bool 
   }
 }
 
-
+void Reducer::note_graph_static_locked() {
+  // torch compares each search's unused set with the one before, and stays false once it differed:
+  // the same as comparing every search with the first.
+  if (!graph_static_) return;
+  if (first_unused_.empty()) {
+    first_unused_ = unused_now_;
+  } else {
+    graph_static_ = unused_now_ == first_unused_;
+  }
+}
 
 void Reducer::watch_outputs_locked(const std::vector<at::Tensor>& outputs) {
   const uint64_t forward = ++forward_;

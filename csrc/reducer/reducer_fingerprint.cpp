@@ -103,17 +103,6 @@ void Reducer::note_unused_locked(const std::vector<char>& reached) {
   if (options_.fingerprint_unused) fp_unused_ = fp_finish(h);
 }
 
-void Reducer::note_graph_static_locked() {
-  // torch compares each search's unused set with the one before, and stays false once it differed:
-  // the same as comparing every search with the first.
-  if (!graph_static_) return;
-  if (first_unused_.empty()) {
-    first_unused_ = unused_now_;
-  } else {
-    graph_static_ = unused_now_ == first_unused_;
-  }
-}
-
 void Reducer::check_fingerprints_locked(const std::string& missing_error) {
   const bool desync = fingerprint_mismatch_locked();
   if (!desync && missing_error.empty()) return;
