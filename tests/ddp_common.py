@@ -185,3 +185,16 @@ class SharedCheckpointed(nn.Module):
         h = checkpoint(self._block, h, use_reentrant=True)
         h = checkpoint(self._block, h, use_reentrant=True)
         return self.head(h)
+
+
+class ThreeBranches(nn.Module):
+    """`a` in every forward; `b` and `c` where `use` names them (the parameters a forward
+    leaves unused)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = nn.Linear(3, 3), nn.Linear(3, 3), nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor, use: str) -> torch.Tensor:
+        return self.a(x) + sum((getattr(self, k)(x) for k in "bc" if k in use), torch.zeros(()))

@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import fastddp
 
-from .ddp_common import BranchNet, conv_bn, mlp
+from .ddp_common import BranchNet, ThreeBranches, conv_bn, mlp
 from .test_ddp_hooks import _mean_hook, torch_side_hook
 
 
@@ -178,16 +178,6 @@ def test_join_with_static_graph_is_a_clear_error(ranks) -> None:
     msg = ranks.run(_unsupported, world_size=1)[0]
     assert "DDPWrapper.join() cannot be used with static_graph=True" in msg
     assert "find_unused_parameters=True" in msg
-
-
-class ThreeBranches(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.a, self.b, self.c = nn.Linear(3, 3), nn.Linear(3, 3), nn.Linear(3, 3)
-
-    def forward(self, x: torch.Tensor, use: str) -> torch.Tensor:
-        return self.a(x) + sum((getattr(self, k)(x) for k in "bc" if k in use), torch.zeros(()))
 
 
 # Per rank, the branches each step's forward uses; a rank that ran out of steps has joined.

@@ -30,7 +30,7 @@ from torch.nn.parallel.distributed import _find_tensors
 
 import fastddp
 
-from ..ddp_common import compare_models
+from ..ddp_common import ThreeBranches, compare_models
 
 
 def _net() -> nn.Module:
@@ -183,16 +183,6 @@ def test_other_reducer_calls_are_refused_naming_them(ranks) -> None:
     assert "reducer._set_static_graph" in message and "prepare_for_backward" in message, message
 
 
-class _Branchy(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
-
-    def forward(self, x: torch.Tensor, use: str) -> torch.Tensor:
-        return sum((getattr(self, k)(x) for k in use), torch.zeros(()))
-
-
 # per iteration, the branches each forward uses
 _USE_PLANS = {"same": ["ab"] * 5, "changes": ["ab", "ab", "ac", "ab", "ab"], "all": ["abc"] * 3,
               "later": ["ab", "ab", "ab", "a"]}
@@ -201,10 +191,10 @@ _USE_PLANS = {"same": ["ab"] * 5, "changes": ["ab", "ab", "ac", "ab", "ab"], "al
 def _graph_static(rank: int, world_size: int, kwargs: dict[str, Any], plan: str) -> list[list[bool]]:
     seen = []
     for cls in (TorchDDP, fastddp.DDPWrapper):
-        ddp = cls(_Branchy(), **kwargs)
+        ddp = cls(ThreeBranches(), **kwargs)
         after = []
         for use in _USE_PLANS[plan]:
-            ddp(torch.randn(3, 4), use).sum().backward()
+            ddp(torch.randn(2, 3), use).sum().backward()
             after.append(ddp.reducer._ddp_graph_static())
         seen.append(after)
     return seen
