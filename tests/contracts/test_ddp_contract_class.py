@@ -232,11 +232,13 @@ def _sink_clones(rank: int, world_size: int, kwargs: dict[str, Any], clone: Any)
         if clone is not None:
             model._set_ddp_sink_clone(clone)
         counter = _CountClones()
+        torch.manual_seed(5)  # neither may draw from the global generator
         with counter:
             model(torch.randn(5, 3, generator=torch.Generator().manual_seed(rank))).sum().backward()
-        found.append((counter.clones, [p.grad.clone() for p in model.parameters()]))
-    (torch_clones, torch_grads), (our_clones, our_grads) = found
+        found.append((counter.clones, [p.grad.clone() for p in model.parameters()], torch.random.get_rng_state()))
+    (torch_clones, torch_grads, torch_rng), (our_clones, our_grads, our_rng) = found
     assert all(torch.equal(a, b) for a, b in zip(torch_grads, our_grads))
+    assert torch.equal(torch_rng, our_rng)
     return [torch_clones, our_clones]
 
 
