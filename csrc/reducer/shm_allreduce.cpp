@@ -164,11 +164,36 @@ void ShmAllreduce::broadcast_from_root(const std::vector<at::Tensor>& tensors) {
               broadcast_bytes_, " bytes reserved for them at construction (were buffers replaced by larger ones?)");
   if (tensors.empty()) return;
   auto work = c10::make_intrusive<ShmWork>(c10d::OpType::BROADCAST, "fastddp:shm_broadcast");
+  Task task{work, {}, {}, 0, at::kFloat, 0, Scaling{}, 0, tensors};
+  bool inline_here = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    queue_.push_back(Task{work, {}, {}, 0, at::kFloat, 0, Scaling{}, next_seq_++, tensors});
+    task.seq = next_seq_++;
+    // A forward's broadcast usually finds the comm thread idle (the backward's reductions are
+    // over): it runs on this thread then, which saves the two thread hand-offs that cost more
+    // than the copy of a model's buffers. Otherwise it queues behind the pending collectives.
+    inline_here = queue_.empty() && !busy_;
+    if (inline_here) {
+      busy_ = true;  // the comm thread leaves later tasks queued until this one is done
+    } else {
+      queue_.push_back(std::move(task));
+    }
   }
-  cv_.notify_one();
+  if (inline_here) {
+    std::exception_ptr error = perform(task);
+    task = Task{};
+    bool queued_meanwhile = false;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      busy_ = false;
+      queued_meanwhile = !queue_.empty();
+    }
+    // Waking the idle comm thread for nothing costs a context switch on a busy core.
+    if (queued_meanwhile) cv_.notify_one();
+    work->complete(error);
+  } else {
+    cv_.notify_one();
+  }
   work->wait();
 }
 
@@ -177,39 +202,49 @@ void ShmAllreduce::run() {
     Task task;
     {
       std::unique_lock<std::mutex> lock(mutex_);
-      cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
+      // A broadcast's caller running its task keeps the tasks queued behind it waiting.
+      cv_.wait(lock, [this] { return !busy_ && (stop_ || !queue_.empty()); });
       if (queue_.empty()) return;  // stop_ and nothing left
       task = std::move(queue_.front());
       queue_.pop_front();
+      busy_ = true;
     }
-    std::exception_ptr error;
-    try {
-      std::string broken;
-      {
-        std::lock_guard<std::mutex> lock(mutex_);
-        broken = broken_;
-        if (broken.empty() && stop_) broken = "the DDPWrapper was destroyed while an all-reduce was pending";
-      }
-      if (!broken.empty()) fail(broken);
-      if (task.broadcast.empty()) {
-        execute(task);
-      } else {
-        execute_broadcast(task);
-      }
-    } catch (const std::exception& e) {
-      {
-        std::lock_guard<std::mutex> lock(mutex_);
-        if (broken_.empty()) broken_ = e.what();
-      }
-      error = std::current_exception();
-      leave(kFailed);
-    }
+    std::exception_ptr error = perform(task);
     // The task's tensors go before the waiter wakes: the Reducer counts who holds a bucket's
     // memory right after wait() (move_lent_grads_locked, ensure_private_locked), and a
     // reference this thread still held would read as a script keeping a gradient.
     auto work = std::move(task.work);
     task = Task{};
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      busy_ = false;
+    }
     work->complete(error);
+  }
+}
+
+std::exception_ptr ShmAllreduce::perform(const Task& task) {
+  try {
+    std::string broken;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      broken = broken_;
+      if (broken.empty() && stop_) broken = "the DDPWrapper was destroyed while an all-reduce was pending";
+    }
+    if (!broken.empty()) fail(broken);
+    if (task.broadcast.empty()) {
+      execute(task);
+    } else {
+      execute_broadcast(task);
+    }
+    return nullptr;
+  } catch (const std::exception& e) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (broken_.empty()) broken_ = e.what();
+    }
+    leave(kFailed);
+    return std::current_exception();
   }
 }
 

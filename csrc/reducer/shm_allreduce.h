@@ -130,6 +130,9 @@ class ShmAllreduce {
   ShmAllreduce(std::shared_ptr<ShmSegment> segment, int rank, int world, int64_t chunk_bytes,
                int64_t broadcast_offset, int64_t broadcast_bytes, std::chrono::milliseconds timeout);
   void run();
+  // Runs one task on the calling thread (the comm thread, or a broadcast's caller while the
+  // comm thread is idle); the error it raised, after marking this rank failed.
+  std::exception_ptr perform(const Task& task);
   void execute(const Task& task);
   double execute_chunk(const Task& task, const RingOrder& order, int64_t chunk, uint32_t seq);
   void exchange_fingerprint(const Task& task);
@@ -156,14 +159,15 @@ class ShmAllreduce {
   int64_t broadcast_bytes_;
   std::chrono::milliseconds timeout_;
   uint32_t next_seq_ = 1;  // issued on the caller's thread, under mutex_
-  uint32_t last_broadcast_seq_ = 0;  // rank 0, comm thread: the region is busy until peers are done
-  // comm thread: how long a wait busy-checks before sleeping (adapt_spin, kSpinTime in the .cpp)
+  uint32_t last_broadcast_seq_ = 0;  // rank 0, the running task: the region is busy until peers are done
+  // the running task: how long a wait busy-checks before sleeping (adapt_spin, kSpinTime in the .cpp)
   mutable std::chrono::steady_clock::duration spin_budget_;
 
   std::mutex mutex_;
   ParentOnly<std::condition_variable> cv_owner_;  // a forked child leaves it (common/fork_safe.h)
   std::condition_variable& cv_ = *cv_owner_;
   std::deque<Task> queue_;
+  bool busy_ = false;  // a task is running (on the comm thread or a broadcast's caller); under mutex_
   std::atomic<bool> stop_{false};
   std::string broken_;  // first failure; every later collective fails with it
   std::thread thread_;

@@ -71,10 +71,8 @@ class ModuleStateSync:
         saved a buffer (a mask, BatchNorm's statistics) in an earlier forward still backwards."""
         buffers = self._current_buffers()
         with torch.autograd._unsafe_preserve_version_counter(tuple(buffers)):
-            if not self._join_config.enable:
-                with diag.phase(diag.Phase.BROADCAST):
-                    if self._reducer.broadcast_buffers(buffers):
-                        return
+            if not self._join_config.enable and self._reducer.broadcast_buffers(buffers):
+                return  # the reducer's broadcast marks its own diag phase
             self._broadcast_coalesced(buffers, src=src)
 
     def _syncs_buffers(self) -> bool:
