@@ -7,7 +7,7 @@ import gc
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 
 @contextlib.contextmanager
@@ -43,4 +43,33 @@ def child_collects_within(seconds: float) -> int | None:
         time.sleep(0.05)
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
+    return None
+
+
+def child_error_within(fn: Callable[[], object], seconds: float) -> str | None:
+    """Fork a child that calls ``fn``: the message of the exception it raised ("" when it
+    raised none), or None if it was still running after ``seconds`` (then killed)."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read_end)
+        message = ""
+        try:
+            fn()
+        except Exception as e:  # the child reports whatever it raised
+            message = str(e) or type(e).__name__
+        finally:
+            os.write(write_end, message.encode()[:60000])
+            os._exit(0)
+    os.close(write_end)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        if done:
+            with os.fdopen(read_end, "rb") as f:
+                return f.read().decode()
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    os.close(read_end)
     return None

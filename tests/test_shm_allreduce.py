@@ -104,6 +104,21 @@ def test_forked_child_frees_a_wrapper_left_in_a_reference_cycle(ranks) -> None:
     assert ranks.run(_wrapper_collected_in_a_forked_child, world_size=2) == [0, 0]
 
 
+def _forward_in_a_forked_child(rank: int, world_size: int) -> str | None:
+    model = fastddp.DDPWrapper(_Buffers(rank), shm_allreduce=True)
+    x = torch.ones(2, 4)
+    for _ in range(2):  # the second forward rebuilds the buckets (over gloo): done before the fork
+        model(x).sum().backward()
+    return forking.child_error_within(lambda: model(x), 30)
+
+
+def test_a_forked_child_cannot_run_the_wrappers_collectives(ranks) -> None:
+    """A forward in a forked child (a DataLoader worker) would publish into its parent's slot
+    of the mapping, or wait for a comm thread the child does not have: it fails, naming the fix."""
+    for message in ranks.run(_forward_in_a_forked_child, world_size=2):
+        assert message is not None and "is a fork of rank" in message and "ddp.module" in message, message
+
+
 def _buffers(rank: int, world_size: int) -> list:
     model = fastddp.DDPWrapper(_Buffers(rank))  # construction broadcasts (c10d) once
     with torch.no_grad():  # diverge again: every forward must bring rank 0's values back

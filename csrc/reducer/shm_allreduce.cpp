@@ -131,6 +131,7 @@ c10::intrusive_ptr<ShmWork> ShmAllreduce::allreduce_sum(const at::Tensor& t, Sca
 c10::intrusive_ptr<ShmWork> ShmAllreduce::allreduce_sum(std::vector<ShmPiece> pieces, std::vector<at::Tensor> holders,
                                                         at::ScalarType dtype, Scaling scale, bool sum_of_squares,
                                                         const Fingerprint* fingerprint) {
+  check_in_owner();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kBFloat16 || dtype == at::kHalf,
               "DDPWrapper: shared-memory all-reduce supports float32/float64/bfloat16/float16, got ", dtype);
   int64_t numel = 0;
@@ -154,6 +155,7 @@ c10::intrusive_ptr<ShmWork> ShmAllreduce::allreduce_sum(std::vector<ShmPiece> pi
 }
 
 void ShmAllreduce::broadcast_from_root(const std::vector<at::Tensor>& tensors) {
+  check_in_owner();
   int64_t bytes = 0;
   for (const auto& t : tensors) {
     TORCH_CHECK(t.device().is_cpu() && t.layout() == at::kStrided, "DDPWrapper: shared-memory broadcast needs "
@@ -246,6 +248,17 @@ std::exception_ptr ShmAllreduce::perform(const Task& task) {
     leave(kFailed);
     return std::current_exception();
   }
+}
+
+void ShmAllreduce::check_in_owner() const {
+  // A forked child shares the mapping and the rank's slot but has no comm thread: its
+  // collectives would never run, and one run on its own thread would publish into the parent's
+  // slot.
+  const int pid = getpid();
+  TORCH_CHECK(pid == owner_pid_, "DDPWrapper: process ", pid, " is a fork of rank ", rank_, "'s process ", owner_pid_,
+              " and cannot run the wrapper's collectives (a forward with gradients on or a backward in a "
+              "DataLoader worker or another forked child). Run the DDPWrapper in the process that built it; in a "
+              "child use the wrapped module (ddp.module) under torch.no_grad().");
 }
 
 void ShmAllreduce::fail(const std::string& what) const { C10_THROW_ERROR(DistBackendError, what); }

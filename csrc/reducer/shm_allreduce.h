@@ -133,6 +133,7 @@ class ShmAllreduce {
   // Runs one task on the calling thread (the comm thread, or a broadcast's caller while the
   // comm thread is idle); the error it raised, after marking this rank failed.
   std::exception_ptr perform(const Task& task);
+  void check_in_owner() const;  // fails in a forked child (no comm thread there)
   void execute(const Task& task);
   double execute_chunk(const Task& task, const RingOrder& order, int64_t chunk, uint32_t seq);
   void exchange_fingerprint(const Task& task);
