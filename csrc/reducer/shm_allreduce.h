@@ -144,7 +144,7 @@ class ShmAllreduce {
   void adapt_spin(std::chrono::steady_clock::duration waited) const;
   void publish(int which, uint32_t seq) const;
   void describe_own_op(const OpDescriptor& op) const;
-  void check_peers_run(const Task& task) const;
+  void check_peers_run(uint32_t seq) const;  // every peer described this rank's all-reduce
   void leave(uint32_t state) const;  // marks this rank's slot kFailed or kClosed (SlotState)
   [[noreturn]] void fail_closed(int peer) const;
   OpDescriptor* broadcast_header() const;  // which broadcast rank 0's broadcast region holds
@@ -161,7 +161,7 @@ class ShmAllreduce {
   std::chrono::milliseconds timeout_;
   uint32_t next_seq_ = 1;  // issued on the caller's thread, under mutex_
   uint32_t last_broadcast_seq_ = 0;  // rank 0, the running task: the region is busy until peers are done
-  // the running task: how long a wait busy-checks before sleeping (adapt_spin, kSpinTime in the .cpp)
+  // the running task: how long a wait busy-checks before sleeping (adapt_spin, kSpinTime in shm_protocol.h)
   mutable std::chrono::steady_clock::duration spin_budget_;
 
   std::mutex mutex_;
