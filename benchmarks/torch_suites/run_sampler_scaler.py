@@ -71,34 +71,53 @@ class Outcome:
 
 
 class _Counter:
-    """Counts fastddp objects built while a test runs (the classes are wrapped, not changed)."""
+    """Counts fastddp objects built while a test runs. The classes' own ``__init__`` is wrapped
+    in place while the swap lasts, so the swapped name is fastddp's class itself (a subclass
+    with its name would not pickle: pickle finds the original under that name)."""
 
     built = 0
 
     @classmethod
-    def wrap(cls, target: type) -> type:
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            cls.built += 1
-            target.__init__(self, *args, **kwargs)
-        return type(target.__name__, (target,), {"__init__": __init__, "__module__": target.__module__})
+    @contextlib.contextmanager
+    def counting(cls, *targets: type) -> Iterator[None]:
+        saved = [(t, t.__dict__.get("__init__")) for t in targets]
+        for target in targets:
+            init = target.__init__
+
+            def __init__(self: Any, *args: Any, _init: Callable[..., None] = init, **kwargs: Any) -> None:
+                cls.built += 1
+                _init(self, *args, **kwargs)
+            target.__init__ = __init__  # type: ignore[misc]
+        try:
+            yield
+        finally:
+            for target, init in saved:
+                if init is None:
+                    del target.__init__
+                else:
+                    target.__init__ = init  # type: ignore[misc]
 
 
 @contextlib.contextmanager
 def swapped() -> Iterator[None]:
-    """torch's DistributedSampler and GradScaler names point at fastddp's classes."""
+    """torch's DistributedSampler and GradScaler names (``torch.GradScaler`` too, the alias
+    torch's own tests use) point at fastddp's classes."""
     import torch.amp.grad_scaler
     import torch.utils.data
     import torch.utils.data.distributed
 
-    sampler, scaler = _Counter.wrap(fastddp.DistributedSampler), _Counter.wrap(fastddp.GradScaler)
+    sampler, scaler = fastddp.DistributedSampler, fastddp.GradScaler
     targets = [(torch.utils.data.distributed, "DistributedSampler", sampler),
                (torch.utils.data, "DistributedSampler", sampler),
                (torch.amp, "GradScaler", scaler), (torch.amp.grad_scaler, "GradScaler", scaler)]
+    if hasattr(torch, "GradScaler"):
+        targets.append((torch, "GradScaler", scaler))
     saved = [(mod, name, getattr(mod, name)) for mod, name, _ in targets]
     try:
-        for mod, name, new in targets:
-            setattr(mod, name, new)
-        yield
+        with _Counter.counting(sampler, scaler):
+            for mod, name, new in targets:
+                setattr(mod, name, new)
+            yield
     finally:
         for mod, name, old in saved:
             setattr(mod, name, old)
@@ -145,7 +164,8 @@ def load(suite: Suite, root: Path) -> tuple[list[unittest.TestCase], list[str]]:
     if suite.device_generic:
         from torch.testing._internal.common_device_type import instantiate_device_type_tests
 
-        generated: dict[str, Any] = {}
+        # torch's function replaces the generic class in the scope it is given by the device ones
+        generated: dict[str, Any] = {suite.cls: ns[suite.cls]}
         only = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
         instantiate_device_type_tests(ns[suite.cls], generated, only_for=only)
         classes = [c for c in generated.values() if isinstance(c, type)]
