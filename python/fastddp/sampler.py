@@ -5,7 +5,7 @@ from __future__ import annotations
 import numbers
 import operator
 from collections.abc import Iterator
-from typing import Any, Optional, Union
+from typing import Any, Optional, TypeVar, Union
 
 import torch
 import torch.distributed as dist
@@ -54,7 +54,10 @@ class StaleSizesError(AssertionError, RuntimeError):
     assertions), and a RuntimeError."""
 
 
-class DistributedSampler(TorchDistributedSampler):
+_T_co = TypeVar("_T_co", covariant=True)
+
+
+class DistributedSampler(TorchDistributedSampler[_T_co]):
     """Drop-in for :class:`torch.utils.data.distributed.DistributedSampler`, and a subclass of
     it: code that branches on ``isinstance(sampler, DistributedSampler)`` (Lightning's and
     accelerate's "is the data already split across ranks?") takes torch's branch. Every method

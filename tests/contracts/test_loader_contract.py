@@ -16,6 +16,7 @@ from torch.utils.data import (
     BatchSampler,
     DataLoader,
     RandomSampler,
+    TensorDataset,
 )
 
 import fastddp
@@ -483,3 +484,16 @@ def test_multiprocessing_context_assigned_after_construction(workers: int, value
         except (ValueError, TypeError) as exc:
             seen.append((type(exc), str(exc)))
     assert seen[0] == seen[1]
+
+
+def test_generic_as_dataloader() -> None:
+    """DataLoader is ``Generic[T_co]``: a script's ``DataLoader[list[Tensor]]`` annotation (run
+    when its function is defined) and a loader built through the alias work after the swap."""
+    assert [(t.__name__, t.__covariant__) for t in fastddp.PrefetchLoader.__parameters__] == \
+        [(t.__name__, t.__covariant__) for t in DataLoader.__parameters__] == [("_T_co", True)]
+    alias = fastddp.PrefetchLoader[list[torch.Tensor]]
+    assert alias.__origin__ is fastddp.PrefetchLoader and alias.__args__ == (list[torch.Tensor],)
+    data = TensorDataset(torch.arange(6.0))
+    ours, theirs = alias(data, batch_size=4), DataLoader[list[torch.Tensor]](data, batch_size=4)
+    assert ours.__orig_class__ == alias and theirs.__orig_class__ == DataLoader[list[torch.Tensor]]
+    assert [b[0].tolist() for b in ours] == [b[0].tolist() for b in theirs]

@@ -343,3 +343,13 @@ def test_sizes_changed_after_construction(case) -> None:
         run(TorchSampler)
     except Exception as exc:
         assert isinstance(refused.value, type(exc)), (type(exc), refused.value)
+
+
+def test_generic_as_torchs() -> None:
+    """torch's DistributedSampler is ``Sampler[T_co]``: ``DistributedSampler[int]`` works."""
+    assert [(t.__name__, t.__covariant__) for t in fastddp.DistributedSampler.__parameters__] == \
+        [(t.__name__, t.__covariant__) for t in TorchSampler.__parameters__] == [("_T_co", True)]
+    alias = fastddp.DistributedSampler[int]
+    ours, theirs = alias(range(10), num_replicas=2, rank=1, shuffle=False), TorchSampler[int](
+        range(10), num_replicas=2, rank=1, shuffle=False)
+    assert ours.__orig_class__ == alias and list(ours) == list(theirs)

@@ -4,7 +4,7 @@ gathered by C++ threads into pinned rings and delivered on the device."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any, Optional, Union
+from typing import Any, Optional, TypeVar, Union
 
 import torch
 from torch.utils.data import DataLoader, default_collate
@@ -38,7 +38,10 @@ _DATALOADER_ATTRS = ("num_workers", "prefetch_factor", "pin_memory", "pin_memory
                      "sampler", "batch_sampler", "generator", "collate_fn", "persistent_workers")
 
 
-class PrefetchLoader(DataLoader):
+_T_co = TypeVar("_T_co", covariant=True)
+
+
+class PrefetchLoader(DataLoader[_T_co]):
     """Drop-in for :class:`torch.utils.data.DataLoader`, and a subclass of it (code that asks
     ``isinstance(loader, DataLoader)`` takes DataLoader's branch: Lightning injects its
     DistributedSampler and probes nothing); ``device=`` delivers batches there.
