@@ -130,6 +130,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     table += [f"| `{tid}` | {outcome} | {why.replace('|', '/')} |" for tid, outcome, why in rows
               if outcome in ("failed", "error")]
     passed = sum(r[1] == "passed" for r in rows)
+    for cls in sorted({tid.split(".")[-2] for tid, _, _ in rows}):
+        outcomes = [o for tid, o, _ in rows if tid.split(".")[-2] == cls]
+        print(f"{cls}: {len(outcomes)} run, " + ", ".join(
+            f"{outcomes.count(o)} {o}" for o in ("passed", "failed", "error", "skipped") if o in outcomes))
     print(f"{passed} of {len(rows)} passed ({sum(r[1] == 'skipped' for r in rows)} skipped)")
     print("\n".join(table))
     if args.out:
