@@ -78,6 +78,9 @@ void bind_reducer(py::module_& m) {
            py::arg("comm_hook_state") = py::none(), py::arg("comm_hook") = py::none())
       .def_static("packed_bytes", &fastddp::reducer::packed_bytes, py::arg("tensors"),
                   "Bytes the tensors take packed in shared memory, each at a 64-byte aligned offset.")
+      .def("remove_hooks", &fastddp::reducer::Reducer::remove_hooks,
+           "torch DDP's _remove_autograd_hooks(): no later gradient reaches this reducer.",
+           py::call_guard<py::gil_scoped_release>())
       .def("broadcast_buffers", &fastddp::reducer::Reducer::broadcast_buffers, py::arg("tensors"),
            "Shared-memory transport: copy group rank 0's tensors into every rank's (True); else False.",
            py::call_guard<py::gil_scoped_release>())

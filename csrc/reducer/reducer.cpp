@@ -185,13 +185,18 @@ void Reducer::register_hooks() {
     auto acc = torch::autograd::impl::grad_accumulator(params_[i]);
     TORCH_CHECK(acc, "DDPWrapper: parameter ", names_[i], " has no gradient accumulator (is it a leaf "
                 "tensor that requires grad?)");
-    acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+    hook_keys_.push_back(acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
         [weak, i](const torch::autograd::variable_list& outputs, const torch::autograd::variable_list&) {
           if (auto reducer = weak.lock()) reducer->mark_ready(i);
           return outputs;
-        }));
+        })));
     grad_accumulators_.push_back(std::move(acc));
   }
+}
+
+void Reducer::remove_hooks() {
+  for (size_t i = 0; i < hook_keys_.size(); ++i) grad_accumulators_[i]->del_post_hook(hook_keys_[i]);
+  hook_keys_.clear();  // the accumulators stay: the unused-parameter search maps them to parameters
 }
 
 void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs, bool sync) {

@@ -99,6 +99,9 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // Installs the AccumulateGrad post hooks; called once right after construction, when
   // shared_from_this() is usable (the hooks hold only a weak reference to the reducer).
   void register_hooks();
+  // torch DDP's _remove_autograd_hooks(): takes the hooks off the gradient accumulators, so
+  // this reducer sees no later gradient (a new wrapper of the same module trains alone).
+  void remove_hooks();
 
   // Called by every forward that builds a graph. sync=true (outside no_sync()): the next
   // backward reduces; with find_unused_parameters, `outputs` are searched for the parameters
@@ -346,6 +349,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   std::vector<int64_t> param_bucket_;     // parameter -> bucket
   std::vector<int64_t> param_slot_;       // parameter -> position inside its bucket
   std::vector<NodePtr> grad_accumulators_;  // kept alive so our hooks stay installed
+  std::vector<uintptr_t> hook_keys_;        // each accumulator's hook, for remove_hooks()
   c10::intrusive_ptr<c10d::ProcessGroup> process_group_;
   ReducerOptions options_;
   bool gradient_as_bucket_view_;

@@ -252,3 +252,59 @@ def test_set_ddp_sink_clone_as_torch(ranks, kwargs: dict[str, Any], clone: Any) 
     assert our_clones == torch_clones
     sink = bool(kwargs) and clone in (None, True)
     assert (torch_clones > 0) == sink, torch_clones
+
+
+class _FailsInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("the backward failed")
+
+
+class _Failing(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(10, 10)
+        self.fail = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(_FailsInBackward.apply(x) if self.fail else x)
+
+
+def _rewrapped_after_a_failed_backward(rank: int, world_size: int, remove: bool) -> list[Any]:
+    """torch's recovery idiom: a backward fails after the parameters' gradients arrived, the
+    old wrapper's hooks are removed, and a new wrapper of the same module trains."""
+    found = []
+    for cls in (TorchDDP, fastddp.DDPWrapper):
+        module = _Failing()
+        x = torch.rand(10, 10, generator=torch.Generator().manual_seed(rank), requires_grad=True)
+        first = cls(module)
+        with pytest.raises(RuntimeError, match="the backward failed"):
+            first(x).sum().backward()
+        if remove:
+            first._remove_autograd_hooks()
+        module.fail = False
+        module.zero_grad()
+        try:
+            cls(module)(x).sum().backward()
+            found.append([p.grad.clone() for p in module.parameters()])
+        except RuntimeError as e:
+            found.append(type(e).__name__)
+    return found
+
+
+@pytest.mark.parametrize("remove", [True, False])
+def test_remove_autograd_hooks_as_torch(ranks, remove: bool) -> None:
+    """After ``_remove_autograd_hooks()`` the old wrapper sees no gradients: the new wrapper's
+    backward averages them as torch DDP's does. Without it the old wrapper's hooks see the new
+    backward's gradients, and both wrappers' backward raises."""
+    for theirs, ours in ranks.run(_rewrapped_after_a_failed_backward, world_size=2, args=(remove,)):
+        if not remove:
+            assert theirs == ours == "RuntimeError", (theirs, ours)
+            continue
+        assert isinstance(theirs, list) and isinstance(ours, list), (theirs, ours)
+        assert len(theirs) == len(ours) == 2 and all(torch.equal(a, b) for a, b in zip(theirs, ours))

@@ -346,6 +346,12 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, ModuleStateSync, Pickling, To
         own tensors (no copy)."""
         self._output_sink.clone = val
 
+    def _remove_autograd_hooks(self) -> None:
+        """torch DDP's recovery step after a failed backward: the reducer's hooks leave the
+        parameters' gradient accumulators, so this wrapper reduces no later backward and a new
+        wrapper of the same module trains on its own."""
+        self._reducer.remove_hooks()
+
     def _prepare_reduction(self, output: Any, sync: bool) -> None:
         """Arm the reducer for the next backward (``sync``: reduce it). The reducer hooks the
         tensors in ``output``: a backward that misses gradients while some output is still to be
