@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
+import functools
 import json
 import os
 import sys
@@ -84,6 +85,7 @@ class _Counter:
         for target in targets:
             init = target.__init__
 
+            @functools.wraps(init)  # the signature a test may inspect stays the class's
             def __init__(self: Any, *args: Any, _init: Callable[..., None] = init, **kwargs: Any) -> None:
                 cls.built += 1
                 _init(self, *args, **kwargs)
