@@ -494,6 +494,11 @@ def test_generic_as_dataloader() -> None:
     alias = fastddp.PrefetchLoader[list[torch.Tensor]]
     assert alias.__origin__ is fastddp.PrefetchLoader and alias.__args__ == (list[torch.Tensor],)
     data = TensorDataset(torch.arange(6.0))
-    ours, theirs = alias(data, batch_size=4), DataLoader[list[torch.Tensor]](data, batch_size=4)
-    assert ours.__orig_class__ == alias and theirs.__orig_class__ == DataLoader[list[torch.Tensor]]
-    assert [b[0].tolist() for b in ours] == [b[0].tolist() for b in theirs]
+    found = []
+    for loader in (alias(data, batch_size=4, shuffle=True),
+                   DataLoader[list[torch.Tensor]](data, batch_size=4, shuffle=True)):
+        torch.manual_seed(3)
+        found.append(([b[0].tolist() for b in loader], torch.random.get_rng_state()))
+    (our_batches, our_rng), (their_batches, their_rng) = found
+    assert our_batches == their_batches and torch.equal(our_rng, their_rng)
+    assert alias(data).__orig_class__ == alias

@@ -350,6 +350,10 @@ def test_generic_as_torchs() -> None:
     assert [(t.__name__, t.__covariant__) for t in fastddp.DistributedSampler.__parameters__] == \
         [(t.__name__, t.__covariant__) for t in TorchSampler.__parameters__] == [("_T_co", True)]
     alias = fastddp.DistributedSampler[int]
-    ours, theirs = alias(range(10), num_replicas=2, rank=1, shuffle=False), TorchSampler[int](
-        range(10), num_replicas=2, rank=1, shuffle=False)
-    assert ours.__orig_class__ == alias and list(ours) == list(theirs)
+    found = []
+    for cls in (alias, TorchSampler[int]):
+        torch.manual_seed(3)
+        sampler = cls(range(10), num_replicas=2, rank=1, seed=4)
+        found.append((list(sampler), torch.random.get_rng_state(), sampler.__orig_class__ is cls))
+    (ours, our_rng, our_alias), (theirs, their_rng, their_alias) = found
+    assert ours == theirs and torch.equal(our_rng, their_rng) and our_alias and their_alias

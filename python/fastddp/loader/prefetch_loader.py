@@ -36,9 +36,7 @@ from .sources import classify
 _DATALOADER_ATTRS = ("num_workers", "prefetch_factor", "pin_memory", "pin_memory_device", "timeout",
                      "worker_init_fn", "multiprocessing_context", "in_order", "batch_size", "drop_last",
                      "sampler", "batch_sampler", "generator", "collate_fn", "persistent_workers")
-
-
-_T_co = TypeVar("_T_co", covariant=True)
+_T_co = TypeVar("_T_co", covariant=True)  # DataLoader's type parameter
 
 
 class PrefetchLoader(DataLoader[_T_co]):
@@ -164,7 +162,6 @@ class PrefetchLoader(DataLoader[_T_co]):
     # (__setattr__, on the flag _DataLoader__initialized), the multiprocessing_context property
     # (checked against num_workers), check_worker_number_rationality, _auto_collation and
     # _index_sampler. DataLoader's constructor does not run: __init__ sets what they read.
-
     # ------------------------------------------------------------------ what a pass does
     def _native(self) -> bool:
         """Whether a pass gathers natively (else torch's DataLoader machinery reads it)."""
