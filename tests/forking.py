@@ -35,15 +35,7 @@ def child_collects_within(seconds: float) -> int | None:
             code = 0
         finally:
             os._exit(code)
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.05)
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    return None
+    return _exit_code_within(pid, seconds)
 
 
 def child_error_within(fn: Callable[[], object], seconds: float) -> str | None:
@@ -62,14 +54,21 @@ def child_error_within(fn: Callable[[], object], seconds: float) -> str | None:
             os.write(write_end, message.encode()[:60000])
             os._exit(0)
     os.close(write_end)
+    with os.fdopen(read_end, "rb") as f:
+        if _exit_code_within(pid, seconds) is None:
+            return None
+        return f.read().decode()
+
+
+def _exit_code_within(pid: int, seconds: float) -> int | None:
+    """The exit status of child ``pid``, None if it was still running after ``seconds`` (then
+    killed)."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        done, _ = os.waitpid(pid, os.WNOHANG)
+        done, status = os.waitpid(pid, os.WNOHANG)
         if done:
-            with os.fdopen(read_end, "rb") as f:
-                return f.read().decode()
+            return os.waitstatus_to_exitcode(status)
         time.sleep(0.05)
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
-    os.close(read_end)
     return None
