@@ -67,6 +67,7 @@ bool Reducer::awaits_later_backward_locked() const {
 }
 
 void Reducer::finalize_locked(bool at_next_forward) {
+  mark_pending_unused_locked();  // a backward's first gradient marked them, unless none came
   stats_.backward_compute_end = now_ns();
   expect_sync_ = false;
   nosync_steps_ = 0;  // the micro-steps this reduction sums

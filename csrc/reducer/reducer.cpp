@@ -236,8 +236,7 @@ void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs, bool 
                       "unused parameters.");
     }
     for (int64_t i = 0; i < static_cast<int64_t>(params_.size()); ++i)
-      if (!reached[i]) mark_unused_locked(i);
-    launch_ready_buckets_locked();
+      if (!reached[i]) unused_pending_.push_back(i);
   }
 }
 
@@ -289,6 +288,7 @@ void Reducer::reset_for_backward_locked() {
   }
   callback_queued_ = false;
   next_launch_ = 0;
+  unused_pending_.clear();
   std::fill(ready_.begin(), ready_.end(), 0);
   std::fill(direct_.begin(), direct_.end(), 0);
   for (auto& b : buckets_) {
@@ -323,7 +323,13 @@ void Reducer::prepare_static_locked(const std::vector<at::Tensor>& outputs) {
   // times each of the others is reached.
   hooks_left_ = hooks_per_backward_;
   for (int64_t i = 0; i < static_cast<int64_t>(params_.size()); ++i)
-    if (hooks_per_backward_[i] == 0) mark_unused_locked(i);
+    if (hooks_per_backward_[i] == 0) unused_pending_.push_back(i);
+}
+
+void Reducer::mark_pending_unused_locked() {
+  if (unused_pending_.empty()) return;
+  for (int64_t i : unused_pending_) mark_unused_locked(i);
+  unused_pending_.clear();
   launch_ready_buckets_locked();
 }
 
@@ -355,6 +361,7 @@ void Reducer::mark_ready(int64_t index) {
   diag::status().backward_started();  // a reducing backward (no_sync's stay "outside")
   hooks_seen_ = true;
   nosync_forward_pending_ = false;  // a no_sync() forward backwarded with this reduction
+  mark_pending_unused_locked();
   if (!static_graph_ || !static_first_iteration_) stats_.ready_order.push_back(index);
   if (static_graph_) {
     if (!static_arrival_completes_locked(index)) return;

@@ -244,6 +244,11 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // through fail_collective.
   void wait_bucket_locked(c10d::Work& work, int64_t index) const;
   void mark_unused_locked(int64_t index);
+  // The parameters the reducing forward did not reach (find_unused_parameters; static_graph after
+  // its first iteration) are marked ready when the backward starts, at its first gradient, as
+  // torch DDP's reducer does: each contributes the .grad it holds then (zero or None after a
+  // zero_grad() between forward and backward), not the one it held at the forward.
+  void mark_pending_unused_locked();
   // Moves the parameter's .grad into its bucket slot divided by the world size (zero if None),
   // or marks it to be reduced where it is (reduces_in_place_locked). grad_copy.cpp.
   void copy_grad_to_bucket_locked(int64_t index);
@@ -427,6 +432,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   int64_t fp_unused_ = 0;           // hash of the parameters the reducing forward did not reach
   int64_t fp_missing_ = 0;          // hash of the parameters without a gradient (finalize)
   std::vector<char> unused_now_;    // find_unused_parameters: not reached by the reducing forward
+  std::vector<int64_t> unused_pending_;  // ... and not yet marked ready (mark_pending_unused_locked)
   std::vector<char> first_unused_;  // the first reducing forward's unused_now_ (graph_static())
   bool graph_static_ = true;        // every search since found first_unused_ again
   std::vector<char> missing_now_;   // requiring grad, yet no gradient in this backward

@@ -111,3 +111,50 @@ def _plain_loop(rank: int, world_size: int, set_to_none: bool, scaler: bool) -> 
 @pytest.mark.parametrize("set_to_none", [True, False])
 def test_a_loop_that_keeps_no_gradient_never_moves_a_bucket(ranks, set_to_none, scaler) -> None:
     assert ranks.run(_plain_loop, args=(set_to_none, scaler)) == [(0, True, True)] * 2
+
+
+class _Branch(nn.Module):
+    """``b`` (a 64 KiB weight: the shared-memory transport reduces it in place) is used on the
+    ranks that ask for it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 128), nn.Linear(128, 128), nn.Linear(128, 2)
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        h = self.a(x)
+        return self.c(self.b(h) if use_b else h)
+
+
+def _grad_changed_after_forward(rank: int, world_size: int, kwargs: dict[str, Any], change: str) -> None:
+    """A parameter the forward left unused on this rank contributes the .grad it holds when the
+    backward starts (torch DDP marks such parameters ready at the backward's first gradient):
+    a zero_grad() or an assignment between forward and backward counts, the .grad the forward
+    saw does not."""
+    results = []
+    for cls in (fastddp.DDPWrapper, TorchDDP):
+        torch.manual_seed(3)
+        model = cls(_Branch(), **kwargs)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        grads = []
+        for step in range(3):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+            out = model(x, use_b=rank == 0)
+            if change == "zero_grad":
+                opt.zero_grad()
+            else:
+                model.module.b.weight.grad = torch.full_like(model.module.b.weight, 100.0 * (rank + 1))
+            out.square().sum().backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+            opt.step()
+        results.append(grads)
+    for step, (ours, ref) in enumerate(zip(*results)):
+        for (name, _), o, r in zip(model.module.named_parameters(), ours, ref):
+            assert torch.equal(o, r), (step, name, o.sum().item(), r.sum().item())
+
+
+@pytest.mark.parametrize("change", ["zero_grad", "assign"])
+@pytest.mark.parametrize("kwargs", [{"find_unused_parameters": True}, {"static_graph": True}],
+                         ids=["find_unused", "static_graph"])
+def test_an_unused_parameter_contributes_its_grad_as_backward_starts(ranks, kwargs, change) -> None:
+    ranks.run(_grad_changed_after_forward, args=(kwargs, change))
