@@ -337,7 +337,7 @@ def test_fused_step_extras_refused_for_an_overriding_subclass() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = _logging_subclass(fastddp.GradScaler, [])("cpu")
     scaler.scale(model(torch.ones(2, 6)).sum()).backward()
-    with pytest.raises(TypeError, match="overrides unscale_, _unscale_grads_, _maybe_opt_step"):
+    with pytest.raises(TypeError, match="replaces unscale_, _unscale_grads_, _maybe_opt_step"):
         scaler.fused_step(opt, max_grad_norm=1.0)
 
 

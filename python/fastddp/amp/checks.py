@@ -16,8 +16,10 @@ FP16_GRADS = ("Attempting to unscale FP16 gradients. The parameters are float16:
               "torch.amp.GradScaler requires too)")
 
 
-class SparseGradients(TypeError):
-    """An optimizer holds sparse gradients: unscale_/step then run torch's own code."""
+class TorchPathGradients(TypeError):
+    """An optimizer holds gradients the fused kernels do not work on in place (sparse ones, or
+    strided ones with gaps or overlaps): unscale_/step then run torch's own code, which takes
+    them (or raises what torch raises)."""
 
 
 def check_growth_interval(value: Any) -> int:
@@ -65,23 +67,26 @@ FUSED_STEP_KEYWORDS = ("max_grad_norm", "grads", "ddp")
 def collect_grads(optimizer: torch.optim.Optimizer, grads: Optional[list[torch.Tensor]],
                   unscaling: bool = True) -> list[torch.Tensor]:
     """The gradients to handle (``grads``, or the optimizer's ``.grad``s), checked in one pass:
-    dense, on one device, and (``unscaling``) not float16. Sparse ones raise SparseGradients."""
+    dense, on one device, and (``unscaling``) not float16. Sparse or non-dense ones raise
+    TorchPathGradients."""
     if grads is None:
         grads = [p.grad for group in optimizer.param_groups for p in group["params"]
                  if p.grad is not None]
     out = []
     for g in grads:
         if g.is_sparse:
-            raise SparseGradients("fastddp.GradScaler: sparse gradients (e.g. nn.Embedding("
+            raise TorchPathGradients("fastddp.GradScaler: sparse gradients (e.g. nn.Embedding("
                                   "sparse=True)) are handled by torch's scaler code, which takes "
                                   "neither fused_step's max_grad_norm nor grads=; clip them with "
                                   "torch.nn.utils.clip_grad_norm_ after unscale_()")
         if not is_dense(g):
             # Any dense layout (row-major, channels_last, transposed) is one span of memory
-            # and handled in place; autograd never makes a gradient with gaps or overlaps.
-            raise ValueError(f"fastddp.GradScaler: a gradient of shape {tuple(g.shape)} has "
-                             f"strides {g.stride()}, which leave gaps or overlap; set a dense "
-                             "gradient (p.grad = g.contiguous()) or use torch.amp.GradScaler")
+            # and handled in place; autograd never makes a gradient with gaps or overlaps, but a
+            # script can assign one (a view of a larger buffer).
+            raise TorchPathGradients(f"fastddp.GradScaler: a gradient of shape {tuple(g.shape)} has strides "
+                                     f"{g.stride()}, which leave gaps or overlap: torch's scaler code handles it "
+                                     "in step() and unscale_(), which take neither fused_step's max_grad_norm "
+                                     "nor grads=; set a dense gradient (p.grad = g.contiguous()) for those")
         if unscaling and g.dtype == torch.float16:
             raise ValueError(FP16_GRADS)
         out.append(g)

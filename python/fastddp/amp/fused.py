@@ -12,6 +12,7 @@ from typing import Any, Optional
 import torch
 
 _TAKES_GRAD_SCALER: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # step function -> takes grad_scaler=
+_ABSENT = object()  # no grad_scale set on the optimizer
 
 
 def step_in_kernel(optimizer: torch.optim.Optimizer, grad_scale: Optional[torch.Tensor],
@@ -19,20 +20,25 @@ def step_in_kernel(optimizer: torch.optim.Optimizer, grad_scale: Optional[torch.
     """Step a fused optimizer that divides the gradients by ``grad_scale`` and skips the
     update where ``found_inf`` is set, inside its kernel.
 
-    A ``grad_scale`` the user set on the optimizer multiplies ours, as in torch's scaler,
-    which then deletes it (``restore``: put it back, for a step torch's scaler would not
-    have touched)."""
-    preset = getattr(optimizer, "grad_scale", None)
+    As torch's scaler hands them over: ``grad_scale`` is a 0-dim tensor of its own, times a
+    ``grad_scale`` the user set on the optimizer (that one alone when ``grad_scale`` is None:
+    the gradients were unscaled already), and ``found_inf`` a 0-dim tensor of its own, so
+    an optimizer that keeps or edits them changes neither the scale nor the inf check that
+    ``update()`` reads. Both attributes are deleted after the step (``restore``: a user's
+    ``grad_scale`` is put back, for a step torch's scaler would not have touched)."""
+    preset = getattr(optimizer, "grad_scale", _ABSENT)
     if grad_scale is not None:
-        grad_scale = grad_scale.view(()) if preset is None else grad_scale.view(()) * preset
-    optimizer.grad_scale = preset if grad_scale is None else grad_scale  # type: ignore[attr-defined]
-    optimizer.found_inf = found_inf.view(())  # type: ignore[attr-defined]
+        grad_scale = grad_scale.reshape(()) * (1 if preset is _ABSENT else preset)
+    elif preset is not _ABSENT:
+        grad_scale = preset
+    optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
+    optimizer.found_inf = found_inf.reshape(()).clone()  # type: ignore[attr-defined]
     try:
         return optimizer.step(*args, **kwargs)
     finally:
         del optimizer.grad_scale  # type: ignore[attr-defined]
         del optimizer.found_inf  # type: ignore[attr-defined]
-        if restore and preset is not None:
+        if restore and preset is not _ABSENT:
             optimizer.grad_scale = preset  # type: ignore[attr-defined]
 
 

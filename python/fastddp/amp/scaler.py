@@ -14,7 +14,7 @@ from .._ext import C
 from .checks import (
     FP16_GRADS,
     FUSED_STEP_KEYWORDS,
-    SparseGradients,
+    TorchPathGradients,
     check_factor,
     check_growth_interval,
     collect_grads,
@@ -44,24 +44,26 @@ class GradScaler(torch.amp.GradScaler):
     tensors).
 
     A subclass that overrides ``unscale_``, ``_unscale_grads_`` or ``_maybe_opt_step`` (the
-    methods torch's ``step`` calls) gets torch's ``step`` and ``unscale_``, which call them.
+    methods torch's ``step`` calls), or a patch of one on the class or on an instance, gets
+    torch's ``step`` and ``unscale_``, which call them.
 
-    An optimizer holding sparse gradients (``nn.Embedding(sparse=True)``) is unscaled and
+    An optimizer holding sparse gradients (``nn.Embedding(sparse=True)``), or gradients with
+    gaps or overlaps (a strided view of a larger buffer assigned to ``.grad``), is unscaled and
     stepped by torch's own code, as with ``torch.amp.GradScaler``.
 
     Host syncs: none with a fused optimizer. With any other optimizer, deciding whether to skip
     the step reads ``found_inf`` once per step (as torch's scaler does).
     """
 
-    # torch's step() calls these; a subclass that overrides one gets torch's step() and
-    # unscale_(), which call them (the fused path does not)
+    # torch's step() calls these; where one is replaced (a subclass's override, or a patch on
+    # the class or on the instance, e.g. mock.patch.object), step() and unscale_() are torch's,
+    # which call them (the fused path does not)
     _TORCH_STEP_HOOKS = ("unscale_", "_unscale_grads_", "_maybe_opt_step")
-    _torch_steps: tuple[str, ...] = ()
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        cls._torch_steps = tuple(n for n in GradScaler._TORCH_STEP_HOOKS
-                                 if getattr(cls, n) is not getattr(GradScaler, n))
+    def _replaced_step_hooks(self) -> tuple[str, ...]:
+        """The methods torch's ``step()`` calls that are not the ones this class defines."""
+        return tuple(n for n in GradScaler._TORCH_STEP_HOOKS
+                     if n in self.__dict__ or getattr(type(self), n) is not _OWN_STEP_HOOKS[n])
 
     def __init__(
         self,
@@ -80,7 +82,7 @@ class GradScaler(torch.amp.GradScaler):
                           stacklevel=2)
         super().__init__(device, init_scale=init_scale, growth_factor=growth_factor,
                          backoff_factor=backoff_factor, growth_interval=growth_interval,
-                         enabled=enabled and not disabling)
+                         enabled=False if disabling else enabled)  # as given, as torch keeps it
         self._ddp_checked: set[tuple[int, int]] = set()
         if self._enabled:
             check_growth_interval(growth_interval)
@@ -196,16 +198,17 @@ class GradScaler(torch.amp.GradScaler):
         return optimizer.step(*args, **kwargs)
 
     # ------------------------------------------------------------------ API
-    def unscale_(self, optimizer: torch.optim.Optimizer, grads: Optional[list[torch.Tensor]] = None) -> None:
+    def unscale_(self, optimizer: torch.optim.Optimizer, *, grads: Optional[list[torch.Tensor]] = None) -> None:
         """Divide the gradients by the scale (one fused check+norm pass and one multiply pass).
 
         Raises RuntimeError when called twice before :meth:`update`, or after :meth:`step`,
         exactly as torch's scaler does.
         """
-        if self._torch_steps:
+        replaced = self._replaced_step_hooks()
+        if replaced:
             if grads is not None:
-                raise TypeError(f"GradScaler.unscale_(grads=...): {type(self).__name__} overrides "
-                                f"{', '.join(self._torch_steps)}, so unscale_ is torch's, which takes "
+                raise TypeError(f"GradScaler.unscale_(grads=...): {type(self).__name__} replaces "
+                                f"{', '.join(replaced)}, so unscale_ is torch's, which takes "
                                 "the optimizer's .grad only")
             super().unscale_(optimizer)
             return
@@ -219,7 +222,7 @@ class GradScaler(torch.amp.GradScaler):
             raise RuntimeError("unscale_() is being called after step().")
         try:
             g = collect_grads(optimizer, grads)
-        except SparseGradients:
+        except TorchPathGradients:
             if grads is not None:
                 raise
             # torch's scaler unscales sparse gradients (coalescing them); so does its code here
@@ -246,7 +249,7 @@ class GradScaler(torch.amp.GradScaler):
                                 f"arguments to optimizer.step(), as torch's GradScaler does, and "
                                 f"{type(optimizer).__name__}.step() takes no {name!r}; for fastddp's "
                                 f"fused unscale, clip and step call scaler.fused_step(optimizer, {name}=...)")
-        if self._torch_steps:
+        if self._replaced_step_hooks():
             return super().step(optimizer, *args, **kwargs)
         return self._step(optimizer, args, kwargs)
 
@@ -268,11 +271,12 @@ class GradScaler(torch.amp.GradScaler):
         is ``inf``, also where a gradient was NaN (``clip_grad_norm_`` returns ``nan`` there):
         one fused pass keeps a sum of squares, in which any inf or NaN element is the same.
         """
-        if self._torch_steps and (max_grad_norm is not None or grads is not None or ddp is not None):
-            raise TypeError(f"GradScaler.fused_step: {type(self).__name__} overrides "
-                            f"{', '.join(self._torch_steps)}, which the fused step does not call; "
+        replaced = self._replaced_step_hooks()
+        if replaced and (max_grad_norm is not None or grads is not None or ddp is not None):
+            raise TypeError(f"GradScaler.fused_step: {type(self).__name__} replaces "
+                            f"{', '.join(replaced)}, which the fused step does not call; "
                             "call step(), and clip between unscale_() and step()")
-        if self._torch_steps:
+        if replaced:
             return super().step(optimizer, *args, **kwargs)
         return self._step(optimizer, args, kwargs, max_grad_norm, grads, ddp)
 
@@ -296,7 +300,7 @@ class GradScaler(torch.amp.GradScaler):
             # A fused optimizer unscales in its own kernel, which takes float16 gradients: torch's
             # scaler then checks them for inf/NaN without refusing float16 (unscale_() does refuse)
             g = self._grads(optimizer, grads, ddp, unscaling=not getattr(optimizer, "_step_supports_amp_scaling", False))
-        except SparseGradients:
+        except TorchPathGradients:
             if ours:
                 raise
             return super().step(optimizer, *args, **kwargs)  # unscale_ above takes the same path
@@ -342,3 +346,7 @@ class GradScaler(torch.amp.GradScaler):
                             check_factor("backoff_factor", self._backoff_factor),
                             check_growth_interval(self._growth_interval))
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+
+
+# what GradScaler's step() stands for; replacing one sends step() to torch's code (see above)
+_OWN_STEP_HOOKS = {name: getattr(GradScaler, name) for name in GradScaler._TORCH_STEP_HOOKS}
