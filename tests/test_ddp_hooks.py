@@ -368,7 +368,8 @@ def _misuse_powersgd_runs(rank: int, world_size: int) -> None:
 
 def _misuse_twice(rank: int, world_size: int) -> None:
     model = _hooked(default_hooks.fp16_compress_hook)
-    with pytest.raises(RuntimeError, match=r"^DDPWrapper\.register_comm_hook can only be called once"):
+    with pytest.raises(RuntimeError, match=r"^register_comm_hook or register_builtin_comm_hook can only be called once\. "
+                       r"\(DDPWrapper: fp16_compress_hook is registered already\.\)"):
         model.register_comm_hook(None, default_hooks.allreduce_hook)
 
 

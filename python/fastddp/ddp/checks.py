@@ -178,8 +178,11 @@ def check_comm_dtype(comm_dtype: Optional[torch.dtype]) -> None:
 def check_lazy(module: nn.Module) -> None:
     lazy = [n for n, p in module.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
     if lazy:
-        raise RuntimeError(f"DDPWrapper: parameter {lazy[0]!r} is not initialised yet (a lazy module such as "
-                           "nn.LazyLinear); run one forward pass with a sample batch before wrapping the model.")
+        # torch's sentences first (scripts match them)
+        raise RuntimeError("Modules with uninitialized parameters can't be used with `DistributedDataParallel`. "
+                           "Run a dummy forward pass to correctly initialize the modules. (DDPWrapper: "
+                           f"parameter {lazy[0]!r} is not initialised yet, a lazy module such as nn.LazyLinear; "
+                           "run one forward pass with a sample batch before wrapping the model.)")
 
 
 def refuse_meta(named: list[tuple[str, nn.Parameter]]) -> None:

@@ -88,8 +88,9 @@ class CommHooks:
             self._run_log.note_error(f"{type(error)}: {error}", self._reducer.logged_error)
             raise
         if self._comm_hook is not None:
-            raise RuntimeError("DDPWrapper.register_comm_hook can only be called once (as in torch DDP); "
-                               f"{hook_name(self._comm_hook)} is registered already.")
+            # torch's sentence first (scripts match it)
+            raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once. "
+                               f"(DDPWrapper: {hook_name(self._comm_hook)} is registered already.)")
         if self._reducer.reductions:
             raise RuntimeError("DDPWrapper.register_comm_hook must be called before the first backward "
                                "pass (torch DDP's documentation requires it; torch does not check it and "
