@@ -422,20 +422,33 @@ def test_lock_flag_of_dataloader_unlocks_as_for_dataloader() -> None:
 def test_is_a_dataloader_to_code_that_asks() -> None:
     """Lightning skips its iter() probe of a DataLoader (which draws a base seed from the global
     generator) and injects its DistributedSampler only into one: PrefetchLoader is a DataLoader
-    subclass. DataLoader's methods that it does not define are the ones that only read the
-    attributes both set (the lock, the worker-count check); its _get_iterator, which code
-    built on DataLoader calls for a new iterator, gives PrefetchLoader's iterator."""
+    subclass. The DataLoader method it does not define only reads the attributes both set (the
+    worker-count check); its __setattr__ adds its own read-only attributes to DataLoader's lock,
+    which it calls; its _get_iterator, which code built on DataLoader calls for a new iterator,
+    gives PrefetchLoader's iterator."""
     loader = fastddp.PrefetchLoader(tensors(), batch_size=3)
     assert isinstance(loader, DataLoader)
     inherited = {name for name, value in vars(DataLoader).items()
                  if inspect.isfunction(value) and name not in vars(fastddp.PrefetchLoader)}
-    assert inherited == {"__setattr__", "check_worker_number_rationality"}, inherited
+    assert inherited == {"check_worker_number_rationality"}, inherited
     seen = []
     for cls in (DataLoader, fastddp.PrefetchLoader):
         torch.manual_seed(0)
         it = cls(tensors(), batch_size=3, shuffle=True)._get_iterator()
         seen.append(([b[1].tolist() for b in it], torch.random.get_rng_state()))
     assert seen[0][0] == seen[1][0] and torch.equal(seen[0][1], seen[1][1])
+
+
+@pytest.mark.parametrize("attr, value, fix", [("device", "cpu", "build a new PrefetchLoader"),
+                                              ("epoch", 3, r"set_epoch\(epoch\)"),
+                                              ("transfer", "host", "cannot be assigned")])
+def test_own_attributes_are_refused_by_name(attr: str, value: Any, fix: str) -> None:
+    # DataLoader has no such attribute, so a script may assign one as its own: PrefetchLoader's
+    # mean something, and the assignment is refused naming it, before any pass reads it
+    loader = fastddp.PrefetchLoader(TensorDataset(torch.arange(6.0)), batch_size=4)
+    with pytest.raises(AttributeError, match=f"^PrefetchLoader.{attr} .*{fix}"):
+        setattr(loader, attr, value)
+    assert [b.tolist() for (b,) in loader] == [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0]]
 
 
 def test_settable_attributes_take_effect() -> None:

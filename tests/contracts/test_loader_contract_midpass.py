@@ -1,6 +1,7 @@
-"""PrefetchLoader against DataLoader when a script changes the batching or the data during a
-pass: ``batch_sampler.batch_size`` assigned between two ``next()`` calls, and a
-``TensorDataset``'s ``tensors`` replaced by new tensors. The batches must be DataLoader's."""
+"""PrefetchLoader against DataLoader when something happens during a pass:
+``batch_sampler.batch_size`` assigned between two ``next()`` calls, a ``TensorDataset``'s
+``tensors`` replaced by new tensors, a sampler that raises, the process forked. The batches,
+the errors and the end of the pass must be DataLoader's."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ from typing import Any, Callable
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, TensorDataset, WeightedRandomSampler
+from torch.utils.data.distributed import DistributedSampler
 
 import fastddp
+from tests import forking
 
 
 def _pass_with(change: Callable[[Any], None], at: int, **kwargs: Any) -> list[list[list[int]]]:
@@ -160,3 +163,56 @@ def test_persistent_workers_keep_the_first_pass_dataset(change: str) -> None:
         passes.append((first, [x.tolist() for (x,) in loader]))
     assert all(p == passes[0] for p in passes)
     assert passes[0][1][0] == [0, 1, 2, 3]
+
+
+def _negative_weight(data: TensorDataset) -> Any:
+    return WeightedRandomSampler([1.0, -1.0] * 5, 5)  # torch.multinomial refuses it at the first read
+
+
+def _grown_dataset(data: TensorDataset) -> Any:
+    sampler = DistributedSampler(data, num_replicas=2, rank=0)
+    data.tensors = (torch.arange(14.0),)  # its assertion: indices no longer match total_size
+    return sampler
+
+
+@pytest.mark.parametrize("make_sampler", [_negative_weight, _grown_dataset], ids=["negative_weight", "grown"])
+def test_a_sampler_that_raises_ends_the_pass_as_dataloaders(make_sampler: Callable) -> None:
+    # DataLoader's sampler iterator is a generator: once it raised, the pass is over
+    seen, states = [], []
+    for cls in (DataLoader, fastddp.PrefetchLoader):
+        torch.manual_seed(0)
+        data = TensorDataset(torch.arange(10.0))
+        it = iter(cls(data, batch_size=3, sampler=make_sampler(data)))
+        outcomes = []
+        for _ in range(3):
+            try:
+                outcomes.append(next(it)[0].tolist())
+            except StopIteration:
+                outcomes.append("StopIteration")
+            except Exception as exc:  # the error itself is compared
+                outcomes.append((type(exc), str(exc).split("\n")[0]))
+        seen.append(outcomes)
+        states.append(torch.random.get_rng_state())
+    assert seen[0] == seen[1] and seen[0][1:] == ["StopIteration"] * 2, seen
+    assert torch.equal(*states)
+
+
+def _rest_read_in_a_forked_child(cls: type) -> str | None:
+    torch.manual_seed(5)
+    expected = [x.tolist() for (x,) in DataLoader(TensorDataset(torch.arange(40)), batch_size=3, shuffle=True)]
+    torch.manual_seed(5)
+    it = iter(cls(TensorDataset(torch.arange(40)), batch_size=3, shuffle=True))
+    first = next(it)[0].tolist()
+
+    def rest() -> None:
+        got = [first] + [x.tolist() for (x,) in it]
+        if got != expected:
+            raise AssertionError(f"the child read {got}, DataLoader's pass is {expected}")
+
+    return forking.child_error_within(rest, 30)
+
+
+@pytest.mark.parametrize("cls", [DataLoader, fastddp.PrefetchLoader])
+def test_a_pass_goes_on_in_a_forked_child(cls: type) -> None:
+    # the child has none of the parent's threads: it reads the rest of the pass (and does not hang)
+    assert _rest_read_in_a_forked_child(cls) == ""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -82,6 +83,7 @@ class NativePass:
         self.planned: tuple[Any, Any] = (None, None)  # batch_size and drop_last the pass was read with
         self.python_reads = False  # the dataset changed during the pass: read in Python from then on
         self.watch: Optional[TensorsWatch] = None  # the tensors DataLoader would read from
+        self.owner = os.getpid()  # the process whose threads gather this pass
 
     def start(self, generator: Optional[torch.Generator], draw_seed: bool, replay: Replay) -> None:
         self.close()
@@ -89,6 +91,7 @@ class NativePass:
         self.read, self.exhausted, self.started = 0, False, False
         self.uniform, self.bounds, self.uniform_next = None, Cuts(0, 1), 0
         self.planned, self.python_reads = (None, None), False
+        self.owner = os.getpid()
         if self.s.workers == 0 or self.watch is None:  # workers keep what they found at their start
             self.watch = TensorsWatch(self.sources.dataset)
         if not self.s.resident:  # (its threads start with the first batch submitted)
@@ -122,9 +125,11 @@ class NativePass:
         """Reads every batch of the pass (dropping the first ``skip``). When all are gathered
         natively they are consecutive slices of one index tensor (``self.uniform``, cut at
         ``self.bounds``), submitted to the pipeline in one call; else one entry a batch."""
-        idx, entries = read_whole_pass(self.index_sampler, self.rows)
+        # The sampler is read once: should it raise, its iterator is over, as a generator that
+        # raised is, and the next next() ends the pass as DataLoader's does.
         self.it = iter(())
         self.exhausted = True
+        idx, entries = read_whole_pass(self.index_sampler, self.rows)
         self.planned = (self.index_sampler.batch_size, self.index_sampler.drop_last)
         if idx is not None:
             size = self.index_sampler.batch_size
@@ -208,6 +213,11 @@ class NativePass:
                 self.pipe.submit(entry.indices)
 
     def next(self) -> Any:
+        if self.pipe is not None and os.getpid() != self.owner:
+            # A forked child going on with its parent's pass: the gathering threads are the
+            # parent's, so the rest is read in Python, as DataLoader without workers reads it.
+            self.python_reads = True
+            self.close()
         if self.s.workers == 0 and not self.python_reads and self._dataset_changed():
             # DataLoader without workers indexes the dataset at each batch, so from here on the
             # batches hold the new values; what the pipeline gathered ahead is stale

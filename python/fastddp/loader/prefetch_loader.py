@@ -15,7 +15,9 @@ from .native import NativePass, NativeSettings
 from .passes import Replay, TorchPass, build_runner, with_random_state
 from .plan import reads_ahead_unobserved
 from .settings import (
+    DATALOADER_ATTRS,
     NATIVE_DEVICE_TYPES,
+    READ_ONLY_ATTRIBUTES,
     PreparedTensors,
     check_extras,
     check_integer,
@@ -32,10 +34,6 @@ from .settings import (
 from .shuffle import EpochShuffle, epoch_targets, sampler_epoch
 from .sources import classify
 
-# DataLoader's attributes, mirrored so that code reading them keeps working.
-_DATALOADER_ATTRS = ("num_workers", "prefetch_factor", "pin_memory", "pin_memory_device", "timeout",
-                     "worker_init_fn", "multiprocessing_context", "in_order", "batch_size", "drop_last",
-                     "sampler", "batch_sampler", "generator", "collate_fn", "persistent_workers")
 _T_co = TypeVar("_T_co", covariant=True)  # DataLoader's type parameter
 
 
@@ -124,7 +122,7 @@ class PrefetchLoader(DataLoader[_T_co]):
                          pin_memory, drop_last, timeout, worker_init_fn, multiprocessing_context, generator,
                          prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
                          pin_memory_device=pin_memory_device, in_order=in_order)
-        for name in _DATALOADER_ATTRS:
+        for name in DATALOADER_ATTRS:
             setattr(self, name, getattr(spec, name))
         self.dataset = dataset
         self._src = src
@@ -153,15 +151,20 @@ class PrefetchLoader(DataLoader[_T_co]):
         self._slot_pool: Any = None  # C.SlotPool, made by the first native pass
         self._DataLoader__initialized = True  # DataLoader's lock flag: subclasses of it clear it
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in READ_ONLY_ATTRIBUTES and self.__dict__.get("_DataLoader__initialized"):
+            raise AttributeError(READ_ONLY_ATTRIBUTES[name])
+        super().__setattr__(name, value)  # DataLoader's lock of the attributes that shape batches
+
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_slot_pool"] = None  # staging memory, not state: a copy allocates its own
         return state
 
-    # DataLoader's own code, inherited: the lock of the attributes that shape the batches
-    # (__setattr__, on the flag _DataLoader__initialized), the multiprocessing_context property
-    # (checked against num_workers), check_worker_number_rationality, _auto_collation and
-    # _index_sampler. DataLoader's constructor does not run: __init__ sets what they read.
+    # DataLoader's own code, inherited: the lock of the attributes that shape the batches (its
+    # __setattr__, on the flag _DataLoader__initialized), the multiprocessing_context property,
+    # check_worker_number_rationality, _auto_collation and _index_sampler; its constructor does
+    # not run (__init__ sets what they read).
     # ------------------------------------------------------------------ what a pass does
     def _native(self) -> bool:
         """Whether a pass gathers natively (else torch's DataLoader machinery reads it)."""

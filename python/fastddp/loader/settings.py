@@ -39,8 +39,25 @@ def check_own_form(**given: Any) -> None:
                              f"them in a TensorDataset to use {name}, or drop it")
 
 
+# DataLoader's attributes, mirrored by PrefetchLoader so that code reading them keeps working.
+DATALOADER_ATTRS = ("num_workers", "prefetch_factor", "pin_memory", "pin_memory_device", "timeout",
+                    "worker_init_fn", "multiprocessing_context", "in_order", "batch_size", "drop_last",
+                    "sampler", "batch_sampler", "generator", "collate_fn", "persistent_workers")
+
 # Where the C++ gather delivers batches; the loader moves them to any other device with .to().
 NATIVE_DEVICE_TYPES = ("cpu", "cuda")
+
+# PrefetchLoader's own attributes that cannot be assigned once it is built (DataLoader has none
+# of these names, so a script may assign them as its own): what the assignment raises.
+READ_ONLY_ATTRIBUTES = {
+    "device": "PrefetchLoader.device is where the batches are delivered, fixed at construction; build a "
+              "new PrefetchLoader(..., device=...) for another device, and keep a value of your own under "
+              "another name",
+    "epoch": "PrefetchLoader.epoch is the epoch the next pass uses (the sampler's, when it has one); select "
+             "it with loader.set_epoch(epoch), and keep a counter of your own under another name",
+    "transfer": "PrefetchLoader.transfer says how the batches are made (see its docstring); it follows from "
+                "the device, pin_dataset and device_resident arguments and cannot be assigned",
+}
 
 
 def check_extras(device: Union[str, torch.device, None], prefetch: Optional[int],
