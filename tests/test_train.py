@@ -344,6 +344,10 @@ def test_results_without_a_checkpoint_are_not_overwritten(tmp_path: Path) -> Non
     proc = _train([*args, "--epochs", "1", "--save-dir", str(save)], env=env)
     assert (f"note: {save} holds no complete checkpoint, only best.pt from a run stopped during "
             "its first saves; starting from epoch 1") in proc.stdout
+    # that best.pt (of that run, or of another) is kept aside, not overwritten by this run's
+    kept = list(save.glob("best.pt.*.bak"))
+    assert [k.read_bytes() for k in kept] == [b"from a run killed in its first epoch"], kept
+    assert "kept as best.pt." in proc.stdout, proc.stdout
 
 
 def test_run_killed_after_its_last_checkpoint_completes_its_files(tmp_path: Path) -> None:

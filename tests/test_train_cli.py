@@ -261,8 +261,12 @@ def test_lost_peer_message_is_one_line_for_backend_errors_only() -> None:
     assert line is not None and "\n" not in line
     assert line.startswith("fastddp.train: rank 3: lost contact with the other ranks during a "
                            "collective (Read error [127.0.0.1]:5557: Connection reset by peer)")
-    assert "; a peer process died or the network failed" in line
-    assert "; rank 1 died or the network failed" in lost_peer_message(gloo, 0, world=2)
+    assert "; a peer process died, stopped responding, or the network failed" in line
+    assert "; rank 1 died, stopped responding, or the network failed" in lost_peer_message(gloo, 0, world=2)
+    # a long cause is shortened at a word, not cut inside one
+    long = RuntimeError("Timed out after 20000 ms waiting for rank 1 (pid 4242, alive) " + "word " * 80)
+    assert "(Timed out after 20000 ms waiting for rank 1 (pid 4242, alive) word word" in lost_peer_message(long, 0, 2)
+    assert " word ...); rank 1 died" in lost_peer_message(long, 0, 2)
     # gloo, when a cut link goes silent (seen in the two-host link-cut test)
     silent = RuntimeError("Application timeout caused pair closure")
     assert "(Application timeout caused pair closure); rank 0 died" in lost_peer_message(silent, 1, world=2)

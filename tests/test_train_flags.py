@@ -79,6 +79,14 @@ def test_grad_accum_steps_halves_the_optimizer_steps(tmp_path, data_path, baseli
     assert "batch=32x1x2=64" in out and "steps/epoch=3" in out, out
     assert baseline[1]["step"] == 12 and got["step"] == 6
     assert _weights_differ(got, baseline[1]) > 1e-4
+    assert "trained but not stepped" not in out, out
+
+
+def test_grad_accum_steps_not_dividing_an_epoch_says_what_is_left_out(tmp_path, data_path) -> None:
+    got, out = _train(tmp_path / "run", data_path, ["--grad-accum-steps", "4"])
+    assert got["step"] == 2, got["step"]  # one step an epoch: 4 of its 6 batches
+    assert ("note: --grad-accum-steps 4 over 6 batches an epoch: the last 2 of each epoch are trained "
+            "but not stepped") in out, out
 
 
 @pytest.mark.parametrize("world", [1, 2])

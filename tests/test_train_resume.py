@@ -388,3 +388,36 @@ def test_epoch_resumed_in_its_middle_counts_its_time_before_the_checkpoint(tmp_p
     epoch_time, rate = float(row["epoch_time_s"]), float(row["samples_per_s"])
     assert epoch_time >= partial[3] and float(row["elapsed_s"]) >= epoch_time, row
     assert round(rate * epoch_time) == 192, row
+
+
+def test_resume_from_a_save_cut_off_before_its_rename_completes_that_save_first(
+        one_epoch, tmp_path, data_path) -> None:
+    """A stop between a save's complete last.pt.tmp and its rename leaves the newest state in
+    the temporary; the resuming run finishes that save first (last.pt.tmp becomes last.pt),
+    because its own next save truncates last.pt.tmp, and a stop then would lose that state."""
+    save = tmp_path / "run"
+    shutil.copytree(one_epoch, save)
+    os.replace(save / "last.pt", save / "last.pt.tmp")  # epoch 1's save, cut off before its rename
+    if (save / "last.pt.prev").exists():
+        os.remove(save / "last.pt.prev")
+    codes, out = trainer_runs.run(save, data_path, ["--epochs", "2"])
+    assert codes == [0], out
+    assert "the save a stop cut off is completed: last.pt.tmp is now last.pt" in out, out
+    assert not (save / "last.pt.tmp").exists()
+    # epoch 2's save kept epoch 1's state, which lived only in the temporary, as last.pt.prev
+    assert torch.load(save / "last.pt.prev", weights_only=False)["step"] == 6
+    assert torch.load(save / "last.pt", weights_only=False)["step"] == 12
+
+
+@pytest.mark.parametrize("epochs", ["1", "2"], ids=["complete", "training_on"])
+def test_a_damaged_best_pt_is_named_and_kept_aside(one_epoch, tmp_path, data_path, epochs) -> None:
+    save = tmp_path / "run"
+    shutil.copytree(one_epoch, save)
+    damaged = (save / "best.pt").read_bytes()[:1000]
+    (save / "best.pt").write_bytes(damaged)
+    codes, out = trainer_runs.run(save, data_path, ["--epochs", epochs])
+    assert codes == [0], out
+    assert re.search(rf"warning: {re.escape(str(save / 'best.pt'))} does not verify \(.*\): the weights of the "
+                     r"best epoch so far \(epoch 1, val F1 [0-9.]+\) are lost; the file is kept as best\.pt\.", out), out
+    assert ("the run is complete, so there is no best.pt" in out) == (epochs == "1"), out
+    assert [p.read_bytes() for p in save.glob("best.pt.*.bak")] == [damaged]

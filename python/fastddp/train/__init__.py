@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +34,10 @@ def lost_peer_message(exc: BaseException, rank: int, world: int = 0) -> str | No
             (isinstance(exc, RuntimeError) and any(k in text.lower() for k in _LOST_PEER))):
         return None
     first = re.sub(r"^\[[^\]]*\]\s*", "", text.strip().splitlines()[0] if text.strip() else "")
-    first = first.split(". This is typically")[0][:200]
+    first = textwrap.shorten(first.split(". This is typically")[0], 300, placeholder=" ...")
     peer = f"rank {1 - rank}" if world == 2 and rank in (0, 1) else "a peer process"
     return (f"fastddp.train: rank {rank}: lost contact with the other ranks during a collective "
-            f"({first}); {peer} died or the network failed - torchrun's failure report names "
+            f"({first}); {peer} died, stopped responding, or the network failed - torchrun's failure report names "
             "the failed rank. Resume from the last checkpoint with --resume auto "
             "(or run under torchrun --max-restarts=N)")
 

@@ -148,6 +148,19 @@ def write_atomic(data: bytes, path: str | os.PathLike, keep_previous: bool = Fal
     _fsync_dir(path.parent)
 
 
+def complete_cut_off_save(path: str | os.PathLike) -> Path:
+    """Finish the save of ``path`` that a stop cut off after its temporary was complete (steps
+    2 and 3 of :func:`save`), before a run resumes from that temporary: the run's next save
+    truncates ``path.tmp`` first, and a stop during it would otherwise lose the state it
+    resumed from. Returns ``path``."""
+    path = Path(path)
+    if path.exists():
+        _keep_previous(path)
+    os.replace(_sibling(path, ".tmp"), path)
+    _fsync_dir(path.parent)
+    return path
+
+
 def save(state: dict[str, Any], path: str | os.PathLike) -> None:
     """Write ``state`` to ``path`` with its checksum inside, crash-consistently; keeps the
     previous checkpoint as ``path.prev``."""

@@ -88,8 +88,9 @@ def _train(args: argparse.Namespace, ctx: Context, saver: checkpoint.CheckpointW
     if resumed and r.state.start_epoch >= args.epochs:
         return already_complete(r)
     if ctx.is_main:
-        # starting from epoch 1 over a run with a history: that run's files are kept too
-        earlier_run = not resumed and (save_dir / "metrics.csv").is_file()
+        # starting from epoch 1 over a run with a history, or over the best weights of a run
+        # that left no checkpoint to continue: that run's files are kept too
+        earlier_run = not resumed and any((save_dir / n).is_file() for n in ("metrics.csv", "best.pt"))
         kept = keep_earlier_files(save_dir, FINAL_FILES + (EARLIER_RUN_FILES if earlier_run else ()))
         if kept:
             log(ctx, f"note: the {'/'.join(kept)} in {save_dir} (of an earlier run, or of this "

@@ -33,6 +33,11 @@ def log_header(r: Run) -> None:
              f"batch={args.batch_size}x{ctx.world}x{accum}={args.batch_size * ctx.world * accum} "
              f"lr={r.lr:g} steps/epoch={r.steps_per_epoch} "
              f"cuda-graph={'on' if r.graphed is not None else 'off'}")
+    micro = len(r.state.loader)
+    if micro % accum:
+        log(ctx, f"note: --grad-accum-steps {accum} over {micro} batches an epoch: the last {micro % accum} "
+                 "of each epoch are trained but not stepped (the next epoch starts with fresh gradients); "
+                 "choose --grad-accum-steps dividing the batches an epoch to use them")
     if args.save_interval > r.steps_per_epoch:
         log(ctx, f"note: --save-interval {args.save_interval} is more than the {r.steps_per_epoch} "
                  "steps of an epoch: no checkpoint inside an epoch, one at each epoch's end")
@@ -90,7 +95,7 @@ def keep_foreign_metrics(save_dir: Path, history: list[dict[str, Any]]) -> Optio
 FINAL_FILES = ("summary.json", "curves.png")
 # What a run that starts from its first epoch (--resume none) over an earlier run with a
 # history would overwrite besides those: that run's history, best weights and flags.
-EARLIER_RUN_FILES = ("metrics.csv", "best.pt", "config.json", "tensorboard")
+EARLIER_RUN_FILES = ("metrics.csv", "best.pt", "best.pt.prev", "config.json", "tensorboard")
 
 
 def keep_earlier_files(save_dir: Path, names: tuple[str, ...]) -> dict[str, Path]:

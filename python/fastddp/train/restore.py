@@ -13,6 +13,7 @@ from .errors import UsageError
 from .graph import hold_lr
 from .outputs import (
     FINAL_FILES,
+    keep_aside,
     keep_earlier_files,
     keep_foreign_metrics,
     metrics_csv,
@@ -43,8 +44,10 @@ def restore(r: Run) -> tuple[Optional[Partial], bool]:
     if loaded.get("world") != ctx.world:
         state.reposition(r.steps_per_epoch)
     check_complete_elsewhere(r, path)
-    if ctx.is_main:
+    if ctx.is_main and path.resolve().parent != r.save_dir.resolve():
         carry_best(r, path)
+    elif ctx.is_main:
+        check_best(r, training=state.start_epoch < r.args.epochs)
     hold_lr(state.optimizer, state.scheduler, ctx.device if r.graphed is not None else None)
     partial = restore_rank_state(state.ranks[ctx.rank], ctx.device) if mid_epoch else None
     if not mid_epoch and not state.epoch_done:
@@ -82,6 +85,27 @@ def carry_best(r: Run, path: Path) -> None:
     log(r.ctx, f"note: {source} is missing, unreadable or not the best epoch of {path}'s "
                f"history (epoch {top['epoch']}); {r.save_dir} gets a best.pt from the first epoch "
                "this run trains that does better")
+
+
+def check_best(r: Run, training: bool) -> None:
+    """The run's own best.pt, resumed in its ``--save-dir``: one that does not verify (damaged
+    on disk) is named, not passed over. The best epoch's weights are gone; the file is kept
+    aside, and the first epoch this run trains that does better writes best.pt again."""
+    target = r.save_dir / "best.pt"
+    if not target.exists() or not r.state.history:
+        return
+    try:
+        checkpoint.verify(target)
+        return
+    except (checkpoint.CheckpointError, OSError) as exc:
+        problem = str(exc)
+    top = max(r.state.history, key=lambda row: row["val_f1"])
+    kept = keep_aside(target)
+    log(r.ctx, f"warning: {target} does not verify ({problem}): the weights of the best epoch so far "
+               f"(epoch {top['epoch']}, val F1 {top['val_f1']:.4f}) are lost; the file is kept as "
+               f"{kept.name if kept else 'it was'}"
+               + ("; the first epoch this run trains that does better writes best.pt again" if training
+                  else "; the run is complete, so there is no best.pt (train further, or start over)"))
 
 
 def check_complete_elsewhere(r: Run, path: Path) -> None:

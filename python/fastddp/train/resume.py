@@ -48,6 +48,9 @@ def find_resume_state(args: argparse.Namespace, ctx: Context, save_dir: Path,
                 if found.skipped or found.path.name != "last.pt":
                     choice[2] = (" (the newest checkpoint that verifies"
                                  + "".join(f"; passed over {s}" for s in found.skipped) + ")")
+                if found.path.name == "last.pt.tmp":  # its save was cut off: finish it first
+                    choice[0] = str(checkpoint.complete_cut_off_save(save_dir / "last.pt"))
+                    choice[2] += f" (the save a stop cut off is completed: {found.path.name} is now last.pt)"
             else:
                 choice[1], choice[2] = nothing_to_resume(save_dir)
     if ctx.distributed:
