@@ -339,6 +339,43 @@ def test_python_hook_with_static_graph(ranks) -> None:
     assert ranks.run(_python_hook_static, world_size=2) == ["ok", "ok"]
 
 
+def _grad_touching_hook(state, bucket):
+    """Records the .grad of every parameter of the model as the hook sees it, zeroes the
+    bucket's parameters' .grad, then all-reduces the bucket's buffer (averaged)."""
+    seen, params = state
+    seen.append([p.grad.clone() for p in params])
+    for p in bucket.parameters():
+        p.grad.zero_()
+    buffer = bucket.buffer().div_(dist.get_world_size())
+    return dist.all_reduce(buffer, async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+
+def _python_hook_touching_grads(rank: int, world_size: int) -> str:
+    """A Python hook sees .grad as torch's does during backward, the local gradient apart from
+    the bucket: what it reads is local, and zeroing it neither changes the bucket nor the
+    averaged result written into .grad at the end of backward."""
+    os.environ["FASTDDP_SHM_ALLREDUCE"] = "1"
+    results = []
+    for cls in (fastddp.DDPWrapper, TorchDDP):
+        torch.manual_seed(0)
+        model = cls(mlp(), bucket_cap_mb=0.0001)
+        seen: list = []
+        model.register_comm_hook((seen, list(model.parameters())), _grad_touching_hook)
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(2):
+            model.zero_grad(set_to_none=False)
+            model(rand_vec(g)).pow(2).mean().backward()
+        results.append((seen, [p.grad.clone() for p in model.parameters()]))
+    (seen_o, grads_o), (seen_r, grads_r) = results
+    for a, b in zip(grads_o + [t for ts in seen_o for t in ts], grads_r + [t for ts in seen_r for t in ts]):
+        assert torch.equal(a, b)
+    return "ok"
+
+
+def test_python_hook_that_reads_and_zeroes_grad(ranks) -> None:
+    assert ranks.run(_python_hook_touching_grads, world_size=2) == ["ok", "ok"]
+
+
 def _bad_size_hook(state, bucket):
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(bucket.buffer()[:1].clone())

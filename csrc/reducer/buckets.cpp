@@ -190,10 +190,15 @@ void Reducer::ensure_private_locked(int64_t bucket_index, bool lent_counts) {
   int64_t alive = 0;
   const auto* memory = bucket.buffer.storage().unsafeGetStorageImpl();
   for (const int64_t i : bucket.params) {
-    if (lent_[i].expired()) continue;
-    alive += lent_from_[i] == memory;
     const auto& grad = params_[i].grad();
-    const bool attached = grad.defined() && grad.unsafeGetTensorImpl() == lent_[i]._unsafe_get_target();
+    const bool expired = lent_[i].expired();
+    const bool attached = !expired && grad.defined() && grad.unsafeGetTensorImpl() == lent_[i]._unsafe_get_target();
+    // a .grad over this memory that is not its parameter's lent alias (another parameter's,
+    // assigned to this one too): the result written into one would overwrite the other's slot
+    held = held || (!attached && grad.defined() && grad.has_storage() &&
+                    grad.storage().unsafeGetStorageImpl() == memory);
+    if (expired) continue;
+    alive += lent_from_[i] == memory;
     held = held || (lent_from_[i] == memory && (!attached || lent_counts));
   }
   held = held || static_cast<int64_t>(bucket.buffer.storage().use_count()) > bucket.storage_refs + alive;

@@ -179,19 +179,22 @@ void Reducer::write_grads_locked(const at::Tensor& global_used) {
   const int32_t* gu = global_used.defined() ? global_used.data_ptr<int32_t>() : nullptr;
   bool all_views = true;
   bool direct = false;
-  for (int64_t i = 0; i < static_cast<int64_t>(params_.size()); ++i) {
-    if (gu && gu[i] == 0) continue;  // unused on every rank: .grad untouched, as in torch DDP
-    if (direct_[i]) {  // reduced in place: .grad holds the result, its slot nothing
-      direct = true;
-      continue;
+  // In torch DDP's order (bucket by bucket, each in its own order), which decides what a .grad
+  // tensor shared by two parameters ends up holding.
+  for (const auto& bucket : buckets_) {
+    for (const int64_t i : bucket.params) {
+      if (gu && gu[i] == 0) continue;  // unused on every rank: .grad untouched, as in torch DDP
+      if (direct_[i]) {  // reduced in place: .grad holds the result, its slot nothing
+        direct = true;
+        continue;
+      }
+      if (!gradient_as_bucket_view_) {
+        all_views = lend_or_copy_locked(i) && all_views;
+        continue;
+      }
+      auto& grad = params_[i].mutable_grad();
+      if (!grad.defined() || !is_slot(grad, i)) grad = grad_view_locked(i);
     }
-    if (!gradient_as_bucket_view_) {
-      all_views = lend_or_copy_locked(i) && all_views;
-      continue;
-    }
-    auto& grad = params_[i].mutable_grad();
-    const auto& view = bucket_view(i);
-    if (!grad.defined() || !grad.is_alias_of(view)) grad = grad_view_locked(i);
   }
   views_but_direct_ = all_views;
   buckets_hold_grads_ = all_views && !direct;
@@ -201,7 +204,7 @@ bool Reducer::lend_or_copy_locked(int64_t index) {
   auto& grad = params_[index].mutable_grad();
   const auto& view = bucket_view(index);
   if (grad.defined() && grad.unsafeGetTensorImpl() == lent_[index]._unsafe_get_target() &&
-      grad.is_alias_of(view))
+      is_slot(grad, index))
     return true;  // a lent alias (lent by the hook, or accumulated in place): it holds the result
   if (!grad.defined() || unshared_like(grad, view)) {
     lend_locked(index);

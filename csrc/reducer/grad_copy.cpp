@@ -72,7 +72,7 @@ void Reducer::copy_grad_to_bucket_locked(int64_t index) {
   } else if (reduces_in_place_locked(index, grad, view)) {
     direct_[index] = 1;  // .grad stays autograd's (or the script's) tensor and receives the result
     buckets_[param_bucket_[index]].direct = true;
-  } else if (grad.is_alias_of(view)) {
+  } else if (is_slot(grad, index)) {
     if (divide) average_.into(view, view);  // accumulated in place (bucket view): average there
   } else if (batch_copies_ && !divide && batchable(grad, view)) {
     buckets_[param_bucket_[index]].deferred.push_back(index);  // copied when the bucket is full
@@ -101,8 +101,11 @@ void Reducer::settle_copied_grad_locked(int64_t index, const at::Tensor& view) {
   auto& grad = params_[index].mutable_grad();
   if (gradient_as_bucket_view_) {
     grad = grad_view_locked(index);
-  } else if (unset_at_forward_[index] && grad.use_count() == 1 && plain_like(grad, view)) {
-    lend_locked(index);  // autograd made it in this backward and only the parameter holds it
+  } else if (unset_at_forward_[index] && !comm_hook_ && grad.use_count() == 1 && plain_like(grad, view)) {
+    // autograd made it in this backward and only the parameter holds it. Not while a Python
+    // communication hook may read or write .grad during the backward (torch's .grad is then
+    // the local gradient, apart from the bucket): the end of the backward lends it.
+    lend_locked(index);
   }
 }
 

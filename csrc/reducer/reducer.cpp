@@ -393,7 +393,7 @@ void Reducer::note_gradient_outside_reduction_locked(int64_t index) {
   nosync_forward_pending_ = false;
   invalidate_visitors_locked();
   const auto& grad = params_[index].grad();
-  if (grad.defined() && !grad.is_alias_of(bucket_view(index))) buckets_hold_grads_ = false;
+  if (grad.defined() && !is_slot(grad, index)) buckets_hold_grads_ = false;
 }
 
 void Reducer::check_create_graph_locked(int64_t index) {

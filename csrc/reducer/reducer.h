@@ -338,6 +338,14 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void queue_finalize();         // from the outputs' grad_fn pre-hook (static_graph, first iteration)
   void queue_finalize_locked();  // end-of-backward callback on the current graph task
   const at::Tensor& bucket_view(int64_t index) const { return views_[index]; }
+  // Whether `grad` is parameter `index`'s slot itself: its memory, sizes and strides (a tensor
+  // over another slot of the same bucket, e.g. one .grad assigned to two parameters, shares
+  // the storage but is not the slot).
+  bool is_slot(const at::Tensor& grad, int64_t index) const {
+    const auto& view = views_[index];
+    return grad.is_alias_of(view) && grad.storage_offset() == view.storage_offset() &&
+           grad.sizes() == view.sizes() && grad.strides() == view.strides();
+  }
   // gradient_as_bucket_view=True: the tensor handed out as parameter `index`'s .grad, a view of
   // the same bucket memory as bucket_view(index) but its own TensorImpl (made again when
   // `p.grad.data = t` moved it elsewhere), so a rebinding never moves the reducer's view.

@@ -158,3 +158,29 @@ def _grad_changed_after_forward(rank: int, world_size: int, kwargs: dict[str, An
                          ids=["find_unused", "static_graph"])
 def test_an_unused_parameter_contributes_its_grad_as_backward_starts(ranks, kwargs, change) -> None:
     ranks.run(_grad_changed_after_forward, args=(kwargs, change))
+
+
+def _one_grad_for_two_parameters(rank: int, world_size: int, kwargs: dict[str, Any]) -> None:
+    """One .grad tensor assigned to two parameters between steps (``b.grad = a.grad``), then a
+    backward that accumulates into it: torch DDP copies each reduced slot into it in bucket
+    order (the last copy stays); DDPWrapper's lent alias of one slot must not stand in for the
+    other's slot, nor be overwritten by it halfway."""
+    results = []
+    for cls in (fastddp.DDPWrapper, TorchDDP):
+        torch.manual_seed(5)
+        model = cls(nn.Sequential(nn.Linear(3, 3, bias=False), nn.Linear(3, 3, bias=False)),
+                    **(kwargs if cls is fastddp.DDPWrapper else {}))
+        first, second = model.module[0].weight, model.module[1].weight
+        x = torch.randn(2, 3, generator=torch.Generator().manual_seed(rank))
+        model(x).sum().backward()
+        second.grad = first.grad
+        model(x).sum().backward()
+        results.append((first.grad.clone(), second.grad is first.grad))
+    (ours, same_o), (ref, same_r) = results
+    assert same_o and same_r
+    assert torch.equal(ours, ref), (ours, ref)
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"shm_allreduce": False}], ids=["default", "gloo"])
+def test_one_grad_tensor_for_two_parameters(ranks, kwargs) -> None:
+    ranks.run(_one_grad_for_two_parameters, args=(kwargs,))
