@@ -136,13 +136,15 @@ class TrainStep:
         self.nan_streak += 1
         self.nan_ranks.update(bad)
         names = ", ".join(map(str, bad))
+        skipped = "every rank skips this step" if self.world > 1 else "the step is skipped"
         warnings.warn(f"rank {self.rank}: non-finite loss on rank(s) {names} at step "
-                      f"{step_index}; every rank skips this step", stacklevel=3)
+                      f"{step_index}; {skipped}", stacklevel=3)
         if self.nan_streak >= self.max_nan_steps:
             ranks = ", ".join(map(str, sorted(self.nan_ranks)))
+            clip = ("lower --clip-grad" if self.max_grad_norm else "enable --clip-grad")
             raise FloatingPointError(
                 f"loss was non-finite for {self.nan_streak} steps in a row (on rank(s) {ranks}); "
-                "lower --lr, enable --clip-grad, or check the data")
+                f"lower --lr, {clip}, or check the data")
         self.optimizer.zero_grad(set_to_none=True)
         return False
 
