@@ -57,6 +57,16 @@ def test_config_yaml(tmp_path) -> None:
     assert args.batch_size == 16 and args.backend == "gloo"
 
 
+def test_config_value_refused_names_its_key(tmp_path) -> None:
+    cfg = tmp_path / "c4.json"
+    cfg.write_text(json.dumps({"training": {"lr": -1, "epochs": 2}}))
+    with pytest.raises(UsageError, match=r"^--lr must be a finite number > 0, got -1(\.0)? "
+                                         rf"\(set by training\.lr in --config {re.escape(str(cfg))}\)$"):
+        validate(parse_args(["--config", str(cfg)]), 0)
+    with pytest.raises(UsageError, match=r"^--lr must be a finite number > 0, got -2\.0$"):  # the command line's
+        validate(parse_args(["--config", str(cfg), "--lr", "-2"]), 0)
+
+
 def test_config_unknown_keys_are_named(tmp_path) -> None:
     cfg = tmp_path / "bad.json"
     cfg.write_text(json.dumps({"training": {"batch_sise": 3}, "colour": "red"}))

@@ -131,9 +131,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     pre, _ = parser.parse_known_args(argv)
     check_paths_not_empty(pre)
+    values: dict = {}
+    keys: dict[str, str] = {}
     if pre.config:
-        parser.set_defaults(**load_config(pre.config, parser))
+        values, keys = load_config(pre.config, parser)
+        parser.set_defaults(**values)
     args = parser.parse_args(argv)
     if args.multi_gpu is None:
         args.multi_gpu = "ddp" if under_torchrun() else "none"
+    # the flags whose value the config file set (the command line did not change it), named by
+    # the file's key in the errors about them (config.naming_config_key)
+    args.config_keys = {dest: key for dest, key in keys.items() if getattr(args, dest) == values[dest]}
     return args

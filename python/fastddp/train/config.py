@@ -201,10 +201,11 @@ def coerce(action: argparse.Action, value: Any) -> Any:
     return value
 
 
-def load_config(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
-    """Read a config file into ``{dest: value}``, each value checked against its flag. Unknown
-    keys, values of the wrong type or outside the choices, and two keys that set one flag to
-    different values are one :class:`UsageError` naming every such key."""
+def load_config(path: str, parser: argparse.ArgumentParser) -> tuple[dict[str, Any], dict[str, str]]:
+    """Read a config file into ``{dest: value}``, each value checked against its flag, and
+    ``{dest: key}``, the file's key that set each. Unknown keys, values of the wrong type or
+    outside the choices, and two keys that set one flag to different values are one
+    :class:`UsageError` naming every such key."""
     file = Path(path)
     if file.is_dir():
         raise UsageError(f"--config {path}: is a directory; give the YAML or JSON file")
@@ -240,4 +241,14 @@ def load_config(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
                          f"accepted: {accepted_keys()}")
     if problems:
         raise UsageError(f"--config {path}: " + "; ".join(problems))
-    return resolved
+    return resolved, source
+
+
+def naming_config_key(exc: UsageError, args: argparse.Namespace) -> UsageError:
+    """``exc``, about the flag its message starts with (``--lr must be ...``), with the config
+    file's key that set that flag named, when the value came from ``--config``."""
+    flag = str(exc).split(" ", 1)[0]
+    key = getattr(args, "config_keys", {}).get(flag[2:].replace("-", "_")) if flag.startswith("--") else None
+    if key is None:
+        return exc
+    return UsageError(f"{exc} (set by {key} in --config {args.config})", shared=exc.shared)

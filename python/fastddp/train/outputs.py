@@ -44,7 +44,7 @@ def log_header(r: Run) -> None:
 
 
 def write_config(save_dir: Path, args, ctx: Context, amp: bool, amp_dtype) -> None:
-    cfg = {k: v for k, v in vars(args).items()}
+    cfg = {k: v for k, v in vars(args).items() if k != "config_keys"}
     cfg.update(world_size=ctx.world, device=str(ctx.device), amp_resolved=amp,
                amp_dtype_resolved=str(amp_dtype), torch=torch.__version__,
                fastddp=fastddp.__version__, python=sys.version.split()[0])

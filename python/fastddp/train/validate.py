@@ -8,6 +8,7 @@ import math
 import os
 from pathlib import Path
 
+from .config import naming_config_key
 from .errors import UsageError
 from .models import MODES, load_factory
 
@@ -54,7 +55,15 @@ def check_paths_not_empty(args: argparse.Namespace) -> None:
 
 
 def validate(args: argparse.Namespace, cuda_count: int) -> None:
-    """Check every flag that can be checked before a process group or data exist."""
+    """Check every flag that can be checked before a process group or data exist; an error
+    about a flag the config file set names the file's key."""
+    try:
+        _validate(args, cuda_count)
+    except UsageError as exc:
+        raise naming_config_key(exc, args) from None
+
+
+def _validate(args: argparse.Namespace, cuda_count: int) -> None:
     check_paths_not_empty(args)  # again: a --config may have set them
     check_exclusive(args)
     if args.mode not in MODES and not args.model:
