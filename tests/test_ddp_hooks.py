@@ -365,8 +365,9 @@ def _python_hook_touching_grads(rank: int, world_size: int) -> str:
         for _ in range(2):
             model.zero_grad(set_to_none=False)
             model(rand_vec(g)).pow(2).mean().backward()
-        results.append((seen, [p.grad.clone() for p in model.parameters()]))
-    (seen_o, grads_o), (seen_r, grads_r) = results
+        results.append((seen, [p.grad.clone() for p in model.parameters()], torch.random.get_rng_state()))
+    (seen_o, grads_o, rng_o), (seen_r, grads_r, rng_r) = results
+    assert torch.equal(rng_o, rng_r), "the global random state differs after the same steps"
     for a, b in zip(grads_o + [t for ts in seen_o for t in ts], grads_r + [t for ts in seen_r for t in ts]):
         assert torch.equal(a, b)
     return "ok"

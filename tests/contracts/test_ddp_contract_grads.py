@@ -131,7 +131,7 @@ def _grad_changed_after_forward(rank: int, world_size: int, kwargs: dict[str, An
     backward starts (torch DDP marks such parameters ready at the backward's first gradient):
     a zero_grad() or an assignment between forward and backward counts, the .grad the forward
     saw does not."""
-    results = []
+    results, states = [], []
     for cls in (fastddp.DDPWrapper, TorchDDP):
         torch.manual_seed(3)
         model = cls(_Branch(), **kwargs)
@@ -148,6 +148,8 @@ def _grad_changed_after_forward(rank: int, world_size: int, kwargs: dict[str, An
             grads.append([p.grad.clone() for p in model.parameters()])
             opt.step()
         results.append(grads)
+        states.append(torch.random.get_rng_state())
+    assert torch.equal(*states), "the global random state differs after the same steps"
     for step, (ours, ref) in enumerate(zip(*results)):
         for (name, _), o, r in zip(model.module.named_parameters(), ours, ref):
             assert torch.equal(o, r), (step, name, o.sum().item(), r.sum().item())
@@ -175,8 +177,9 @@ def _one_grad_for_two_parameters(rank: int, world_size: int, kwargs: dict[str, A
         model(x).sum().backward()
         second.grad = first.grad
         model(x).sum().backward()
-        results.append((first.grad.clone(), second.grad is first.grad))
-    (ours, same_o), (ref, same_r) = results
+        results.append((first.grad.clone(), second.grad is first.grad, torch.random.get_rng_state()))
+    (ours, same_o, rng_o), (ref, same_r, rng_r) = results
+    assert torch.equal(rng_o, rng_r), "the global random state differs after the same steps"
     assert same_o and same_r
     assert torch.equal(ours, ref), (ours, ref)
 

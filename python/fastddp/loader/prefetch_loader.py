@@ -161,10 +161,8 @@ class PrefetchLoader(DataLoader[_T_co]):
         state["_slot_pool"] = None  # staging memory, not state: a copy allocates its own
         return state
 
-    # DataLoader's own code, inherited: the lock of the attributes that shape the batches (its
-    # __setattr__, on the flag _DataLoader__initialized), the multiprocessing_context property,
-    # check_worker_number_rationality, _auto_collation and _index_sampler; its constructor does
-    # not run (__init__ sets what they read).
+    # Inherited from DataLoader, whose constructor does not run (__init__ sets what these read):
+    # multiprocessing_context, check_worker_number_rationality, _auto_collation, _index_sampler.
     # ------------------------------------------------------------------ what a pass does
     def _native(self) -> bool:
         """Whether a pass gathers natively (else torch's DataLoader machinery reads it)."""
@@ -291,8 +289,7 @@ class PrefetchLoader(DataLoader[_T_co]):
         return len(self._index_sampler)
 
     def _iterator_len(self) -> int:
-        """len() of an iterator, as DataLoader's: the index sampler's length; an
-        IterableDataset's iterator has none (its sampler is endless)."""
+        """len() of an iterator, as DataLoader's (an IterableDataset's has none)."""
         if self._src.kind == "iterable":
             raise TypeError("object of type '_InfiniteConstantSampler' has no len()")
         return len(self)
