@@ -67,6 +67,14 @@ def test_config_value_refused_names_its_key(tmp_path) -> None:
         validate(parse_args(["--config", str(cfg), "--lr", "-2"]), 0)
 
 
+def test_config_value_refused_names_its_key_where_the_message_names_the_flag_later(tmp_path) -> None:
+    cfg = tmp_path / "c5.json"
+    cfg.write_text(json.dumps({"training": {"mode": "resnet"}}))
+    with pytest.raises(UsageError, match=r"^unknown --mode 'resnet': choose one of flatten, conv1d, "
+                                         rf"lstm \(set by training\.mode in --config {re.escape(str(cfg))}\)$"):
+        validate(parse_args(["--config", str(cfg)]), 0)
+
+
 def test_config_unknown_keys_are_named(tmp_path) -> None:
     cfg = tmp_path / "bad.json"
     cfg.write_text(json.dumps({"training": {"batch_sise": 3}, "colour": "red"}))
@@ -174,6 +182,8 @@ def test_debug_in_the_config_file_shows_the_traceback(tmp_path) -> None:
          r"^--dataset m:make and --data-dir /tmp both choose the training data; give one"),
         (["--model", "m:make", "--mode", "lstm"], 0,
          r"^--model m:make and --mode lstm both choose the model; give one"),
+        (["--model", "m:make", "--mode", "flatten"], 0,  # the default, given: refused as well
+         r"^--model m:make and --mode flatten both choose the model; give one"),
         (["--resume", "/tmp"], 0, r"^--resume /tmp: is a directory; give the checkpoint file in it "
                                    r"\(/tmp/last\.pt\), or --save-dir /tmp to continue the run there"),
         (["--num-workers", "-1"], 0, r"^--num-workers must be 0\.\.\d+ \(loader threads per "

@@ -54,9 +54,9 @@ def _parallelism_flags(p: argparse.ArgumentParser) -> None:
 def _model_and_data_flags(p: argparse.ArgumentParser) -> None:
     """Which model trains on which data."""
     g = p.add_argument_group("model and data")
-    g.add_argument("--mode", default="flatten",
-                   help=f"model: {', '.join(MODES)} (flatten: MLP over the 9x128 window; "
-                        "conv1d and lstm over the sequence)")
+    g.add_argument("--mode", default=None,
+                   help=f"model: {', '.join(MODES)} (flatten, the default: MLP over the 9x128 "
+                        "window; conv1d and lstm over the sequence)")
     g.add_argument("--model", default=None, help="your own model: pkg.module:factory")
     g.add_argument("--dataset", default=None,
                    help="your own data: pkg.module:factory returning (train, test) datasets of "
@@ -139,6 +139,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.multi_gpu is None:
         args.multi_gpu = "ddp" if under_torchrun() else "none"
+    if args.mode is None and not args.model:  # unset, so that --model with a --mode is refused
+        args.mode = "flatten"
     # the flags whose value the config file set (the command line did not change it), named by
     # the file's key in the errors about them (config.naming_config_key)
     args.config_keys = {dest: key for dest, key in keys.items() if getattr(args, dest) == values[dest]}

@@ -245,10 +245,10 @@ def load_config(path: str, parser: argparse.ArgumentParser) -> tuple[dict[str, A
 
 
 def naming_config_key(exc: UsageError, args: argparse.Namespace) -> UsageError:
-    """``exc``, about the flag its message starts with (``--lr must be ...``), with the config
-    file's key that set that flag named, when the value came from ``--config``."""
-    flag = str(exc).split(" ", 1)[0]
-    key = getattr(args, "config_keys", {}).get(flag[2:].replace("-", "_")) if flag.startswith("--") else None
+    """``exc`` with the config file's key that set its flag (``exc.flag``) named, when the
+    value came from ``--config``."""
+    key = getattr(args, "config_keys", {}).get(exc.flag[2:].replace("-", "_")) if exc.flag else None
     if key is None:
         return exc
-    return UsageError(f"{exc} (set by {key} in --config {args.config})", shared=exc.shared)
+    return UsageError(f"{exc} (set by {key} in --config {args.config})", shared=exc.shared,
+                      flag=exc.flag)

@@ -67,7 +67,8 @@ def _validate(args: argparse.Namespace, cuda_count: int) -> None:
     check_paths_not_empty(args)  # again: a --config may have set them
     check_exclusive(args)
     if args.mode not in MODES and not args.model:
-        raise UsageError(f"unknown --mode {args.mode!r}: choose one of {', '.join(MODES)}")
+        raise UsageError(f"unknown --mode {args.mode!r}: choose one of {', '.join(MODES)}",
+                         flag="--mode")
     check_numbers(args)
     check_factories(args)
     check_devices(args, cuda_count)
@@ -145,7 +146,8 @@ def check_devices(args: argparse.Namespace, cuda_count: int) -> None:
         usable = len(args.gpu_list) if args.gpu_list else cuda_count
         if local_world > usable:
             raise UsageError(f"{local_world} ranks on this node but only {usable} GPU(s) usable "
-                             "with NCCL: lower --nproc_per_node or use --backend gloo")
+                             "with NCCL: lower --nproc_per_node or use --backend gloo",
+                             flag="--backend")
     if args.sync_batchnorm and args.multi_gpu == "ddp" and (cuda_count == 0 or args.backend == "gloo"):
         raise UsageError("--sync-batchnorm needs CUDA GPUs (torch's SyncBatchNorm runs on GPUs "
                          "only) and none is used here; drop the flag on CPU ranks")
@@ -202,7 +204,7 @@ def check_exclusive(args: argparse.Namespace) -> None:
         raise UsageError(f"--dataset {args.dataset} and --data-dir {args.data_dir} both choose the "
                          "training data; give one (--data-dir: the UCI HAR files, --dataset: "
                          "your own pkg.module:factory)")
-    if args.model and args.mode != "flatten":
+    if args.model and args.mode is not None:
         raise UsageError(f"--model {args.model} and --mode {args.mode} both choose the model; "
                          "give one (--mode: a built-in HAR model, --model: your own "
                          "pkg.module:factory)")
