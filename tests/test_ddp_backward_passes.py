@@ -91,6 +91,36 @@ def test_second_backward_through_one_forward_with_find_unused_parameters_is_refu
             assert "find_unused_parameters=False" in message, message
 
 
+def _penalty_pass_then_backward(rank: int, world_size: int, first_pass: str) -> None:
+    """find_unused_parameters=True: a pass through the outputs that reaches no parameter (a
+    gradient penalty's ``torch.autograd.grad`` of the input, ``backward(inputs=[x])``) finishes
+    no reduction, so the loss's backward after it reduces as under torch DDP."""
+    ours, ref = make_pair(_ActorCritic, {"find_unused_parameters": True})
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, ref)]
+    g = torch.Generator().manual_seed(20 + rank)
+    for _ in range(3):
+        x = torch.randn(6, 8, generator=g)
+        for model, opt in zip((ours, ref), opts):
+            opt.zero_grad()
+            inputs = x.clone().requires_grad_(True)
+            logits, value = model(inputs)
+            if first_pass == "autograd_grad":
+                gx, = torch.autograd.grad(logits.sum(), inputs, create_graph=True)
+                penalty = gx.pow(2).sum()
+            else:
+                logits.sum().backward(inputs=[inputs], retain_graph=True)
+                penalty = inputs.grad.pow(2).sum()
+            (logits.logsumexp(1).mean() + value.pow(2).mean() + penalty).backward()
+        compare_models(ours, ref, grads=True, rtol=0, atol=0)
+        for opt in opts:
+            opt.step()
+
+
+@pytest.mark.parametrize("first_pass", ["autograd_grad", "backward_inputs"])
+def test_a_pass_that_reaches_no_parameter_leaves_the_backward_after_it_reducing(ranks, first_pass: str) -> None:
+    ranks.run(_penalty_pass_then_backward, world_size=2, args=(first_pass,))
+
+
 def _critic_left_out(rank: int, world_size: int) -> list[str]:
     """The critic's output never backwarded through: torch DDP's backward ends without an
     error and its next forward raises; DDPWrapper's too, with torch's sentence first."""

@@ -72,28 +72,35 @@ class OutputSink:
         self.static_reached = False
         self.clone = True  # torch DDP's _set_ddp_sink_clone()
 
-    def __call__(self, output: Any, find_unused_parameters: bool, static_graph: bool, reducing: bool) -> Any:
+    def __call__(self, output: Any, find_unused_parameters: bool, static_graph: bool,
+                 reductions: Optional[Callable[[], int]]) -> Any:
+        """``reductions``: for a reducing forward, the reducer's count of finished reductions;
+        None for a forward that reduces nothing (no_sync, no grad)."""
         if static_graph:
             return output if self.static_reached else through_sink(output, self._reached, self.clone)
         if not find_unused_parameters:
             return output
-        return through_sink(output, _one_backward_per_forward() if reducing else None, self.clone)
+        on_backward = None if reductions is None else _one_backward_per_forward(reductions)
+        return through_sink(output, on_backward, self.clone)
 
     def _reached(self) -> None:
         self.static_reached = True
 
 
-def _one_backward_per_forward() -> Callable[[], None]:
+def _one_backward_per_forward(reductions: Callable[[], int]) -> Callable[[], None]:
     """find_unused_parameters=True: the first backward through a reducing forward's outputs
-    finishes its reduction (every output is reached, through the sink), counting the parameters
-    it brought no gradient as unused. A second backward through them would leave its gradients
-    unaveraged, the ranks apart without a word (torch DDP leaves them so): refused."""
-    passes = 0
+    that reaches the parameters finishes its reduction (every output is reached, through the
+    sink), counting the parameters it brought no gradient as unused. A backward through them
+    after that would leave its gradients unaveraged, the ranks apart without a word (torch DDP
+    leaves them so): refused. A pass that finished no reduction (``torch.autograd.grad`` of the
+    outputs for a gradient penalty, ``backward(inputs=[x])``) leaves the next one free, as in
+    torch DDP."""
+    before: Optional[int] = None  # finished reductions when the last pass through the sink began
 
     def on_backward() -> None:
-        nonlocal passes
-        passes += 1
-        if passes > 1:
+        nonlocal before
+        now = reductions()
+        if before is not None and now != before:
             raise RuntimeError(
                 "DDPWrapper: a second backward pass through the outputs of one forward, with "
                 "find_unused_parameters=True. The first one finished this forward's reduction "
@@ -102,6 +109,7 @@ def _one_backward_per_forward() -> Callable[[], None]:
                 "((loss_a + loss_b).backward()); or, when each backward reaches its own "
                 "parameters (one loss per network), pass find_unused_parameters=False, which "
                 "reduces a forward's gradients over several backward passes as torch DDP does.")
+        before = now
 
     return on_backward
 

@@ -336,8 +336,12 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, ModuleStateSync, Pickling, To
         if grad_enabled:
             self._prepare_reduction(output, self.require_backward_grad_sync)
         diag.enter(diag.Phase.OUTSIDE)
+        reducing = grad_enabled and self.require_backward_grad_sync
         return self._output_sink(output, self.find_unused_parameters, self.static_graph,
-                                 reducing=grad_enabled and self.require_backward_grad_sync)
+                                 reductions=self._finished_reductions if reducing else None)
+
+    def _finished_reductions(self) -> int:
+        return self._reducer.reductions
 
     def _set_ddp_sink_clone(self, val: bool) -> None:
         """torch DDP's switch: whether the outputs that go through its sink node
