@@ -223,6 +223,17 @@ void PrefetchPipeline::fill(Slot& slot, const Span& span) {
 
 namespace {
 
+// A tensor of its own over `t`'s memory, as the batch DataLoader has just collated: not a view
+// (no _base, detach_() works) and, outside inference mode, with a version counter of its own at
+// 0 (in-place changes to one batch do not show in the next batch's _version). The slot's storage
+// stays shared, so a batch still held keeps its slot from being refilled (held_elsewhere).
+at::Tensor fresh_alias(const at::Tensor& t) {
+  at::Tensor alias = at::empty({0}, t.options());
+  alias.set_(t.storage(), t.storage_offset(), t.sizes(), t.strides());
+  if (!alias.is_inference()) alias.unsafeGetTensorImpl()->set_version_counter(c10::VariableVersion(0));
+  return alias;
+}
+
 // A batch shorter than its slot (a pass's last batch) in memory of its own size, pinned where the
 // slot is: DataLoader's short batch has a storage of its size, and a view would make
 // torch.save(batch) write, and a kept batch hold, the whole slot.
@@ -235,16 +246,12 @@ at::Tensor own_storage(const at::Tensor& rows) {
 }
 
 // The first `rows` rows of a slot as next() hands them out. DataLoader makes a batch at next(),
-// so it is an inference tensor exactly when next() runs inside torch.inference_mode(): a slot
-// (a normal tensor) is handed out then as an inference tensor over the same memory, and
-// otherwise as a view. A short batch gets memory of its own size, made in the caller's mode.
+// so it is an inference tensor exactly when next() runs inside torch.inference_mode(): the
+// batch is made in the caller's mode over the slot's memory (a slot is a normal tensor). A short
+// batch gets memory of its own size.
 at::Tensor delivered(const at::Tensor& slot, int64_t rows) {
   at::Tensor view = slot.narrow(0, 0, rows);
-  if (rows < slot.size(0)) return own_storage(view);
-  if (!c10::InferenceMode::is_enabled()) return view;
-  at::Tensor alias = at::empty({0}, slot.options());
-  alias.set_(slot.storage(), slot.storage_offset(), view.sizes(), view.strides());
-  return alias;
+  return fresh_alias(rows < slot.size(0) ? own_storage(view) : view);
 }
 
 }  // namespace

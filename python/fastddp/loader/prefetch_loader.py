@@ -8,6 +8,7 @@ from typing import Any, Optional, TypeVar, Union
 
 import torch
 from torch.utils.data import DataLoader, default_collate
+from torch.utils.data.dataloader import _DatasetKind
 
 from .._ext import C
 from .iterator import LoaderHooks, LoaderIterator, Progress
@@ -144,7 +145,9 @@ class PrefetchLoader(DataLoader[_T_co]):
         self._progress = Progress()  # batches delivered in the current pass
         self._replay = Replay()
         self._pass_state: tuple[Optional[torch.Tensor], Optional[torch.Tensor]] = (None, None)
-        self._iterable_len_reported: Optional[int] = None
+        # DataLoader's, read by libraries (ignite's DeterministicEngine asks _dataset_kind)
+        self._dataset_kind = _DatasetKind.Iterable if src.kind == "iterable" else _DatasetKind.Map
+        self._IterableDataset_len_called: Optional[int] = None
         self._sampler_states: Optional[dict[str, Any]] = None
         self._iterator: Optional[LoaderIterator] = None
         self._direct: Optional[bool] = None
@@ -267,7 +270,7 @@ class PrefetchLoader(DataLoader[_T_co]):
                 pass_.close()
                 raise
         hooks = LoaderHooks(restart=self._start, progress=self._progress,
-                            len_reported=lambda: self._iterable_len_reported, length=self._iterator_len,
+                            len_reported=lambda: self._IterableDataset_len_called, length=self._iterator_len,
                             num_workers=lambda: self.num_workers, dataset=self.dataset)
         return LoaderIterator(pass_, hooks)
 
@@ -282,7 +285,7 @@ class PrefetchLoader(DataLoader[_T_co]):
 
     def __len__(self) -> int:
         if self._src.kind == "iterable":  # DataLoader's rule: the stream's len(), in batches
-            length = self._iterable_len_reported = len(self.dataset)
+            length = self._IterableDataset_len_called = len(self.dataset)
             if self.batch_size is not None:
                 length = length // self.batch_size if self.drop_last else -(-length // self.batch_size)
             return length

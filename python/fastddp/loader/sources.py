@@ -13,6 +13,10 @@ from typing import Any, Optional
 import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset, TensorDataset, default_collate
+from torch.utils.data._utils import collate as torch_collate
+
+# TensorDataset's own sample reading, as torch defines it (a script may patch the class)
+_TENSOR_DATASET_GETITEM = TensorDataset.__getitem__
 
 
 class Columns(Dataset):
@@ -48,7 +52,7 @@ class Sources:
     @property
     def gatherable(self) -> bool:
         """Rows can be gathered natively with the result DataLoader's default collation gives."""
-        return self.own_form or is_plain_tensor_dataset(self.dataset)
+        return self.own_form or (is_plain_tensor_dataset(self.dataset) and stock_tensor_collation())
 
     def tensors(self) -> list[torch.Tensor]:
         """The tensors rows are gathered from, read now (a TensorDataset's may be replaced)."""
@@ -67,9 +71,23 @@ class Sources:
     def fetch(self, indices: list[Any]) -> Any:
         """One batch read sample by sample, exactly as DataLoader's fetcher reads it (so an
         index DataLoader refuses raises what indexing the dataset raises)."""
+        if self.keys is not None:
+            check_row_indices(indices, self.keys)
         samples = [self.dataset[i] for i in indices]
         batch = default_collate(samples)
         return self.wrap(batch) if self.own_form else batch
+
+
+def check_row_indices(indices: list[Any], keys: list[str]) -> None:
+    """A dict of tensors under string keys is read as columns; a sampler that gives one of its
+    keys meant DataLoader's reading of it (``dataset[key]``): refused, naming the fix."""
+    for i in indices:
+        if isinstance(i, str):
+            raise TypeError(f"PrefetchLoader: the sampler gave the index {i!r}, but a dict of tensors "
+                            "under string keys is read as columns (batch rows taken by integer index "
+                            f"from every tensor, keys {', '.join(map(repr, keys[:3]))}{', ...' if len(keys) > 3 else ''}), "
+                            "not looked up by key as DataLoader looks it up. To read dataset[key], "
+                            "pass a Dataset whose __getitem__(key) returns the dict's tensor")
 
 
 def _plain_data(t: torch.Tensor) -> Optional[str]:
@@ -97,12 +115,23 @@ def is_plain_tensor_dataset(dataset: Any) -> bool:
     of one length (tensors replaced after construction may differ: DataLoader then reads rows
     until an index is past the shortest, and so does the Python path)."""
     cls = type(dataset)
-    if not (isinstance(dataset, TensorDataset) and cls.__getitem__ is TensorDataset.__getitem__
+    if not (isinstance(dataset, TensorDataset) and cls.__getitem__ is _TENSOR_DATASET_GETITEM
+            and getattr(cls.__getitem__, "__module__", None) == "torch.utils.data.dataset"
             and getattr(cls, "__getitems__", None) is None and len(dataset.tensors) > 0):
         return False
     tensors = dataset.tensors
     return (all(isinstance(t, torch.Tensor) and _plain_data(t) is None for t in tensors)
             and all(t.dim() > 0 and len(t) == len(tensors[0]) for t in tensors))
+
+
+def stock_tensor_collation() -> bool:
+    """``default_collate`` collates a TensorDataset's samples (tuples of tensors) as torch ships
+    it: ``default_collate_fn_map`` (which torch documents as the way to extend it) still has
+    torch's function for tensors and no entry that takes tuples."""
+    fn_map = torch_collate.default_collate_fn_map
+    return (fn_map.get(torch.Tensor) is torch_collate.collate_tensor_fn
+            and getattr(fn_map.get(torch.Tensor), "__module__", None) == torch_collate.__name__
+            and not any(issubclass(tuple, key) for key in fn_map))
 
 
 def _load_npy(paths: list[Any]) -> list[torch.Tensor]:
@@ -168,7 +197,7 @@ def classify(dataset: Any) -> Sources:
         arrays = _load_npy(paths)
         _check_rows(arrays)
         return Sources("npy", Columns(arrays), single=isinstance(dataset, (str, os.PathLike)))
-    if hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__"):
+    if hasattr(dataset, "__getitem__"):  # without __len__, DataLoader reads it through a sampler
         return Sources("dataset", dataset)
     raise TypeError(f"PrefetchLoader: cannot load from {type(dataset).__name__}; pass a "
                     "TensorDataset, a tuple/dict of tensors, .npy paths, a map-style Dataset or "
