@@ -641,6 +641,43 @@ def test_a_backward_failed_on_one_rank_is_reported_on_every_rank(ranks, transpor
     assert all(_REFUSED in line for line in failed[1:]) and len(failed) == 3, failed
 
 
+class _SharedTrunk(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk, self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 2), nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = self.trunk(x)
+        return self.a(h), self.b(h)
+
+
+def _own_error_in_backward(rank: int, world_size: int) -> list[str]:
+    """One loss per head over a shared trunk, backwarded one by one: the second backward
+    reaches the trunk again and raises (torch DDP too); the next forward is refused (torch DDP
+    fails an internal assert there) with torch's sentence for an unfinished reduction first,
+    naming the error that stopped the backward."""
+    said = []
+    for cls in (TorchDDP, fastddp.DDPWrapper):
+        torch.manual_seed(0)
+        model = cls(_SharedTrunk())
+        out_a, out_b = model(torch.randn(4, 8))
+        out_a.sum().backward(retain_graph=True)
+        with pytest.raises(RuntimeError, match=r"^Expected to mark a variable ready only once"):
+            out_b.sum().backward()
+        with pytest.raises(RuntimeError) as info:
+            model(torch.randn(4, 8))
+        said.append(str(info.value))
+    return said
+
+
+def test_the_next_forward_names_the_wrappers_own_error_that_stopped_a_backward(ranks) -> None:
+    for torch_said, ours in ranks.run(_own_error_in_backward, world_size=2):
+        sentence = "Expected to have finished reduction in the prior iteration before starting a new one."
+        assert "INTERNAL ASSERT FAILED" in torch_said and ours.startswith(sentence), (torch_said, ours)
+        assert "\nDDPWrapper: a backward pass raised before its gradients were reduced (with DDPWrapper's " \
+               "error: \"Expected to mark a variable ready only once. DDPWrapper: parameter 'trunk." in ours, ours
+
+
 _REFUSED_STATIC = "DDPWrapper: the previous backward pass did not reduce all gradients (static_graph=True)"
 
 

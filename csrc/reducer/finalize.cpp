@@ -269,7 +269,7 @@ void Reducer::finish_unfinished_reduction() {
                        "rank " + std::to_string(process_group_->getRank()) + ": " + indices + "\n"
                        "DDPWrapper: the previous backward pass did not reduce all gradients (static_graph=True): "
                        "these parameters received fewer gradients than in the first iteration: " + missing +
-                       ". That backward raised (e.g. out of memory inside backward), or the graph changed: "
+                       ". That backward raised (" + failed_backward_cause_locked() + "), or the graph changed: "
                        "static_graph=True needs the same used parameters, each reached the same number of times, "
                        "in every iteration (else use find_unused_parameters=True). The reduction cannot finish, so "
                        "this wrapper cannot go on; after a failed backward, build a new wrapper (from the model's "
@@ -284,11 +284,19 @@ void Reducer::finish_unfinished_reduction() {
   // Queued but never run: that backward raised (autograd drops a failed backward's callbacks),
   // with part of its buckets launched. The rest are issued, so that the other ranks are told
   // instead of waiting; this wrapper then refuses every forward, as torch DDP does after it.
-  failed_backward_ = "DDPWrapper: a backward pass raised before its gradients were reduced (e.g. out of memory "
-                     "inside backward), so this wrapper's buckets hold part of that reduction and it cannot go on; "
+  // torch's sentence first (scripts match it; torch raises it at this forward too)
+  failed_backward_ = std::string(kUnfinishedReduction) +
+                     "\nDDPWrapper: a backward pass raised before its gradients were reduced (" +
+                     failed_backward_cause_locked() + "), so this wrapper's buckets hold part of that reduction and it cannot go on; "
                      "torch's DistributedDataParallel refuses every forward after this too. Build a new wrapper "
                      "to go on (from the model's state, on every rank).";
   finish_failed_reduction_locked();
+}
+
+std::string Reducer::failed_backward_cause_locked() const {
+  if (backward_error_.empty()) return "e.g. out of memory inside backward";
+  const size_t cut = 300;
+  return "with DDPWrapper's error: \"" + backward_error_.substr(0, cut) + (backward_error_.size() > cut ? "...\"" : "\"");
 }
 
 void Reducer::delay_all_reduce() {

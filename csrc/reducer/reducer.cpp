@@ -280,6 +280,7 @@ void Reducer::reset_for_backward_locked() {
   stats_.reset();
   stats_.backward_compute_start = now_ns();  // the forward's end, as torch's logger times it
   hooks_seen_ = false;
+  backward_error_.clear();
   grads_requiring_grad_ = 0;
   expect_sync_ = true;
   invalidate_visitors_locked();  // what visitors took from an earlier backward is stale
@@ -344,6 +345,15 @@ void Reducer::mark_unused_locked(int64_t index) {
 
 void Reducer::mark_ready(int64_t index) {
   std::lock_guard<std::mutex> lock(mutex_);
+  try {
+    mark_ready_locked(index);
+  } catch (const c10::Error& e) {
+    backward_error_ = e.what_without_backtrace();  // named by the next forward's refusal
+    throw;
+  }
+}
+
+void Reducer::mark_ready_locked(int64_t index) {
   // Used means a .grad exists (torch DDP's rule): a hook can fire without a gradient (a custom
   // Function returned None for this input). Under no_sync() the use counts for the next
   // reduction too, so what accumulated here is averaged even if that iteration skips it.

@@ -232,6 +232,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   int64_t wire_bytes() const;  // gradient bytes one backward reduces, in the wire dtype
   void mark_ready(int64_t index);
   // A gradient that arrived while no reduction is expected (no_sync(), or no forward before).
+  void mark_ready_locked(int64_t index);  // mark_ready's work; its errors are kept in backward_error_
+  std::string failed_backward_cause_locked() const;  // why a backward stopped: its error, if the reducer's
   void note_gradient_outside_reduction_locked(int64_t index);
   // A gradient that requires grad (backward(create_graph=True)): torch's warning, one per backward.
   void check_create_graph_locked(int64_t index);
@@ -409,6 +411,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   IterationStats stats_;          // the current (or last) reducing backward's, see iteration_stats()
   int64_t grads_requiring_grad_ = 0;  // this backward's gradients made with create_graph=True
   std::string logged_error_;          // see logged_error()
+  std::string backward_error_;        // the error this reducer raised in the current backward, if any
   [[noreturn]] void fail_logged_locked(const std::string& message);  // raise it, and keep it
   bool buckets_hold_grads_ = false;  // see grads_in_buckets()
   int64_t relocations_ = 0;          // buckets moved by ensure_private_locked
