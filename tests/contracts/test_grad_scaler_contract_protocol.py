@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from .test_grad_scaler_contract import INF, _model, _side_by_side
+from .test_grad_scaler_contract import INF, _batch, _model, _side_by_side
 
 
 class _UnscalesItself(torch.optim.SGD):
@@ -144,3 +144,53 @@ def test_unscale_takes_the_optimizer_alone() -> None:
 @pytest.mark.parametrize("enabled", [1, np.True_, 0], ids=["int", "numpy_bool", "zero"])
 def test_enabled_is_kept_as_given(enabled) -> None:
     _side_by_side(lambda cls: [cls("cpu", enabled=enabled).is_enabled()])
+
+
+def _flaky(base: type) -> type:
+    """``base`` whose first step() raises (a transient error in the step, caught by the script)."""
+
+    class Flaky(base):
+        calls = 0
+
+        def step(self, *args: Any, **kwargs: Any) -> Any:
+            type(self).calls += 1
+            if type(self).calls == 1:
+                raise RuntimeError("transient")
+            return super().step(*args, **kwargs)
+
+    return Flaky
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
+@pytest.mark.parametrize("after", ["retry", "update", "skip"])
+def test_an_optimizer_step_that_raises(fused: bool, after: str) -> None:
+    """torch's step() records its inf check (and, for an optimizer that does not unscale by
+    itself, the unscaled stage) before the optimizer steps, and leaves ``grad_scale`` and
+    ``found_inf`` on a fused optimizer whose step raised: a retried step(), an update() in a
+    ``finally:``, or the next batch after a skipped one see that state."""
+
+    def run(cls):
+        model = _model()
+        opt = _flaky(torch.optim.SGD)(model.parameters(), lr=0.1, fused=fused)
+        scaler = cls("cpu", init_scale=4.0, growth_interval=1)
+        out = []
+        for step in range(3):
+            x, y = _batch(step)
+            scaler.scale(((model(x) - y) ** 2).mean()).backward()
+            try:
+                out.append(scaler.step(opt))
+            except RuntimeError as exc:
+                out.append(str(exc))
+                if after == "retry":
+                    out.append(scaler.step(opt))
+                elif after == "skip":
+                    opt.zero_grad()
+                    continue
+            out.append(sorted(scaler._per_optimizer_states[id(opt)]))
+            out.append([getattr(opt, name, None) for name in ("grad_scale", "found_inf")])
+            scaler.update()
+            out.append(scaler.get_scale())
+            opt.zero_grad()
+        return out + [list(model.parameters())]
+
+    assert _side_by_side(run)[0] == "transient"

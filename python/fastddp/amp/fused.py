@@ -24,8 +24,9 @@ def step_in_kernel(optimizer: torch.optim.Optimizer, grad_scale: Optional[torch.
     ``grad_scale`` the user set on the optimizer (that one alone when ``grad_scale`` is None:
     the gradients were unscaled already), and ``found_inf`` a 0-dim tensor of its own, so
     an optimizer that keeps or edits them changes neither the scale nor the inf check that
-    ``update()`` reads. Both attributes are deleted after the step (``restore``: a user's
-    ``grad_scale`` is put back, for a step torch's scaler would not have touched)."""
+    ``update()`` reads. Both attributes are deleted after the step, and left in place when the
+    step raises, as torch's scaler does (``restore``: a user's ``grad_scale`` is put back
+    either way, for a step torch's scaler would not have touched)."""
     preset = getattr(optimizer, "grad_scale", _ABSENT)
     if grad_scale is not None:
         grad_scale = grad_scale.reshape(()) * (1 if preset is _ABSENT else preset)
@@ -34,12 +35,24 @@ def step_in_kernel(optimizer: torch.optim.Optimizer, grad_scale: Optional[torch.
     optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
     optimizer.found_inf = found_inf.reshape(()).clone()  # type: ignore[attr-defined]
     try:
-        return optimizer.step(*args, **kwargs)
-    finally:
-        del optimizer.grad_scale  # type: ignore[attr-defined]
-        del optimizer.found_inf  # type: ignore[attr-defined]
-        if restore and preset is not _ABSENT:
-            optimizer.grad_scale = preset  # type: ignore[attr-defined]
+        retval = optimizer.step(*args, **kwargs)
+    except BaseException:
+        if restore:
+            _put_back(optimizer, preset)
+        # else both stay on the optimizer, as torch's scaler leaves them when the step raises
+        # (a retried step() then multiplies the scale by the grad_scale left there, as torch's)
+        raise
+    _put_back(optimizer, preset if restore else _ABSENT)
+    return retval
+
+
+def _put_back(optimizer: torch.optim.Optimizer, preset: Any) -> None:
+    """Delete the step's ``grad_scale`` and ``found_inf``; set ``grad_scale`` to ``preset``
+    unless it is absent."""
+    del optimizer.grad_scale  # type: ignore[attr-defined]
+    del optimizer.found_inf  # type: ignore[attr-defined]
+    if preset is not _ABSENT:
+        optimizer.grad_scale = preset  # type: ignore[attr-defined]
 
 
 def takes_keyword(optimizer: torch.optim.Optimizer, name: str) -> bool:

@@ -165,9 +165,10 @@ class GradScaler(torch.amp.GradScaler):
         return torch.zeros((), device=scale.device) if clipping else retval
 
     def _finalize(self, state: dict, g: list[torch.Tensor], device: torch.device, scale: torch.Tensor,
-                  max_grad_norm: Optional[float], ddp: Any) -> tuple[torch.Tensor, torch.Tensor, Optional[tuple]]:
-        """``found_inf``, the norm, and the (coef, inv_coef) that unscale and clip the
-        gradients, or None when they stay as they are (unscale_ ran and no clipping)."""
+                  max_grad_norm: Optional[float], ddp: Any) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[tuple]]:
+        """``found_inf``, the norm (None when unscale_ ran and there is no clipping), and the
+        (coef, inv_coef) that unscale and clip the gradients, or None when they stay as they
+        are (unscale_ ran and no clipping)."""
         clip = float(max_grad_norm) if max_grad_norm is not None else 0.0
         if state["stage"] is OptState.READY:
             found_inf, norm, coef, inv_coef = C.amp_finalize(grad_stats(g, device, ddp), scale.view(1),
@@ -179,20 +180,23 @@ class GradScaler(torch.amp.GradScaler):
         # UNSCALED: gradients are already divided by the scale (and maybe edited since)
         found_inf = state["found_inf_per_device"][device].view(1)
         if max_grad_norm is None:
-            return found_inf, state["norm"], None
+            return found_inf, None, None
         one = torch.ones(1, dtype=torch.float32, device=device)
         _, norm, coef, inv_coef = C.amp_finalize(grad_stats(g, device), one, clip, CLIP_EPS)
         return found_inf, norm, (coef, inv_coef)
 
     @staticmethod
-    def _apply(optimizer: torch.optim.Optimizer, g: list[torch.Tensor], found_inf: torch.Tensor,
+    def _apply(optimizer: torch.optim.Optimizer, state: dict, g: list[torch.Tensor], found_inf: torch.Tensor,
                rescale: Optional[tuple], args: tuple, kwargs: dict) -> Any:
         """Rescale ``g`` and step unless ``found_inf``: a fused optimizer does both in its kernel
-        (nothing read back to the host); any other costs one host read of ``found_inf``."""
+        (nothing read back to the host; the stage stays as torch's leaves it until the step
+        returns); any other costs one host read of ``found_inf``, and its gradients are
+        unscaled (the stage says so) before its step runs."""
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             return step_in_kernel(optimizer, rescale[1] if rescale else None, found_inf, args, kwargs)
         if rescale and g:
             C.amp_scale_(g, rescale[0])
+        state["stage"] = OptState.UNSCALED
         if bool(found_inf.item()):
             return None
         return optimizer.step(*args, **kwargs)
@@ -233,10 +237,9 @@ class GradScaler(torch.amp.GradScaler):
         if not g:  # as torch: nothing checked, which step() and update() then report
             state["found_inf_per_device"] = {}
             return
-        found_inf, norm, coef, _ = C.amp_finalize(grad_stats(g, scale.device), scale.view(1), 0.0, CLIP_EPS)
+        found_inf, _, coef, _ = C.amp_finalize(grad_stats(g, scale.device), scale.view(1), 0.0, CLIP_EPS)
         C.amp_scale_(g, coef)
         state["found_inf_per_device"] = {scale.device: found_inf.view(())}
-        state["norm"] = norm
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """As torch's: unscale (unless :meth:`unscale_` ran), check for inf/NaN, and step the
@@ -318,9 +321,11 @@ class GradScaler(torch.amp.GradScaler):
             return self._step_without_grads(optimizer, state, scale, max_grad_norm is not None, args, kwargs)
         device = self._device_of(g)
         found_inf, norm, rescale = self._finalize(state, g, device, scale, max_grad_norm, ddp)
-        retval = self._apply(optimizer, g, found_inf, rescale, args, kwargs)
+        # Recorded before the optimizer steps, as torch's step() records its unscale_(): after
+        # an optimizer.step() that raised, a retried step() does not unscale again and update()
+        # finds the check.
         state["found_inf_per_device"] = {device: found_inf.view(())}
-        state["norm"] = norm
+        retval = self._apply(optimizer, state, g, found_inf, rescale, args, kwargs)
         state["stage"] = OptState.STEPPED
         return norm.view(()) if max_grad_norm is not None else retval
 
