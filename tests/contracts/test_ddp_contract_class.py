@@ -8,6 +8,8 @@ state_dict helpers strip the ``module.`` prefix, the ``broadcast_buffers`` /
 from __future__ import annotations
 
 import contextlib
+import copy
+import io
 from typing import Any
 
 import pytest
@@ -308,3 +310,40 @@ def test_remove_autograd_hooks_as_torch(ranks, remove: bool) -> None:
             continue
         assert isinstance(theirs, list) and isinstance(ours, list), (theirs, ours)
         assert len(theirs) == len(ours) == 2 and all(torch.equal(a, b) for a, b in zip(theirs, ours))
+
+
+def _copy_after_parameters_changed(rank: int, world_size: int, change: str, how: str) -> list[Any]:
+    """A copy of the wrapper (deepcopy, or torch.save + torch.load) reduces the parameters the
+    module holds when it is copied, as torch DDP's copy: a layer unfrozen or frozen since the
+    wrapper was built, or parameters replaced by ``load_state_dict(assign=True)``."""
+    found = []
+    for cls in (TorchDDP, fastddp.DDPWrapper):
+        torch.manual_seed(0)
+        module = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        module[0].requires_grad_(change != "unfreeze")
+        model = cls(module)
+        if change == "assign":
+            model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+        else:
+            module[0].requires_grad_(change == "unfreeze")
+        if how == "deepcopy":
+            twin = copy.deepcopy(model)
+        else:
+            buffer = io.BytesIO()
+            torch.save(model, buffer)
+            buffer.seek(0)
+            twin = torch.load(buffer, weights_only=False)
+        twin(torch.randn(8, 4, generator=torch.Generator().manual_seed(rank))).sum().backward()
+        found.append([None if p.grad is None else p.grad.clone() for p in twin.module.parameters()])
+    return found
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "save_load"])
+@pytest.mark.parametrize("change", ["unfreeze", "freeze", "assign"])
+def test_a_copy_reduces_the_parameters_the_module_holds_then(ranks, change: str, how: str) -> None:
+    results = ranks.run(_copy_after_parameters_changed, world_size=2, args=(change, how))
+    for theirs, ours in results:
+        assert [g is None for g in theirs] == [g is None for g in ours], (theirs, ours)
+        assert all(a is None or torch.equal(a, b) for a, b in zip(theirs, ours)), (theirs, ours)
+    (_, rank0), (_, rank1) = results
+    assert all(a is None or torch.equal(a, b) for a, b in zip(rank0, rank1))  # averaged: equal on both ranks

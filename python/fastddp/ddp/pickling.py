@@ -21,6 +21,7 @@ class Pickling:
     _world_size: int
     _rank: int
     _build_reducer: Callable[[], None]
+    _select_parameters: Callable[..., Any]
 
     def __getstate__(self) -> dict[str, Any]:
         """``copy.deepcopy(model)`` and ``torch.save(model)`` as with torch DDP: everything but
@@ -73,4 +74,7 @@ class Pickling:
         self._is_copy = True
         self._bucket_visitors = []  # the copy's consumers register their own
         self._run_log = RunLog()  # torch's copy starts a new logger
+        # The parameters as the module holds them now (torch's copy rebuilds its list too): one
+        # frozen, unfrozen or replaced since the wrapper was built (load_state_dict(assign=True))
+        self._select_parameters(self.module, self.device_ids, self.static_graph, self.comm_dtype)
         self._build_reducer()
