@@ -347,3 +347,20 @@ def test_a_copy_reduces_the_parameters_the_module_holds_then(ranks, change: str,
         assert all(a is None or torch.equal(a, b) for a, b in zip(theirs, ours)), (theirs, ours)
     (_, rank0), (_, rank1) = results
     assert all(a is None or torch.equal(a, b) for a, b in zip(rank0, rank1))  # averaged: equal on both ranks
+
+
+def _traced_after_steps(rank: int, world_size: int) -> list[Any]:
+    found = []
+    for cls in (TorchDDP, fastddp.DDPWrapper):
+        torch.manual_seed(0)
+        model = cls(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)))
+        x = torch.randn(8, 4)
+        for _ in range(2):  # from the second forward on, a forward samples the one before it
+            model(x).sum().backward()
+        found.append(torch.jit.trace(model, (x,))(x))
+    return found
+
+
+def test_jit_trace_after_training_steps_as_torch(ranks) -> None:
+    (theirs, ours), = ranks.run(_traced_after_steps, world_size=1)
+    assert torch.equal(theirs, ours)

@@ -72,7 +72,8 @@ class RunLog:
         ``rebuilt_layout()`` gives the bucket sizes and parameter indices once the buckets were
         rebuilt (None before)."""
         done = self.iterations
-        if done > 0 and (done <= 10 or done % self.sample_rate == 0):
+        # (not while torch.jit.trace records the forward: the sizes would enter its graph)
+        if done > 0 and (done <= 10 or done % self.sample_rate == 0) and not torch.jit.is_tracing():
             self._sample(done, reducer.iteration_stats(), rebuilt_layout())
         self.iterations = done + 1
         self._forward_start = time.time_ns()
