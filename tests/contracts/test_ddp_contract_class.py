@@ -357,7 +357,7 @@ def _traced_after_steps(rank: int, world_size: int) -> list[Any]:
         x = torch.randn(8, 4)
         for _ in range(2):  # from the second forward on, a forward samples the one before it
             model(x).sum().backward()
-        found.append(torch.jit.trace(model, (x,))(x))
+        found.append(torch.jit.trace(model, (x,))(x).detach())
     return found
 
 
