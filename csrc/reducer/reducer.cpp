@@ -1,5 +1,7 @@
 #include "reducer/reducer.h"
 
+#include "reducer/claims.h"
+
 #include "common/checks.h"
 #include "diag/status.h"
 
@@ -192,14 +194,28 @@ void Reducer::register_hooks() {
         })));
     grad_accumulators_.push_back(std::move(acc));
   }
+  claims::add(shared_from_this(), params_);
+}
+
+Reducer::~Reducer() { claims::remove(this); }
+
+void Reducer::yield_unstarted_reduction() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!expect_sync_ || hooks_seen_ || static_graph_) return;
+  expect_sync_ = false;  // its gradients arrive as outside a reduction (note_gradient_outside_reduction_locked)
+  unused_pending_.clear();
 }
 
 void Reducer::remove_hooks() {
+  claims::remove(this);
   for (size_t i = 0; i < hook_keys_.size(); ++i) grad_accumulators_[i]->del_post_hook(hook_keys_[i]);
   hook_keys_.clear();  // the accumulators stay: the unused-parameter search maps them to parameters
 }
 
 void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs, bool sync) {
+  if (sync) {  // before this reducer's lock: the others take their own
+    for (const auto& other : claims::sharing(this)) other->yield_unstarted_reduction();
+  }
   std::lock_guard<std::mutex> lock(mutex_);
   if (!sync) {
     // A forward under no_sync() leaves the reducer as it is, as torch DDP's does: a reduction

@@ -108,6 +108,11 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // this iteration reaches. sync=false (inside no_sync()) is only counted for the fingerprints:
   // like torch DDP, it leaves a reduction an earlier forward asked for in place.
   void prepare_for_backward(const std::vector<at::Tensor>& outputs, bool sync);
+  // Another reducer hooking one of this one's parameters was armed for a backward (claims.h):
+  // a reduction armed here whose backward has not started is dropped (its gradients are that
+  // reducer's to reduce); static_graph's is kept.
+  void yield_unstarted_reduction();
+  ~Reducer();
   // Called at the start of every forward, before its collectives: a reduction left to an
   // outer backward that brought no more gradients (see finalize.cpp) is finished here, which
   // reports the parameters that got none (torch DDP reports them at the next forward too); one

@@ -364,3 +364,37 @@ def _traced_after_steps(rank: int, world_size: int) -> list[Any]:
 def test_jit_trace_after_training_steps_as_torch(ranks) -> None:
     (theirs, ours), = ranks.run(_traced_after_steps, world_size=1)
     assert torch.equal(theirs, ours)
+
+
+def _two_wrappers_of_one_module(rank: int, world_size: int, how: str) -> list[Any]:
+    """Two live wrappers hooking the same parameters: a wrapper around a wrapper, or a second
+    wrapper built while the first one's forward (gradients on) awaits a backward. torch DDP's
+    two reducers both average the same local gradients; DDPWrapper's gradients must be that
+    average too, bit for bit (its reducers reduce in place, and must not race)."""
+    found = []
+    for cls in (TorchDDP, fastddp.DDPWrapper):
+        torch.manual_seed(0)
+        module = nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 4))  # 128 KiB: reduced in place
+        g = torch.Generator().manual_seed(rank)
+        if how == "nested":
+            model = cls(cls(module))
+        else:
+            first = cls(module)
+            first(torch.randn(8, 128, generator=g))  # armed, never backwarded
+            model = cls(module)
+        opt = torch.optim.SGD(module.parameters(), lr=0.1)
+        grads = []
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(8, 128, generator=g)).pow(2).sum().backward()
+            grads.append([p.grad.clone() for p in module.parameters()])
+            opt.step()
+        found.append(grads)
+    return found
+
+
+@pytest.mark.parametrize("how", ["nested", "rewrapped_with_a_forward_pending"])
+def test_two_live_wrappers_of_one_module_average_as_torch(ranks, how: str) -> None:
+    for theirs, ours in ranks.run(_two_wrappers_of_one_module, world_size=2, args=(how,)):
+        for step, (a, b) in enumerate(zip(theirs, ours)):
+            assert all(torch.equal(x, y) for x, y in zip(a, b)), step
