@@ -121,6 +121,9 @@ void scale_(const std::vector<at::Tensor>& grads, const at::Tensor& coef) {
     return;
   }
   const float c = coef.data_ptr<float>()[0];
+  // As torch's unscale kernel: a coefficient of 1 leaves the values as they are (a multiply
+  // would flush subnormals to zero under torch.set_flush_denormal(True)).
+  if (c == 1.0f) return;
   const auto plan = plan_chunks(grads, kChunk);
   for_each_chunk(plan, [&](int64_t, const Chunk& ch) {
     const auto& g = grads[ch.tensor];

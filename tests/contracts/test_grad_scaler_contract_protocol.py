@@ -194,3 +194,22 @@ def test_an_optimizer_step_that_raises(fused: bool, after: str) -> None:
         return out + [list(model.parameters())]
 
     assert _side_by_side(run)[0] == "transient"
+
+
+def test_a_scale_of_one_leaves_subnormal_gradients_under_flush_denormal() -> None:
+    """torch's unscale kernel skips the multiply where the inverse scale is 1, so subnormal
+    gradients keep their bits even with ``torch.set_flush_denormal(True)``."""
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush denormals")
+    try:
+        def run(cls):
+            p = torch.nn.Parameter(torch.zeros(4))
+            scaler = cls("cpu", init_scale=1.0)
+            scaler.scale(torch.tensor(1.0))
+            p.grad = torch.tensor([1, 1000, 0x7FFFFF, 0x3F800000], dtype=torch.int32).view(torch.float32)
+            scaler.unscale_(torch.optim.SGD([p], lr=1.0))
+            return p.grad.view(torch.int32).tolist()
+
+        assert _side_by_side(run) == [1, 1000, 0x7FFFFF, 0x3F800000]
+    finally:
+        torch.set_flush_denormal(False)
