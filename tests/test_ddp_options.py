@@ -128,8 +128,8 @@ def _image(g: torch.Generator) -> torch.Tensor:
 
 
 REFUSED_OPTIONS = {
-    "delay_all_reduce_named_params": lambda lin: {"delay_all_reduce_named_params": list(lin.named_parameters())},
-    "param_to_hook_all_reduce": lambda lin: {"param_to_hook_all_reduce": lin.weight},
+    "delay_all_reduce_named_params": lambda lin: {"delay_all_reduce_named_params": list(lin.named_parameters()),
+                                                  "param_to_hook_all_reduce": lin.weight},
     "mixed_precision": lambda lin: {"mixed_precision": object()},
     "skip_all_reduce_unused_params": lambda lin: {"skip_all_reduce_unused_params": True},
 }
@@ -145,6 +145,20 @@ def _refused_option(rank: int, world_size: int, name: str) -> None:
 @pytest.mark.parametrize("name", list(REFUSED_OPTIONS))
 def test_unimplemented_options_are_refused_by_name(ranks, name: str) -> None:
     ranks.run(_refused_option, world_size=1, args=(name,))
+
+
+def _one_of_a_pair(rank: int, world_size: int) -> None:
+    """torch DDP's first check: the two delayed all-reduce options come together."""
+    lin = nn.Linear(4, 4)
+    for given in ({"delay_all_reduce_named_params": []}, {"param_to_hook_all_reduce": lin.weight}):
+        for cls in (TorchDDP, fastddp.DDPWrapper):
+            with pytest.raises(ValueError, match=r"^delay_all_reduce_named_params and param_to_hook_all_reduce "
+                                                 r"need to be set at the same time\.$"):
+                cls(lin, **given)
+
+
+def test_one_of_the_delayed_all_reduce_pair_is_torchs_value_error(ranks) -> None:
+    ranks.run(_one_of_a_pair, world_size=1)
 
 
 def _refused_2d_mesh(rank: int, world_size: int) -> None:

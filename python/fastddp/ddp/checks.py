@@ -19,7 +19,10 @@ def refuse_unsupported(delay_all_reduce_named_params: Any, param_to_hook_all_red
                         mixed_precision: Any, skip_all_reduce_unused_params: bool) -> None:
     """torch DDP constructor options the C++ reducer does not implement: one clear error each,
     before anything is communicated, instead of a silently different training."""
-    if delay_all_reduce_named_params is not None or param_to_hook_all_reduce is not None:
+    if (delay_all_reduce_named_params is not None) != (param_to_hook_all_reduce is not None):
+        raise ValueError("delay_all_reduce_named_params and param_to_hook_all_reduce need to be set at the "
+                         "same time.")  # torch's check, which comes first
+    if delay_all_reduce_named_params is not None:
         raise NotImplementedError(
             "DDPWrapper: delay_all_reduce_named_params / param_to_hook_all_reduce are not supported "
             "(every parameter that requires a gradient is bucketed and reduced during backward). "
