@@ -54,8 +54,8 @@ class PrefetchLoader(DataLoader[_T_co]):
 
     * a :class:`~torch.utils.data.TensorDataset` (or PrefetchLoader's own forms, read as its
       columns: a tuple of tensors or of ``.npy`` paths, memory-mapped, or a dict of tensors
-      under string keys; see docs/compatibility.md) with the default collation:
-      C++ threads gather each batch's rows into a ring of (pinned) slots and, for a CUDA
+      under string keys; see docs/compatibility.md) with torch's default collation as torch
+      ships it: C++ threads gather each batch's rows into a ring of (pinned) slots and, for a CUDA
       ``device``, copy them there on a side stream. ``num_workers`` threads (two when it is 0:
       no Python runs in them, so nothing of DataLoader's main-process loading changes).
     * anything else (a Python ``Dataset``, an ``IterableDataset``, a ``collate_fn``,
@@ -145,9 +145,8 @@ class PrefetchLoader(DataLoader[_T_co]):
         self._progress = Progress()  # batches delivered in the current pass
         self._replay = Replay()
         self._pass_state: tuple[Optional[torch.Tensor], Optional[torch.Tensor]] = (None, None)
-        # DataLoader's, read by libraries (ignite's DeterministicEngine asks _dataset_kind)
         self._dataset_kind = _DatasetKind.Iterable if src.kind == "iterable" else _DatasetKind.Map
-        self._IterableDataset_len_called: Optional[int] = None
+        self._IterableDataset_len_called: Optional[int] = None  # DataLoader's, read by ignite
         self._sampler_states: Optional[dict[str, Any]] = None
         self._iterator: Optional[LoaderIterator] = None
         self._direct: Optional[bool] = None
@@ -171,8 +170,7 @@ class PrefetchLoader(DataLoader[_T_co]):
         """Whether a pass gathers natively (else torch's DataLoader machinery reads it)."""
         if self.device.type not in NATIVE_DEVICE_TYPES:
             return False  # batches are moved there with .to(device)
-        # without workers DataLoader never calls worker_init_fn (Lightning's seed_everything(workers=True)
-        # sets one on every loader)
+        # DataLoader without workers never calls worker_init_fn (Lightning sets one on every loader)
         native = (self._src.gatherable and self.batch_sampler is not None and self.collate_fn is default_collate
                   and (self.worker_init_fn is None or self.num_workers == 0) and self.timeout == 0
                   and (self.multiprocessing_context is None or self.num_workers == 0))
@@ -236,8 +234,7 @@ class PrefetchLoader(DataLoader[_T_co]):
         if replay.resumes:
             self._pass_state = (replay.rng_state, replay.generator_state)
         else:
-            # a generator that is not a torch.Generator (assigned after construction) fails the
-            # base-seed draw below with DataLoader's TypeError
+            # a generator that is not a torch.Generator fails the seed draw below as DataLoader's
             generator = self.generator if isinstance(self.generator, torch.Generator) else None
             self._pass_state = (torch.random.get_rng_state() if self.generator is None else None,
                                 generator.get_state() if generator is not None else None)
