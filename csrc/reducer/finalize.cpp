@@ -287,16 +287,18 @@ void Reducer::finish_unfinished_reduction() {
   // torch's sentence first (scripts match it; torch raises it at this forward too)
   failed_backward_ = std::string(kUnfinishedReduction) +
                      "\nDDPWrapper: a backward pass raised before its gradients were reduced (" +
-                     failed_backward_cause_locked() + "), so this wrapper's buckets hold part of that reduction and it cannot go on; "
-                     "torch's DistributedDataParallel refuses every forward after this too. Build a new wrapper "
-                     "to go on (from the model's state, on every rank).";
+                     failed_backward_cause_locked() +
+                     "), so this wrapper's buckets hold part of that reduction and it cannot go on; torch's "
+                     "DistributedDataParallel refuses every forward after this too. Build a new wrapper to go on "
+                     "(from the model's state, on every rank).";
   finish_failed_reduction_locked();
 }
 
 std::string Reducer::failed_backward_cause_locked() const {
   if (backward_error_.empty()) return "e.g. out of memory inside backward";
   const size_t cut = 300;
-  return "with DDPWrapper's error: \"" + backward_error_.substr(0, cut) + (backward_error_.size() > cut ? "...\"" : "\"");
+  const char* close = backward_error_.size() > cut ? "...\"" : "\"";
+  return "with DDPWrapper's error: \"" + backward_error_.substr(0, cut) + close;
 }
 
 void Reducer::delay_all_reduce() {
