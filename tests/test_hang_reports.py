@@ -172,7 +172,9 @@ def test_rank_whose_script_ended_early_is_named_with_its_steps(tmp_path: Path, s
     out = waiting.output
     assert waiting.proc.returncode != 0, out
     assert ("rank 1: ended without an error after 3 reducing step(s) (its script returned or called exit; "
-            "if the others still train, the ranks had uneven inputs: see DDPWrapper.join())") in out, out
+            "if the others still train, the ranks had uneven inputs: see DDPWrapper.join(); or this rank ran a "
+            "forward (gradients on) whose backward did not run, so each later reduction paired its step with "
+            "another rank's earlier one)") in out, out
 
 
 def test_rank_evaluating_alone_is_named_as_evaluating_and_training_goes_on(tmp_path: Path) -> None:

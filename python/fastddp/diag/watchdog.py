@@ -138,7 +138,9 @@ def _post_script_end() -> None:
         return
     started = C.diag_snapshot()[2]
     _post_exit_reason(f"without an error after {started} reducing step(s) (its script returned or called "
-                      "exit; if the others still train, the ranks had uneven inputs: see DDPWrapper.join())")
+                      "exit; if the others still train, the ranks had uneven inputs: see DDPWrapper.join(); "
+                      "or this rank ran a forward (gradients on) whose backward did not run, so each later "
+                      "reduction paired its step with another rank's earlier one)")
 
 
 def _set_quietly(store: Any, key: str, value: str) -> None:
