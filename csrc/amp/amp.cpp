@@ -2,7 +2,6 @@
 
 #include "amp/multi_tensor.h"
 #include "amp/scale_update.h"
-#include "common/checks.h"
 #include "common/cpu_kernels.h"
 
 #include <ATen/Dispatch.h>
@@ -135,11 +134,14 @@ void scale_(const std::vector<at::Tensor>& grads, const at::Tensor& coef) {
 
 void update_scale_(at::Tensor& scale, at::Tensor& growth_tracker, const at::Tensor& found_inf,
                    double growth_factor, double backoff_factor, int64_t growth_interval) {
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == 1, "update_scale_: scale must be float32[1]");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == 1, "update_scale_: scale must be float32[1], got ",
+              scale.scalar_type(), " of shape ", scale.sizes());
   TORCH_CHECK(growth_tracker.scalar_type() == at::kInt && growth_tracker.numel() == 1,
-              "update_scale_: growth_tracker must be int32[1], got ", growth_tracker.scalar_type());
+              "update_scale_: growth_tracker must be int32[1], got ", growth_tracker.scalar_type(),
+              " of shape ", growth_tracker.sizes());
   TORCH_CHECK(found_inf.scalar_type() == at::kFloat && found_inf.numel() == 1,
-              "update_scale_: found_inf must be float32[1]");
+              "update_scale_: found_inf must be float32[1], got ", found_inf.scalar_type(), " of shape ",
+              found_inf.sizes());
   TORCH_CHECK(scale.device() == growth_tracker.device() && scale.device() == found_inf.device(),
               "update_scale_: scale, growth_tracker and found_inf must share a device, got ", scale.device(),
               ", ", growth_tracker.device(), ", ", found_inf.device());

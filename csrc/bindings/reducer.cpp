@@ -90,7 +90,8 @@ void bind_reducer(py::module_& m) {
                              "A world of one without comm_dtype: gradients are left where autograd put them.")
       .def("hold_grads_in_buckets", &fastddp::reducer::Reducer::hold_grads_in_buckets,
            "Copy gradients reduced in place into their bucket slots (lending .grad from there) and keep "
-           "every later backward's gradients in the buckets.")
+           "every later backward's gradients in the buckets.",
+           py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("grads_in_buckets", &fastddp::reducer::Reducer::grads_in_buckets,
                              "Whether param.grad are views into bucket_buffers() after a reduced backward.")
       .def_property_readonly("has_comm_hook", &fastddp::reducer::Reducer::has_comm_hook,
@@ -108,7 +109,8 @@ void bind_reducer(py::module_& m) {
       .def("delay_all_reduce", &fastddp::reducer::Reducer::delay_all_reduce,
            "static_graph: reduce the armed first iteration now (torch's reducer._delay_all_reduce()).",
            py::call_guard<py::gil_scoped_release>())
-      .def("bucket_buffers", &fastddp::reducer::Reducer::bucket_buffers, "The flat gradient buffers.")
+      .def("bucket_buffers", &fastddp::reducer::Reducer::bucket_buffers, "The flat gradient buffers.",
+           py::call_guard<py::gil_scoped_release>())
       .def("set_reduction_divisor", &fastddp::reducer::Reducer::set_reduction_divisor, py::arg("divisor"),
            "Average the next reduction's gradients over `divisor` ranks instead of the world size (join with "
            "divide_by_initial_world_size=False).",
@@ -125,7 +127,9 @@ void bind_reducer(py::module_& m) {
       .def("rebuild_buckets_in_arrival_order", &fastddp::reducer::Reducer::rebuild_buckets_in_arrival_order,
            "Re-plan the buckets in group rank 0's gradient arrival order (a collective); True if they changed.",
            py::call_guard<py::gil_scoped_release>())
-      .def_property_readonly("graph_static", &fastddp::reducer::Reducer::graph_static,
+      .def_property_readonly("graph_static",
+                             py::cpp_function(&fastddp::reducer::Reducer::graph_static,
+                                              py::call_guard<py::gil_scoped_release>()),
                              "torch's reducer._ddp_graph_static(): the same parameters unused in every reducing forward.")
       .def_property_readonly("reductions",
                              py::cpp_function(&fastddp::reducer::Reducer::reductions,
@@ -134,7 +138,10 @@ void bind_reducer(py::module_& m) {
       .def(
           "iteration_stats",
           [](const fastddp::reducer::Reducer& self) {
-            const auto s = self.iteration_stats();
+            const auto s = [&] {
+              py::gil_scoped_release release;
+              return self.iteration_stats();
+            }();
             py::dict out;
             out["backward_compute_start"] = s.backward_compute_start;
             out["backward_compute_end"] = s.backward_compute_end;
@@ -153,13 +160,16 @@ void bind_reducer(py::module_& m) {
       .def_property_readonly("options", &fastddp::reducer::Reducer::options, "The ReducerOptions it was built with.")
       .def_property_readonly("fingerprinting", &fastddp::reducer::Reducer::fingerprinting,
                              "Whether reductions carry fingerprints the ranks compare (a mismatch raises DesyncError).")
-      .def("bucket_indices", &fastddp::reducer::Reducer::bucket_indices, "Parameter indices of each bucket.")
+      .def("bucket_indices", &fastddp::reducer::Reducer::bucket_indices, "Parameter indices of each bucket.",
+           py::call_guard<py::gil_scoped_release>())
       .def("bucket_shm", &fastddp::reducer::Reducer::bucket_shm,
            "Per bucket: True when it is reduced through shared memory.", py::call_guard<py::gil_scoped_release>())
       .def("bucket_allreduce_ms", &fastddp::reducer::Reducer::bucket_allreduce_ms,
            "Per bucket: milliseconds from launch to completion in the last reduced backward (-1: none yet).",
            py::call_guard<py::gil_scoped_release>())
-      .def_property_readonly("relocations", &fastddp::reducer::Reducer::relocations,
+      .def_property_readonly("relocations",
+                             py::cpp_function(&fastddp::reducer::Reducer::relocations,
+                                              py::call_guard<py::gil_scoped_release>()),
                              "Buckets moved to new memory because a lent .grad view was held across a backward.");
 }
 

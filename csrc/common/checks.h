@@ -1,25 +1,8 @@
-// Boundary checks shared by every capability. A misuse fails here, at the API edge,
-// with the offending values in the message, instead of deep inside a kernel.
+// Error helpers shared by every capability. Boundary checks are TORCH_CHECKs at each API edge
+// that print the offending values; CUDA launches are followed by C10_CUDA_KERNEL_LAUNCH_CHECK().
 #pragma once
 
 #include <torch/types.h>
-
-#define FASTDDP_CHECK_CONTIGUOUS(x) \
-  TORCH_CHECK((x).is_contiguous(), #x " must be contiguous (got strides ", (x).strides(), ")")
-
-#define FASTDDP_CHECK_DEVICE(x, dev)                                                  \
-  TORCH_CHECK((x).device() == (dev), #x " must be on ", (dev), " but is on ", \
-              (x).device())
-
-#define FASTDDP_CHECK_DTYPE(x, dt) \
-  TORCH_CHECK((x).scalar_type() == (dt), #x " must have dtype ", (dt), " but has ", (x).scalar_type())
-
-#define FASTDDP_CHECK_DIM(x, d) \
-  TORCH_CHECK((x).dim() == (d), #x " must be ", (d), "-D but has shape ", (x).sizes())
-
-// Every CUDA launch is followed by this: a bad launch configuration is reported at the
-// launch site, not at the next unrelated synchronisation.
-#define FASTDDP_CUDA_CHECK_LAUNCH() C10_CUDA_KERNEL_LAUNCH_CHECK()
 
 namespace fastddp {
 

@@ -2,7 +2,6 @@
 
 #include "reducer/claims.h"
 
-#include "common/checks.h"
 #include "diag/status.h"
 
 #include "reducer/layout.h"
@@ -467,6 +466,7 @@ void Reducer::queue_finalize_locked() {
 }
 
 std::vector<at::Tensor> Reducer::bucket_buffers() const {
+  std::lock_guard<std::mutex> lock(mutex_);
   std::vector<at::Tensor> out;
   for (const auto& b : buckets_) out.push_back(b.buffer);
   return out;
@@ -489,6 +489,7 @@ bool Reducer::visitors_want_squares_locked() const {
 }
 
 std::vector<std::vector<int64_t>> Reducer::bucket_indices() const {
+  std::lock_guard<std::mutex> lock(mutex_);
   std::vector<std::vector<int64_t>> out;
   for (const auto& b : buckets_) out.push_back(b.params);
   return out;

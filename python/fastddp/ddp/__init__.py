@@ -8,13 +8,9 @@ reports), ``comm_hooks``, ``join`` (uneven inputs), ``checks`` (argument checks)
 from __future__ import annotations
 
 from .buckets import assign_buckets
-
-# the module's private names from before the split, which code and tests import
-from .checks import env_flag as _env_flag  # noqa: F401
-from .inputs import to_device as _to_device  # noqa: F401
 from .wrapper import DDPWrapper
 
-# Pickles (torch.save(model), deepcopy) name the class by the package, as before it was split.
+# Pickles (torch.save(model), deepcopy) name the class by the package, fastddp.ddp.DDPWrapper.
 DDPWrapper.__module__ = __name__
 
 __all__ = ["DDPWrapper", "assign_buckets"]

@@ -11,10 +11,10 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-from torch.distributed.constants import default_pg_timeout
 
 from .. import diag
 from .._ext import C
+from .._pg_options import group_timeout_s
 from .checks import env_flag
 from .comm_hooks import hook_name
 from .fingerprint import fingerprint_setting
@@ -69,6 +69,14 @@ def assign_buckets(params: list[torch.Tensor], bucket_cap_mb: Optional[float] = 
 class Buckets:
     """DDPWrapper's reducer construction and bucket reports (a part of the wrapper: it reads
     the wrapper's settings and owns ``_reducer``)."""
+
+    def _init_bucket_state(self, caps_mb: list[float], shm_allreduce: Optional[bool]) -> None:
+        """The bucket settings and state this part owns, set before the reducer is built."""
+        self._has_rebuilt_buckets = False  # torch DDP's name (ddp_zero_hook reads it)
+        self._sizes_before_rebuild: Optional[list[int]] = None  # see _rebuild_buckets
+        self._bucket_caps_mb = caps_mb
+        self._shm_requested = shm_allreduce
+        self._bucket_visitors: list[Any] = []  # see register_bucket_visitor
 
     def _reducer_options(self) -> Any:
         options = _bucket_options(self._bucket_cap_mb, self._first_bucket_mb, self._bucket_caps_mb)
@@ -145,10 +153,7 @@ class Buckets:
     def _timeout_s(self) -> float:
         """The process group's timeout (a shared-memory wait for a live peer gives up after it):
         its CPU backend's, else torch's default for process groups."""
-        try:
-            return float(self.process_group._get_backend(torch.device("cpu")).options._timeout.total_seconds())
-        except (AttributeError, RuntimeError, ValueError):
-            return default_pg_timeout.total_seconds()
+        return group_timeout_s(self.process_group)
 
     def _rebuild_buckets(self) -> None:
         """Once, after the reduced backward whose arrival order the reducer kept (torch DDP's

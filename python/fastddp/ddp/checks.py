@@ -50,6 +50,12 @@ _MIB = 1024 * 1024
 _INT64_MAX = 2**63 - 1
 
 
+def flags(**values: Any) -> None:
+    """Each boolean argument checked with :func:`flag`, in the order given."""
+    for name, value in values.items():
+        flag(name, value)
+
+
 def flag(name: str, value: Any) -> bool:
     """A bool argument as torch DDP's C++ reducer and logger take it (pybind11's conversion):
     None is False, anything with ``__bool__`` (an int, a numpy bool, a one-element tensor) is

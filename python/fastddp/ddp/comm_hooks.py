@@ -60,6 +60,10 @@ class CommHooks:
     _run_log: RunLog
     _sparse_names: list[str]
 
+    def _init_hook_state(self) -> None:
+        self._comm_hook = None
+        self._python_hook = None  # (state, hook) run per bucket
+
     def register_comm_hook(self, state: object, hook: Callable) -> None:
         """torch DDP's communication hook: ``hook(state, bucket) -> torch.futures.Future`` is
         called for each full gradient bucket (a :class:`torch.distributed.GradBucket` holding

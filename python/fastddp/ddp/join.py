@@ -20,6 +20,9 @@ class UnevenInputs:
 
     _run_log: RunLog
 
+    def _init_join_state(self) -> None:
+        self._divide_by_initial_world_size = True  # join()'s setting
+
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
              throw_on_early_termination: bool = False) -> Join:
         """Context manager for ranks with different numbers of batches, as

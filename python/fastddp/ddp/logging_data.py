@@ -21,6 +21,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from .._pg_options import gloo_threads
+
 # The environment torch's logger records ("N/A" when unset): for every backend, and for its own
 _ENVIRONMENT = {"cuda_visible_devices": ("CUDA_VISIBLE_DEVICES",), "master_addr": ("MASTER_ADDR",),
                 "master_port": ("MASTER_PORT",), "torch_distributed_debug": ("TORCH_DISTRIBUTED_DEBUG",)}
@@ -142,12 +144,6 @@ def _environment(backend: str) -> dict[str, str]:
             for key, variables in names.items()}
 
 
-def _gloo_threads(group: Any) -> Optional[int]:
-    """The gloo backend's thread count, which torch's logger records (None if not readable)."""
-    try:
-        return int(group._get_backend(torch.device("cpu")).options._threads)
-    except (AttributeError, RuntimeError, TypeError, ValueError):
-        return None
 # c10's names of the dtypes, as torch's logger writes them
 _DTYPE_NAMES = {torch.float32: "float", torch.float64: "double", torch.float16: "c10::Half",
                 torch.bfloat16: "c10::BFloat16"}
@@ -171,7 +167,7 @@ def logging_data(ddp: Any, bucketed: list[torch.Tensor], layout: list[list[int]]
     params: list[torch.Tensor] = ddp.reduced_parameters()
     backend = ddp.process_group.name()
     data: dict[str, Any] = _environment(backend)
-    threads = _gloo_threads(ddp.process_group) if backend == "gloo" else None
+    threads = gloo_threads(ddp.process_group) if backend == "gloo" else None
     if threads is not None:
         data["gloo_num_threads"] = threads
     if ddp.static_graph:

@@ -39,31 +39,32 @@ class TorchReducerCalls:
     unused parameters were the same in every iteration. Every other method of torch's reducer
     raises ``NotImplementedError`` naming it."""
 
-    def __init__(self, ddp: Any) -> None:
-        self._ddp = ddp
+    def __init__(self, prepare: Callable[[Any], None], rebuild_if_due: Callable[[], bool],
+                 reduce_static_first_now: Callable[[], None], graph_static: Callable[[], bool]) -> None:
+        self._prepare = prepare
+        self._rebuild_if_due = rebuild_if_due
+        self._reduce_static_first_now = reduce_static_first_now
+        self._graph_static = graph_static
 
     def prepare_for_backward(self, outputs: Any) -> None:
         """Arm the next backward to be reduced; with ``find_unused_parameters``, the parameters
         the graph behind ``outputs`` does not reach count as unused (torch's)."""
-        self._ddp._prepare_reduction(outputs, True)
+        self._prepare(outputs)
 
     def _rebuild_buckets(self) -> bool:
         """Rebuild the buckets in gradient arrival order if torch's rule says they are due."""
-        if not self._ddp._rebuild_due():
-            return False
-        self._ddp._rebuild_buckets()
-        return True
+        return self._rebuild_if_due()
 
     def _delay_all_reduce(self) -> None:
         """Reduce the first iteration of a ``static_graph=True`` wrapper now, after its backward
         (Lightning's manual optimization calls it after the first manual backward, which runs
         inside the module's forward and so never reaches the outputs that would reduce it)."""
-        self._ddp._reduce_static_first_now()
+        self._reduce_static_first_now()
 
     def _ddp_graph_static(self) -> bool:
         """Whether every reducing forward so far left the same parameters unused (with
         ``find_unused_parameters=True``; always True without it, and with ``static_graph``)."""
-        return self._ddp._reducer.graph_static
+        return self._graph_static()
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):  # copy, pickle and friends probe for these
@@ -121,7 +122,10 @@ class TorchAttributes:
     @property
     def reducer(self) -> TorchReducerCalls:
         """torch DDP's ``reducer``, for the calls libraries make on it (see TorchReducerCalls)."""
-        return TorchReducerCalls(self)
+        return TorchReducerCalls(prepare=lambda outputs: self._prepare_reduction(outputs, True),
+                                 rebuild_if_due=self._rebuild_if_due,
+                                 reduce_static_first_now=self._reduce_static_first_now,
+                                 graph_static=self._graph_static)
 
     @property
     def modules_buffers(self) -> list[torch.Tensor]:

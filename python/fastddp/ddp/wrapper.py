@@ -7,7 +7,7 @@ and buffers (broadcast.py)."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any, Optional
 
 import torch
@@ -176,11 +176,10 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, ModuleStateSync, Pickling, To
             raise RuntimeError("DDPWrapper: this torch build has no torch.distributed support.")
         # every collective goes to this group, with its own ranks (see checks.resolve_group)
         self.process_group = checks.resolve_group(process_group, device_mesh)
-        for name, value in (("find_unused_parameters", find_unused_parameters), ("static_graph", static_graph),
-                            ("gradient_as_bucket_view", gradient_as_bucket_view),
-                            ("skip_all_reduce_unused_params", skip_all_reduce_unused_params),
-                            ("batched_grad_copy", batched_grad_copy)):
-            checks.flag(name, value)  # torch's C++ reducer and logger take them as bools
+        checks.flags(find_unused_parameters=find_unused_parameters, static_graph=static_graph,
+                     gradient_as_bucket_view=gradient_as_bucket_view,
+                     skip_all_reduce_unused_params=skip_all_reduce_unused_params,
+                     batched_grad_copy=batched_grad_copy)
         checks.refuse_unsupported(delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision,
                                   skip_all_reduce_unused_params)
         self.skip_all_reduce_unused_params = skip_all_reduce_unused_params  # as given, as torch DDP keeps it
@@ -214,30 +213,31 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, ModuleStateSync, Pickling, To
         # group rank 0's once checked: alike buckets on every rank
         self._bucket_cap_mb, self._first_bucket_mb = bucket_cap_mb, first_bucket_mb
         if init_sync:
-            shared = rank_check.SharedSettings.of(find_unused_parameters, self.static_graph, comm_dtype,
-                                              init_sync_buffers, self.forward_sync_buffers, caps)
-            with diag.phase(diag.Phase.SETUP):
-                self._bucket_cap_mb, self._first_bucket_mb = rank_check.verify_across_ranks(
-                    named, self.process_group, self._world_size, shared, (bucket_cap_mb, first_bucket_mb))
-                self._sync_module_states(init_sync_buffers)
+            self._verify_and_sync(named, caps, init_sync_buffers)
         # after the construction's collectives, as torch DDP refuses it (rank 0's state already copied)
         checks.refuse_cpu_sync_batchnorm(module, named[0][1].device.type)
         self._module_buffers = self._synced_buffers()  # broadcast from rank 0 before forwards
-        self._has_rebuilt_buckets = False  # torch DDP's name (ddp_zero_hook reads it)
-        self._sizes_before_rebuild: Optional[list[int]] = None  # see _rebuild_buckets
         self._run_log = RunLog()  # what torch DDP's logger records as it runs (logging_data.py)
-        self._bucket_caps_mb = caps
         self._describe_as_torch_ddp(bucket_cap_mb, first_bucket_mb, caps)
-        self._shm_requested = shm_allreduce
-        self._comm_hook: Optional[Callable] = None
-        self._python_hook: Optional[tuple[object, Callable]] = None  # (state, hook) run per bucket
+        self._init_bucket_state(caps, shm_allreduce)
+        self._init_hook_state()
+        self._init_join_state()
         self._is_copy = False  # made by deepcopy / unpickling (see __setstate__)
-        self._divide_by_initial_world_size = True  # join()'s setting
-        self._bucket_visitors: list[Any] = []  # see register_bucket_visitor
         with diag.phase(diag.Phase.SETUP):  # the shared-memory handshake is a collective
             self._build_reducer()
         if self.static_graph:
             self._warn_static_graph_finds_unused(at_construction=True)
+
+    def _verify_and_sync(self, named: list[tuple[str, nn.Parameter]], caps: list[float],
+                         init_sync_buffers: bool) -> None:
+        """Construction's collectives: every rank built the same model with the same settings
+        (group rank 0's bucket caps taken), then rank 0's parameters and buffers copied out."""
+        shared = rank_check.SharedSettings.of(self.find_unused_parameters, self.static_graph, self.comm_dtype,
+                                              init_sync_buffers, self.forward_sync_buffers, caps)
+        with diag.phase(diag.Phase.SETUP):
+            self._bucket_cap_mb, self._first_bucket_mb = rank_check.verify_across_ranks(
+                named, self.process_group, self._world_size, shared, (self._bucket_cap_mb, self._first_bucket_mb))
+            self._sync_module_states(init_sync_buffers)
 
     def _select_parameters(self, module: nn.Module, device_ids: Any, static_graph: bool,
                            comm_dtype: Optional[torch.dtype]) -> list[tuple[str, nn.Parameter]]:
@@ -328,6 +328,16 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, ModuleStateSync, Pickling, To
         a reduced backward (with static_graph after the second; never under
         find_unused_parameters alone: the reducer then records no arrival order)."""
         return not self._has_rebuilt_buckets and bool(self._reducer.arrival_order())
+
+    def _rebuild_if_due(self) -> bool:
+        """Rebuild the buckets if torch's rule says they are due; True when it did."""
+        if not self._rebuild_due():
+            return False
+        self._rebuild_buckets()
+        return True
+
+    def _graph_static(self) -> bool:
+        return self._reducer.graph_static
 
     @torch.compiler.disable
     def _after_module(self, output: Any, grad_enabled: bool) -> Any:

@@ -12,13 +12,12 @@ import atexit
 import os
 import sys
 import threading
-from datetime import timedelta
 from typing import Any, Optional
 
-import torch
 import torch.distributed as dist
 
 from .._ext import C
+from .._pg_options import group_timeout_s
 from .stacks import describe_exception, describe_thread
 
 DEFAULT_THRESHOLD_S = 30.0
@@ -35,15 +34,6 @@ class _Running:
     pid: Optional[int] = None  # the process that started it (a forked child is not that rank)
     posted = False  # the reason this rank ended is posted (an uncaught exception comes first)
     hooked = False  # sys.excepthook posts the exception and prints the latest report
-
-
-def group_timeout_s(group: Any) -> float:
-    """The process group's timeout in seconds (torch's default when the backend hides it)."""
-    try:
-        return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
-    except (AttributeError, RuntimeError):
-        default = getattr(dist, "default_pg_timeout", timedelta(minutes=30))
-        return default.total_seconds()
 
 
 def stall_threshold_s(given: Optional[float], timeout_s: float) -> float:
