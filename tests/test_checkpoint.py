@@ -107,7 +107,7 @@ def test_writer_check_raises_a_failed_write_without_waiting(tmp_path) -> None:
 
 
 def _legacy_save(state: dict, path) -> None:
-    """The earlier layout: a plain torch.save file, its SHA-256 in ``<name>.sha256`` beside."""
+    """The sidecar-digest layout: a plain torch.save file, its SHA-256 in ``<name>.sha256`` beside."""
     import hashlib
     import io
 
@@ -129,7 +129,7 @@ def test_checkpoint_is_a_plain_torch_file_with_its_digest_inside(tmp_path) -> No
         checkpoint.verify(path)
 
 
-def test_earlier_layout_loads_and_is_verified(tmp_path) -> None:
+def test_sidecar_digest_layout_loads_and_is_verified(tmp_path) -> None:
     path = tmp_path / "last.pt"
     _legacy_save(_state(1), path)
     assert checkpoint.load(path)["epoch"] == 1
@@ -179,7 +179,7 @@ def test_crash_after_each_call_of_a_save(tmp_path, layout) -> None:
         assert checkpoint.verify(d / "last.pt.prev")["epoch"] in (2, 3)
         if done:
             # open, write, fsync, close, link, replace (.prev), replace, the directory's open,
-            # fsync, close; the earlier layout adds the .prev digest (5 calls) and an unlink
+            # fsync, close; the sidecar-digest layout adds the .prev digest (5 calls) and an unlink
             assert k - 1 == {"current": 10, "earlier": 16}[layout], k  # k - 1 calls, no crash
             return
     raise AssertionError("the save never completed")

@@ -153,9 +153,9 @@ KEYS = {"model", "optimizer", "scheduler", "scaler", "loader", "epoch", "step", 
         "best_f1", "history", "rng", "world", "mode", "signature", "settings", "run_id", "epochs"}
 
 
-def test_checkpoint_of_the_earlier_layout_resumes(tmp_path, data_path, reference) -> None:
+def test_checkpoint_of_the_sidecar_digest_layout_resumes(tmp_path, data_path, reference) -> None:
     """A run whose last.pt is a plain torch.save file with its digest in last.pt.sha256 (the
-    earlier layout) continues from it and ends as the uninterrupted run."""
+    sidecar-digest layout) continues from it and ends as the uninterrupted run."""
     import hashlib
     import io
 

@@ -16,8 +16,8 @@ checkpoint, complete. A crash after step 1 also leaves a complete ``<name>.tmp``
 :func:`latest` picks the most recently written of these files that verifies and says which
 it took.
 
-Files of the earlier layout (a plain ``torch.save`` file with its SHA-256 in
-``<name>.sha256`` beside it) are verified through that file and load as before.
+Files of the sidecar-digest layout (a plain ``torch.save`` file with its SHA-256 in
+``<name>.sha256`` beside it) are verified through that file and load too.
 
 :class:`CheckpointWriter` does the same with the write on a background thread: the state is
 serialised at once (a snapshot: training may go on changing it) and the hashing, writing,
@@ -144,7 +144,7 @@ def write_atomic(data: bytes, path: str | os.PathLike, keep_previous: bool = Fal
     if keep_previous and path.exists():
         _keep_previous(path)
     os.replace(tmp, path)
-    _unlink_if_present(_sibling(path, ".sha256"))  # an earlier layout's, now stale
+    _unlink_if_present(_sibling(path, ".sha256"))  # a sidecar-digest layout's, stale once this file is written
     _fsync_dir(path.parent)
 
 
@@ -270,7 +270,7 @@ def write_file(data: bytes, path: str | os.PathLike, keep_previous: bool = False
 
 
 def verify(path: str | os.PathLike) -> dict[str, Any]:
-    """Load one checkpoint file after checking its digest (embedded, or an earlier layout's
+    """Load one checkpoint file after checking its digest (embedded, or a sidecar-digest layout's
     ``.sha256`` beside it); :class:`CheckpointError` says what is wrong with it."""
     path = Path(path)
     data = path.read_bytes()
