@@ -4,6 +4,7 @@
 
 namespace py = pybind11;
 
+namespace fastddp::bindings {
 namespace {
 
 void bind_amp(py::module_& m) {
@@ -44,3 +45,5 @@ void bind_amp(py::module_& m) {
 }  // namespace
 
 FASTDDP_BINDING(amp, bind_amp);
+
+}  // namespace fastddp::bindings

@@ -3,6 +3,7 @@
 
 namespace py = pybind11;
 
+namespace fastddp::bindings {
 namespace {
 
 using fastddp::data::PipelineOptions;
@@ -57,3 +58,5 @@ void bind_data(py::module_& m) {
 }  // namespace
 
 FASTDDP_BINDING(data, bind_data);
+
+}  // namespace fastddp::bindings

@@ -12,6 +12,7 @@ using fastddp::diag::Phase;
 using fastddp::diag::Watchdog;
 using fastddp::diag::WatchdogOptions;
 
+namespace fastddp::bindings {
 namespace {
 
 // Whether Python code can no longer run: the interpreter is finalizing (a thread that takes the
@@ -104,3 +105,5 @@ void bind(py::module_& m) {
 }  // namespace
 
 FASTDDP_BINDING(diag, bind);
+
+}  // namespace fastddp::bindings

@@ -7,6 +7,7 @@
 
 namespace py = pybind11;
 
+namespace fastddp::bindings {
 namespace {
 
 // Raises fastddp.DesyncError (python/fastddp/ddp/fingerprint.py) with `message`: thrown as a
@@ -51,11 +52,11 @@ void bind_options(py::module_& m) {
 
 // Every method that takes the reducer's mutex releases the GIL first: with a Python comm hook
 // the end of backward waits, holding the mutex, for Futures whose callbacks need the GIL.
-void bind_reducer(py::module_& m) {
-  bind_options(m);
-  py::class_<fastddp::reducer::Reducer, std::shared_ptr<fastddp::reducer::Reducer>>(
-      m, "Reducer", "Bucketed gradient all-reduce overlapped with backward (DDPWrapper's core).")
-      .def(py::init([](std::vector<at::Tensor> params, std::vector<std::string> names,
+using ReducerClass = py::class_<fastddp::reducer::Reducer, std::shared_ptr<fastddp::reducer::Reducer>>;
+
+// Construction and the calls that drive a reduction.
+void bind_reducer_lifecycle(ReducerClass& cls) {
+  cls.def(py::init([](std::vector<at::Tensor> params, std::vector<std::string> names,
                        const c10::intrusive_ptr<c10d::ProcessGroup>& pg, const fastddp::reducer::ReducerOptions& options,
                        const py::object& comm_hook_state, const py::object& comm_hook) {
              // torch's own adapter for Python hooks: it builds the dist.GradBucket, calls
@@ -84,22 +85,10 @@ void bind_reducer(py::module_& m) {
       .def("broadcast_buffers", &fastddp::reducer::Reducer::broadcast_buffers, py::arg("tensors"),
            "Shared-memory transport: copy group rank 0's tensors into every rank's (True); else False.",
            py::call_guard<py::gil_scoped_release>())
-      .def_property_readonly("transport", &fastddp::reducer::Reducer::transport,
-                             "'shm' (co-located CPU ranks, shared memory) or 'c10d'.")
-      .def_property_readonly("passthrough", &fastddp::reducer::Reducer::passthrough,
-                             "A world of one without comm_dtype: gradients are left where autograd put them.")
       .def("hold_grads_in_buckets", &fastddp::reducer::Reducer::hold_grads_in_buckets,
            "Copy gradients reduced in place into their bucket slots (lending .grad from there) and keep "
            "every later backward's gradients in the buckets.",
            py::call_guard<py::gil_scoped_release>())
-      .def_property_readonly("grads_in_buckets", &fastddp::reducer::Reducer::grads_in_buckets,
-                             "Whether param.grad are views into bucket_buffers() after a reduced backward.")
-      .def_property_readonly("has_comm_hook", &fastddp::reducer::Reducer::has_comm_hook,
-                             "A Python communication hook reduces the buckets.")
-      .def_property_readonly("batch_copies", &fastddp::reducer::Reducer::batch_copies,
-                             "Gradients are copied into a full bucket with one multi-tensor copy.")
-      .def_property_readonly("transport_note", &fastddp::reducer::Reducer::transport_note,
-                             "Why the shared-memory path is not used (empty when it is).")
       .def("prepare_for_backward", &fastddp::reducer::Reducer::prepare_for_backward, py::arg("outputs"),
            py::arg("sync"), "Arm the reducer for the next backward (sync=False: accumulate locally).",
            py::call_guard<py::gil_scoped_release>())
@@ -108,8 +97,6 @@ void bind_reducer(py::module_& m) {
            py::call_guard<py::gil_scoped_release>())
       .def("delay_all_reduce", &fastddp::reducer::Reducer::delay_all_reduce,
            "static_graph: reduce the armed first iteration now (torch's reducer._delay_all_reduce()).",
-           py::call_guard<py::gil_scoped_release>())
-      .def("bucket_buffers", &fastddp::reducer::Reducer::bucket_buffers, "The flat gradient buffers.",
            py::call_guard<py::gil_scoped_release>())
       .def("set_reduction_divisor", &fastddp::reducer::Reducer::set_reduction_divisor, py::arg("divisor"),
            "Average the next reduction's gradients over `divisor` ranks instead of the world size (join with "
@@ -121,11 +108,29 @@ void bind_reducer(py::module_& m) {
       .def("add_bucket_visitor", &fastddp::reducer::Reducer::add_bucket_visitor, py::arg("visitor"),
            "Register a visitor of every bucket once its reduced values are final (e.g. GradScaler's statistics).",
            py::call_guard<py::gil_scoped_release>())
-      .def("arrival_order", &fastddp::reducer::Reducer::arrival_order,
-           "Gradient arrival order (parameter indices) the bucket rebuild follows; empty until recorded.",
-           py::call_guard<py::gil_scoped_release>())
       .def("rebuild_buckets_in_arrival_order", &fastddp::reducer::Reducer::rebuild_buckets_in_arrival_order,
            "Re-plan the buckets in group rank 0's gradient arrival order (a collective); True if they changed.",
+           py::call_guard<py::gil_scoped_release>());
+}
+
+// What the wrapper reads back: transport, layout, statistics.
+void bind_reducer_queries(ReducerClass& cls) {
+  cls.def_property_readonly("transport", &fastddp::reducer::Reducer::transport,
+                             "'shm' (co-located CPU ranks, shared memory) or 'c10d'.")
+      .def_property_readonly("passthrough", &fastddp::reducer::Reducer::passthrough,
+                             "A world of one without comm_dtype: gradients are left where autograd put them.")
+      .def_property_readonly("grads_in_buckets", &fastddp::reducer::Reducer::grads_in_buckets,
+                             "Whether param.grad are views into bucket_buffers() after a reduced backward.")
+      .def_property_readonly("has_comm_hook", &fastddp::reducer::Reducer::has_comm_hook,
+                             "A Python communication hook reduces the buckets.")
+      .def_property_readonly("batch_copies", &fastddp::reducer::Reducer::batch_copies,
+                             "Gradients are copied into a full bucket with one multi-tensor copy.")
+      .def_property_readonly("transport_note", &fastddp::reducer::Reducer::transport_note,
+                             "Why the shared-memory path is not used (empty when it is).")
+      .def("bucket_buffers", &fastddp::reducer::Reducer::bucket_buffers, "The flat gradient buffers.",
+           py::call_guard<py::gil_scoped_release>())
+      .def("arrival_order", &fastddp::reducer::Reducer::arrival_order,
+           "Gradient arrival order (parameter indices) the bucket rebuild follows; empty until recorded.",
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("graph_static",
                              py::cpp_function(&fastddp::reducer::Reducer::graph_static,
@@ -173,6 +178,15 @@ void bind_reducer(py::module_& m) {
                              "Buckets moved to new memory because a lent .grad view was held across a backward.");
 }
 
+void bind_reducer(py::module_& m) {
+  bind_options(m);
+  ReducerClass cls(m, "Reducer", "Bucketed gradient all-reduce overlapped with backward (DDPWrapper's core).");
+  bind_reducer_lifecycle(cls);
+  bind_reducer_queries(cls);
+}
+
 }  // namespace
 
 FASTDDP_BINDING(reducer, bind_reducer);
+
+}  // namespace fastddp::bindings

@@ -4,6 +4,7 @@
 
 namespace py = pybind11;
 
+namespace fastddp::bindings {
 namespace {
 
 void bind_sampler(py::module_& m) {
@@ -29,3 +30,5 @@ void bind_sampler(py::module_& m) {
 }  // namespace
 
 FASTDDP_BINDING(sampler, bind_sampler);
+
+}  // namespace fastddp::bindings

@@ -232,13 +232,11 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // outputs no backward has reached yet (see awaits_later_backward_locked).
   void watch_outputs_locked(const std::vector<at::Tensor>& outputs);
   void output_reached(uint64_t forward);
-  // Bytes of shared memory every rank's gradient buckets need, in the widest layout any plan
-  // can give them (each bucket aligned, so at most one pad per parameter).
   int64_t wire_bytes() const;  // gradient bytes one backward reduces, in the wire dtype
   void mark_ready(int64_t index);
-  // A gradient that arrived while no reduction is expected (no_sync(), or no forward before).
   void mark_ready_locked(int64_t index);  // mark_ready's work; its errors are kept in backward_error_
   std::string failed_backward_cause_locked() const;  // why a backward stopped: its error, if the reducer's
+  // A gradient that arrived while no reduction is expected (no_sync(), or no forward before).
   void note_gradient_outside_reduction_locked(int64_t index);
   // A gradient that requires grad (backward(create_graph=True)): torch's warning, one per backward.
   void check_create_graph_locked(int64_t index);
@@ -277,11 +275,11 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   std::vector<ShmPiece> direct_pieces_locked(const Bucket& bucket, std::vector<at::Tensor>* holders) const;
   void launch_ready_buckets_locked();
   void flush_deferred_locked(Bucket& bucket);
-  // Issues the bucket's all-reduce on its wire tensor (bucket.comm if compressed, else
-  // bucket.buffer): shared memory or c10d, with the division the transport folds in.
   // How the shared-memory sum scales the bucket's values as it reads them (none: they were
   // averaged as they entered the bucket, or the wire is not shared memory).
   Scaling wire_scaling_locked(const Bucket& bucket) const;
+  // Issues the bucket's all-reduce on its wire tensor (bucket.comm if compressed, else
+  // bucket.buffer): shared memory or c10d, with the division the transport folds in.
   c10::intrusive_ptr<c10d::Work> allreduce_wire_locked(Bucket& bucket, bool squares,
                                                        const Fingerprint* fingerprint = nullptr);
   // Fingerprints (fingerprint.cpp). The fingerprint of the reduction whose last bucket launches
