@@ -32,7 +32,7 @@ from .settings import (
     prepare_tensors,
     start_warnings,
 )
-from .shuffle import EpochShuffle, epoch_targets, sampler_epoch
+from .shuffle import EpochShuffle, epoch_targets, load_sampler_states, sampler_epoch, sampler_states
 from .sources import classify
 
 _T_co = TypeVar("_T_co", covariant=True)  # DataLoader's type parameter
@@ -140,18 +140,22 @@ class PrefetchLoader(DataLoader[_T_co]):
         if pin_dataset or device_resident:
             self._check_tensor_options()
             self._prepared()
+        self._dataset_kind = _DatasetKind.Iterable if src.kind == "iterable" else _DatasetKind.Map
+        self._IterableDataset_len_called: Optional[int] = None  # DataLoader's, read by ignite
+        self._init_pass_state()
+        self._DataLoader__initialized = True  # DataLoader's lock flag: subclasses of it clear it
+
+    def _init_pass_state(self) -> None:
+        """No pass yet: epoch 0, nothing delivered, nothing to replay, no ring allocated."""
         self._epoch = 0
         self._pass_epoch: Optional[int] = None  # the epoch the current pass uses
         self._progress = Progress()  # batches delivered in the current pass
         self._replay = Replay()
         self._pass_state: tuple[Optional[torch.Tensor], Optional[torch.Tensor]] = (None, None)
-        self._dataset_kind = _DatasetKind.Iterable if src.kind == "iterable" else _DatasetKind.Map
-        self._IterableDataset_len_called: Optional[int] = None  # DataLoader's, read by ignite
         self._sampler_states: Optional[dict[str, Any]] = None
         self._iterator: Optional[LoaderIterator] = None
         self._direct: Optional[bool] = None
         self._slot_pool: Any = None  # C.SlotPool, made by the first native pass
-        self._DataLoader__initialized = True  # DataLoader's lock flag: subclasses of it clear it
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in READ_ONLY_ATTRIBUTES and self.__dict__.get("_DataLoader__initialized"):
@@ -241,7 +245,7 @@ class PrefetchLoader(DataLoader[_T_co]):
         self._progress.delivered = replay.skip
         # The samplers' states as the pass found them: the pass reads them ahead of delivery,
         # and a resumed pass skips the delivered batches itself.
-        self._sampler_states = self._current_sampler_states()
+        self._sampler_states = sampler_states(self.sampler, self.batch_sampler)
         pass_.start(self.generator, draw_seed, replay)
         if pass_.direct is not None:
             self._direct = pass_.direct
@@ -350,7 +354,7 @@ class PrefetchLoader(DataLoader[_T_co]):
             return self._pending_state()
         epoch = self.epoch if self._pass_epoch is None else self._pass_epoch
         state: dict[str, Any] = {"epoch": epoch, "batches_done": self._progress.delivered}
-        state.update(self._sampler_states if self._sampler_states is not None else self._current_sampler_states())
+        state.update(self._sampler_states if self._sampler_states is not None else sampler_states(self.sampler, self.batch_sampler))
         return with_random_state(state, *self._pass_state)
 
     def _pending_state(self) -> dict[str, Any]:
@@ -358,20 +362,8 @@ class PrefetchLoader(DataLoader[_T_co]):
         replay = self._replay
         state: dict[str, Any] = {"epoch": self.epoch if replay.epoch is None else replay.epoch,
                                  "batches_done": replay.skip}
-        state.update(self._current_sampler_states())
+        state.update(sampler_states(self.sampler, self.batch_sampler))
         return with_random_state(state, replay.rng_state, replay.generator_state)
-
-    def _current_sampler_states(self) -> dict[str, Any]:
-        """The samplers' states as a pass starting now finds them: a sampler that can say where
-        its next iterator starts (``pending_state_dict``, fastddp's) says so; the delivered
-        batches are counted by the loader, not by the sampler's position."""
-        states = {}
-        for name in ("sampler", "batch_sampler"):
-            obj = getattr(self, name)
-            get = getattr(obj, "pending_state_dict", None) or getattr(obj, "state_dict", None)
-            if get is not None:
-                states[name] = get()
-        return states
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume: the next pass redraws the saved pass's order and starts after the last batch
@@ -385,10 +377,7 @@ class PrefetchLoader(DataLoader[_T_co]):
         if "generator_state" in state and self.generator is None:
             raise ValueError("PrefetchLoader.load_state_dict: the state was saved from a loader with a "
                              "generator; pass generator=torch.Generator() to this one too")
-        for name in ("sampler", "batch_sampler"):
-            obj = getattr(self, name)
-            if obj is not None and name in state and hasattr(obj, "load_state_dict"):
-                obj.load_state_dict(state[name])
+        load_sampler_states(self.sampler, self.batch_sampler, state)
         self.set_epoch(epoch)
         # a state taken after iter() holds the random state its pass started from (even before
         # the first batch): the resumed pass redraws that pass's order from it

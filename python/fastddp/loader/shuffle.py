@@ -57,3 +57,22 @@ def sampler_epoch(sampler: Any, batch_sampler: Any) -> Optional[int]:
         except TypeError:
             continue
     return None
+
+
+def sampler_states(sampler: Any, batch_sampler: Any) -> dict[str, Any]:
+    """The samplers' states as a pass starting now finds them: a sampler that can say where
+    its next iterator starts (``pending_state_dict``, fastddp's) says so; the delivered
+    batches are counted by the loader, not by the sampler's position."""
+    states = {}
+    for name, obj in (("sampler", sampler), ("batch_sampler", batch_sampler)):
+        get = getattr(obj, "pending_state_dict", None) or getattr(obj, "state_dict", None)
+        if get is not None:
+            states[name] = get()
+    return states
+
+
+def load_sampler_states(sampler: Any, batch_sampler: Any, state: dict[str, Any]) -> None:
+    """Each sampler that has ``load_state_dict`` loads its entry of a loader's ``state``."""
+    for name, obj in (("sampler", sampler), ("batch_sampler", batch_sampler)):
+        if obj is not None and name in state and hasattr(obj, "load_state_dict"):
+            obj.load_state_dict(state[name])
