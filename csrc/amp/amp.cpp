@@ -88,23 +88,12 @@ std::vector<at::Tensor> finalize(const at::Tensor& stats, const at::Tensor& scal
   at::Tensor norm = at::empty({}, opts);
   at::Tensor coef = at::empty({1}, opts);
   at::Tensor inv_coef = at::empty({1}, opts);
-  const double sumsq = stats.data_ptr<double>()[0];
-  const float inv_scale = static_cast<float>(1.0 / static_cast<double>(scale.data_ptr<float>()[0]));
-  // NaN: an inf/NaN gradient element (see sum_squares); +inf: finite float64 elements whose
-  // squares overflow, which torch's per-element check passes (the norm is then inf)
-  const bool found = std::isnan(sumsq);
-  const bool finite = std::isfinite(sumsq);
-  const float total = static_cast<float>(std::sqrt(sumsq)) * inv_scale;
-  float c = inv_scale;
-  if (max_norm > 0 && !found) {
-    // torch.nn.utils.clip_grad_norm_: clip_coef = max_norm / (total_norm + eps), clamped to 1
-    const float clip = static_cast<float>(max_norm) / (total + static_cast<float>(eps));
-    c = inv_scale * std::min(clip, 1.0f);
-  }
-  found_inf.data_ptr<float>()[0] = found ? 1.f : 0.f;
-  norm.data_ptr<float>()[0] = finite ? total : std::numeric_limits<float>::infinity();
-  coef.data_ptr<float>()[0] = c;
-  inv_coef.data_ptr<float>()[0] = 1.0f / c;
+  const FinalizeResult r = finalize_rule(stats.data_ptr<double>()[0], scale.data_ptr<float>()[0], max_norm > 0,
+                                         static_cast<float>(max_norm), static_cast<float>(eps));
+  found_inf.data_ptr<float>()[0] = r.found_inf;
+  norm.data_ptr<float>()[0] = r.norm;
+  coef.data_ptr<float>()[0] = r.coef;
+  inv_coef.data_ptr<float>()[0] = r.inv_coef;
   return {found_inf, norm, coef, inv_coef};
 }
 

@@ -108,19 +108,14 @@ __global__ void scale_kernel<double>(TensorListMeta meta, const float* __restric
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) p[i] *= c;
 }
 
-__global__ void finalize_kernel(const double* __restrict__ stats, const float* __restrict__ scale, float max_norm,
-                                float eps, float* found_inf, float* norm, float* coef, float* inv_coef) {
-  const double sumsq = stats[0];
-  const float inv_scale = static_cast<float>(1.0 / static_cast<double>(scale[0]));
-  const bool found = isnan(sumsq);  // an inf/NaN element; +inf is finite float64 overflow
-  const bool finite = isfinite(sumsq);
-  const float total = static_cast<float>(sqrt(sumsq)) * inv_scale;
-  float c = inv_scale;
-  if (max_norm > 0.f && !found) c = inv_scale * fminf(max_norm / (total + eps), 1.0f);
-  found_inf[0] = found ? 1.f : 0.f;
-  norm[0] = finite ? total : INFINITY;
-  coef[0] = c;
-  inv_coef[0] = 1.0f / c;
+__global__ void finalize_kernel(const double* __restrict__ stats, const float* __restrict__ scale, bool clip,
+                                float max_norm, float eps, float* found_inf, float* norm, float* coef,
+                                float* inv_coef) {
+  const FinalizeResult r = finalize_rule(stats[0], scale[0], clip, max_norm, eps);
+  found_inf[0] = r.found_inf;
+  norm[0] = r.norm;
+  coef[0] = r.coef;
+  inv_coef[0] = r.inv_coef;
 }
 
 __global__ void update_scale_kernel(float* scale, int32_t* tracker, const float* found_inf, double growth,
@@ -158,7 +153,8 @@ std::vector<at::Tensor> finalize(const at::Tensor& stats, const at::Tensor& scal
   at::Tensor coef = at::empty({1}, opts);
   at::Tensor inv_coef = at::empty({1}, opts);
   finalize_kernel<<<1, 1, 0, c10::cuda::getCurrentCUDAStream()>>>(
-      stats.data_ptr<double>(), scale.data_ptr<float>(), static_cast<float>(max_norm), static_cast<float>(eps),
+      stats.data_ptr<double>(), scale.data_ptr<float>(), max_norm > 0, static_cast<float>(max_norm),
+      static_cast<float>(eps),
       found_inf.data_ptr<float>(), norm.data_ptr<float>(), coef.data_ptr<float>(), inv_coef.data_ptr<float>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {found_inf, norm, coef, inv_coef};
