@@ -332,11 +332,11 @@ def test_summary_of_another_run_is_kept_aside_and_written_again(one_epoch, tmp_p
 
 def test_run_started_over_keeps_the_earlier_run_aside(one_epoch, tmp_path, data_path) -> None:
     """--resume none trains afresh: the earlier run's summary.json and curves.png would pass
-    for its results until it writes its own, and its metrics.csv, best.pt and config.json would
-    be overwritten, so all are moved to .bak when it starts (last.pt stays as last.pt.prev)."""
+    for its results until it writes its own, and its metrics.csv, best.pt, config.json and
+    last.pt would be overwritten, so all are moved to .bak when it starts."""
     save = tmp_path / "run"
     shutil.copytree(one_epoch, save)
-    names = ("summary.json", "curves.png", "metrics.csv", "best.pt", "config.json")
+    names = ("summary.json", "curves.png", "metrics.csv", "best.pt", "config.json", "last.pt")
     earlier = {name: (save / name).read_bytes() for name in names if (save / name).exists()}
     codes, out = trainer_runs.run(save, data_path, ["--epochs", "1", "--resume", "none",
                                                     "--lr", "0.002"])
@@ -346,6 +346,53 @@ def test_run_started_over_keeps_the_earlier_run_aside(one_epoch, tmp_path, data_
         kept = list(save.glob(f"{name}.*.bak"))
         assert len(kept) == 1 and kept[0].read_bytes() == content, name
         assert (save / name).read_bytes() != content or name == "curves.png", name
+
+
+def test_run_started_over_and_stopped_before_its_first_save_leaves_no_mix_of_two_runs(
+        one_epoch, tmp_path, data_path) -> None:
+    """--resume none over a finished run, killed at its first write (config.json): the earlier
+    run's files, its checkpoint among them, are all kept aside together, so the next run
+    starts over as asked instead of finding the earlier run complete without its best.pt and
+    config.json (which were only in .bak)."""
+    save = tmp_path / "run"
+    shutil.copytree(one_epoch, save)
+    names = ("metrics.csv", "best.pt", "config.json", "last.pt", "summary.json")
+    earlier = {name: (save / name).read_bytes() for name in names}
+    codes, out = trainer_runs.run(save, data_path, ["--epochs", "1", "--resume", "none"], exit_after=1)
+    assert codes == [137], out
+    for name, content in earlier.items():
+        kept = list(save.glob(f"{name}.*.bak"))
+        assert len(kept) == 1 and kept[0].read_bytes() == content, name
+        assert not (save / name).exists(), name
+    codes, out = trainer_runs.run(save, data_path, ["--epochs", "1"])
+    assert codes == [0], out
+    assert "already complete" not in out, out
+    assert [row["epoch"] for row in trainer_runs.metrics(save)] == ["1"]
+    assert (save / "best.pt").is_file() and (save / "config.json").is_file()
+
+
+def test_resume_path_keeps_aside_a_best_pt_that_is_not_its_historys(one_epoch, tmp_path,
+                                                                     data_path) -> None:
+    """--resume PATH into a --save-dir holding a best.pt of another run: that file is kept
+    aside and PATH's best epoch is copied in, so best.pt never holds weights the history does
+    not have (the other run's file was kept as this run's best model, and metrics.csv and
+    summary.json named another epoch)."""
+    save = tmp_path / "run"
+    save.mkdir()
+    other = tmp_path / "other"
+    codes, out = trainer_runs.run(other, data_path, ["--epochs", "1", "--lr", "0.5"])
+    assert codes == [0], out
+    foreign = (other / "best.pt").read_bytes()
+    (save / "best.pt").write_bytes(foreign)
+    given = one_epoch / "last.pt"
+    codes, out = trainer_runs.run(save, data_path, ["--epochs", "2", "--resume", str(given)])
+    assert codes == [0], out
+    assert "holds no complete checkpoint" not in out, out
+    kept = list(save.glob("best.pt.*.bak"))
+    assert len(kept) == 1 and kept[0].read_bytes() == foreign
+    best = torch.load(save / "best.pt", weights_only=False)
+    top = max(trainer_runs.metrics(save), key=lambda row: float(row["val_f1"]))
+    assert best["metrics"]["epoch"] == int(top["epoch"]), (best["metrics"], top)
 
 
 def test_resume_path_of_a_finished_run_into_a_new_save_dir(one_epoch, tmp_path,

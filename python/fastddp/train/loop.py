@@ -18,10 +18,10 @@ from .build import build
 from .epoch import end_epoch, run_epoch
 from .errors import UsageError
 from .outputs import (
-    EARLIER_RUN_FILES,
     FINAL_FILES,
     TENSORBOARD_DIRS,
     GpuMonitor,
+    earlier_run_files,
     keep_earlier_files,
     log_header,
     make_tensorboard,
@@ -88,10 +88,10 @@ def _train(args: argparse.Namespace, ctx: Context, saver: checkpoint.CheckpointW
     if resumed and r.state.start_epoch >= args.epochs:
         return already_complete(r)
     if ctx.is_main:
-        # starting from epoch 1 over a run with a history, or over the best weights of a run
-        # that left no checkpoint to continue: that run's files are kept too
-        earlier_run = not resumed and any((save_dir / n).is_file() for n in ("metrics.csv", "best.pt"))
-        kept = keep_earlier_files(save_dir, FINAL_FILES + (EARLIER_RUN_FILES if earlier_run else ()))
+        # starting from epoch 1 over a run with a history, or over the best weights or the
+        # checkpoints of a run (--resume none): that run's files are kept too, its checkpoints
+        # with them, so that a stop before this run's first save leaves no mix of the two runs
+        kept = keep_earlier_files(save_dir, FINAL_FILES + (() if resumed else earlier_run_files(save_dir)))
         if kept:
             log(ctx, f"note: the {'/'.join(kept)} in {save_dir} (of an earlier run, or of this "
                      f"one with fewer --epochs) kept as {', '.join(p.name for p in kept.values())}; "

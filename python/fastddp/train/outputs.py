@@ -96,6 +96,16 @@ FINAL_FILES = ("summary.json", "curves.png")
 # What a run that starts from its first epoch (--resume none) over an earlier run with a
 # history would overwrite besides those: that run's history, best weights and flags.
 EARLIER_RUN_FILES = ("metrics.csv", "best.pt", "best.pt.prev", "config.json", "tensorboard")
+# ... and its checkpoints (checkpoint.candidates of last.pt)
+CHECKPOINT_FILES = ("last.pt.tmp", "last.pt", "last.pt.prev.tmp", "last.pt.prev")
+
+
+def earlier_run_files(save_dir: Path) -> tuple[str, ...]:
+    """The names to keep aside before a run that starts from its first epoch trains into
+    ``save_dir``: an earlier run's history, best weights, flags and checkpoints when any of
+    them is there, else none."""
+    names = EARLIER_RUN_FILES + CHECKPOINT_FILES
+    return names if any((save_dir / n).is_file() for n in names) else ()
 
 
 def keep_earlier_files(save_dir: Path, names: tuple[str, ...]) -> dict[str, Path]:

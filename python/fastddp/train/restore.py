@@ -65,20 +65,31 @@ def restore(r: Run) -> tuple[Optional[Partial], bool]:
     return partial, True
 
 
+def _best_metrics(path: Path) -> Optional[dict[str, Any]]:
+    """The metrics row a best.pt was saved with; None when it does not verify."""
+    try:
+        return checkpoint.verify(path).get("metrics")
+    except (checkpoint.CheckpointError, OSError):
+        return None
+
+
 def carry_best(r: Run, path: Path) -> None:
     """``--resume PATH`` from another directory into a ``--save-dir`` without a best.pt: the
     best epoch so far is in PATH's run, so its best.pt is copied here (queued behind the
     writer's other files) when it is the best epoch of the history loaded; a later epoch that
     does better replaces it as usual. Otherwise the run says where the best weights are not."""
     source, target = path.resolve().parent / "best.pt", r.save_dir / "best.pt"
-    if source.parent == r.save_dir.resolve() or target.exists() or not r.state.history:
+    if source.parent == r.save_dir.resolve() or not r.state.history:
         return
-    try:
-        best = checkpoint.verify(source)
-    except (checkpoint.CheckpointError, OSError):
-        best = None
     top = max(r.state.history, key=lambda row: row["val_f1"])
-    if best is not None and best.get("metrics") == top:
+    if target.exists():
+        if _best_metrics(target) == top:
+            return  # this history's best epoch already (the same command run again)
+        kept = keep_aside(target)
+        log(r.ctx, f"note: {target} is not the best epoch of {path}'s history: "
+                   f"kept as {kept.name if kept else 'it was'}")
+    best = _best_metrics(source)
+    if best == top:
         r.saver.write(source.read_bytes(), target)
         log(r.ctx, f"note: copied {source} (the best epoch so far, {top['epoch']}) into {r.save_dir}")
         return
@@ -130,11 +141,15 @@ def already_complete(r: Run) -> dict[str, Any]:
     and written again."""
     state, save_dir = r.state, r.save_dir.resolve()
     best = max((row["val_f1"] for row in state.history), default=float("nan"))
+    missing = [n for n in ("best.pt", "config.json") if not (r.save_dir / n).is_file()]
     log(r.ctx, f"fastddp.train: the run in {save_dir} is already complete ({len(state.history)} "
                f"epochs, --epochs {r.args.epochs}; best val F1 {best:.4f}). Its results are in "
-               f"{save_dir} (metrics.csv, best.pt, summary.json). To train from scratch add "
-               "--resume none (it keeps them aside as .bak) or choose another --save-dir; to train "
-               "further raise --epochs")
+               f"{save_dir} (metrics.csv, summary.json"
+               + "".join(f", {n}" for n in ("best.pt", "config.json") if n not in missing) + ")"
+               + (f"; {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not there (look for "
+                  f"{missing[0]}.*.bak beside it)" if missing else "")
+               + ". To train from scratch add --resume none (it keeps them aside as .bak) or choose "
+               "another --save-dir; to train further raise --epochs")
     metrics_file, summary_file = r.save_dir / "metrics.csv", r.save_dir / "summary.json"
     stale = not metrics_file.exists() or metrics_file.read_bytes() != metrics_csv(state.history)
     current = summary_is_current(r.save_dir, state.history)

@@ -21,7 +21,7 @@ def newness(state: dict[str, Any]) -> tuple[int, bool]:
 
 
 def find_resume_state(args: argparse.Namespace, ctx: Context, save_dir: Path,
-                      accept: Callable[[dict[str, Any]], bool] | None = None,
+                      accept: Callable[[dict[str, Any]], bool] | None = None, announce: bool = True,
                       ) -> tuple[dict[str, Any] | None, Path | None, str]:
     """The checkpoint ``--resume`` asks for: ``(state, file, note for the log)``, or ``None``s.
 
@@ -29,7 +29,8 @@ def find_resume_state(args: argparse.Namespace, ctx: Context, save_dir: Path,
     verifies (and that ``accept`` takes) and every rank loads that file; checkpoint files of
     which none verifies stop the run (UsageError) instead of starting over. ``none`` starts
     over, except in a restarted torchrun job (:func:`own_checkpoint`); a path:
-    :func:`given_checkpoint`."""
+    :func:`given_checkpoint`. ``announce``: log that nothing was found and the run starts
+    over (False where the caller decides what happens then)."""
     if args.resume == "none":
         if not restarted_job():
             return None, None, ""
@@ -59,7 +60,7 @@ def find_resume_state(args: argparse.Namespace, ctx: Context, save_dir: Path,
     if error is not None:
         raise UsageError(error, shared=True)
     if path is None:
-        if note:
+        if note and announce:
             log(ctx, f"note: {note}; starting from epoch 1")
         return None, None, ""
     try:
@@ -86,7 +87,7 @@ def given_checkpoint(args: argparse.Namespace, ctx: Context,
     if path.resolve().parent == save_dir.resolve():
         return given, path, ""
     auto = argparse.Namespace(**{**vars(args), "resume": "auto"})
-    own, own_path, note = find_resume_state(auto, ctx, save_dir)
+    own, own_path, note = find_resume_state(auto, ctx, save_dir, announce=False)
     if own is None:
         return given, path, ""
     if continues(own, given):
