@@ -259,6 +259,46 @@ def test_error_of_a_run_on_rank_1_is_printed_by_rank_1(monkeypatch, capsys, shar
     assert err == ("" if shared else "fastddp.train: rank 1: error: the problem and its fix\n")
 
 
+@pytest.mark.parametrize("variables", [dict(LOCAL_RANK="1"), dict(RANK="1")], ids=["LOCAL_RANK", "RANK"])
+def test_a_stray_rank_variable_outside_torchrun_leaves_the_error_printed(monkeypatch, capsys,
+                                                                         variables) -> None:
+    """A single process (not started by torchrun) whose environment holds a leftover RANK or
+    LOCAL_RANK is rank 0 of its own run: its input error is printed, not left to a rank 0
+    that does not exist (exit 2 without a word)."""
+    from fastddp.train import loop, main
+
+    def run(args):
+        raise UsageError("the problem and its fix", shared=True)
+
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    assert main(["--lr", "-1"]) == 2
+    assert capsys.readouterr().err == "fastddp.train: error: --lr must be a finite number > 0, got -1.0\n"
+    monkeypatch.setattr(loop, "run", run)
+    assert main([]) == 2
+    assert capsys.readouterr().err == "fastddp.train: error: the problem and its fix\n"
+
+
+@pytest.mark.parametrize(("variables", "message"), [
+    (dict(RANK="abc"), "RANK='abc' in the environment is not a valid rank (torchrun sets it"),
+    (dict(WORLD_SIZE="2", RANK="0", LOCAL_RANK="x"), "LOCAL_RANK='x' in the environment is not a valid local rank"),
+    (dict(WORLD_SIZE="0", RANK="0", LOCAL_RANK="0"), "WORLD_SIZE='0' in the environment is not a valid world size"),
+    (dict(WORLD_SIZE="2", RANK="2", LOCAL_RANK="0"), "RANK=2 in the environment is not below the world it is a "
+                                                    "rank of (2 process(es))"),
+], ids=["rank", "local_rank", "world_size", "rank_too_large"])
+def test_a_malformed_launch_variable_is_one_clear_error(monkeypatch, variables, message) -> None:
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    args = parse_args(["--multi-gpu", "ddp"])
+    with pytest.raises(UsageError) as info:
+        validate(args, cuda_count=0)
+    assert str(info.value).startswith(message), str(info.value)
+
+
 def test_bad_input_exits_2_with_one_line() -> None:
     proc = subprocess.run([sys.executable, "-m", "fastddp.train", "--mode", "nope"],
                           capture_output=True, text=True)

@@ -11,7 +11,7 @@ from typing import Any
 from .cli import build_parser, parse_args
 from .errors import UsageError
 from .signals import Terminated
-from .validate import validate
+from .validate import launch_variable, validate
 
 # What a collective raises on a surviving rank when a peer process dies or the link fails
 # (gloo: the socket is reset/closed, or "Application timeout caused pair closure" when the
@@ -57,10 +57,8 @@ def _prints_usage_error(exc: UsageError, started: bool, rank: int) -> bool:
     are checked (before ``started``) alike by the ranks of one machine, so its first rank
     prints their error (one line per machine); in the run, rank 0 prints an error every rank
     shares (:attr:`UsageError.shared`), and each rank its own."""
-    import os
-
     if not started:
-        return os.environ.get("LOCAL_RANK", "0") == "0"
+        return launch_variable("LOCAL_RANK") == 0
     return rank == 0 or not exc.shared
 
 
@@ -75,13 +73,11 @@ def main(argv: list[str] | None = None) -> int:
     """Parse flags, validate them, train. Input the user can fix (a flag, a config file, a
     checkpoint, a full disk) ends with one line on stderr and exit status 2; ``--debug`` or
     ``FASTDDP_DEBUG=1`` adds the traceback."""
-    import os
-
     import torch
 
     from .checkpoint import CheckpointWriteError
 
-    rank = int(os.environ.get("RANK", "0"))
+    rank = launch_variable("RANK")
     debug, started, args = _debug(argv), False, None
     try:
         args = parse_args(argv)
@@ -117,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
               f"checkpoints in progress. {_resume_hint(args)}", file=sys.stderr, flush=True)
         return 128 + 15
     except Exception as exc:
-        world = int(os.environ.get("WORLD_SIZE", "1"))
+        world = max(1, launch_variable("WORLD_SIZE"))
         line = lost_peer_message(exc, rank, world) if world > 1 and not debug else None
         if line is None:
             raise

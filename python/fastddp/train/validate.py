@@ -37,6 +37,47 @@ def under_torchrun() -> bool:
     )
 
 
+LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+
+
+def launch_variable(name: str) -> int:
+    """``RANK``, ``LOCAL_RANK`` or ``WORLD_SIZE`` as torchrun set it for this process; 0 outside torchrun (a
+    stray variable in a single process's environment does not make it another rank, whose
+    errors rank 0 would be left to print) and where the value is not an integer
+    (:func:`check_launch_environment` refuses that)."""
+    if not under_torchrun():
+        return 0
+    try:
+        return int(os.environ.get(name, "0"))
+    except ValueError:
+        return 0
+
+
+def check_launch_environment(args: argparse.Namespace) -> None:
+    """torchrun's variables, where a distributed run reads them, are integers that fit
+    together: a mistyped one is named instead of failing inside torch with a traceback."""
+    if not (under_torchrun() or args.multi_gpu == "ddp"):
+        return
+    values = {}
+    for name in LAUNCH_VARIABLES:
+        raw = os.environ.get(name)
+        if raw is None:
+            continue
+        try:
+            values[name] = int(raw)
+        except ValueError:
+            values[name] = -1
+        if values[name] < (1 if name.endswith("WORLD_SIZE") else 0):
+            raise UsageError(f"{name}={raw!r} in the environment is not a valid {name.lower().replace('_', ' ')} "
+                             "(torchrun sets it for each process): unset it, or start the run with "
+                             "torchrun --nproc_per_node=N -m fastddp.train ...")
+    world = values.get("WORLD_SIZE", 1)
+    for name, bound in (("RANK", world), ("LOCAL_RANK", values.get("LOCAL_WORLD_SIZE", world))):
+        if values.get(name, 0) >= bound:
+            raise UsageError(f"{name}={values[name]} in the environment is not below the world it is a "
+                             f"rank of ({bound} process(es)): unset it, or start the run with torchrun")
+
+
 # Flags naming a file or directory. An empty value (an unset shell variable: --save-dir
 # "$OUT") is "." to pathlib: the run's files would land in the working directory, a --config
 # would be skipped.
@@ -130,6 +171,7 @@ def check_factories(args: argparse.Namespace) -> None:
 def check_devices(args: argparse.Namespace, cuda_count: int) -> None:
     """GPUs, the backend and the world size fit this machine and the way the run was started;
     sets ``args.gpu_list``."""
+    check_launch_environment(args)
     args.gpu_list = parse_gpu_ids(args.gpu_ids, cuda_count)
     if args.multi_gpu == "dp" and cuda_count == 0:
         raise UsageError("--multi-gpu dp needs at least one CUDA GPU and none is visible; "
