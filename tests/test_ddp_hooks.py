@@ -377,6 +377,34 @@ def test_python_hook_that_reads_and_zeroes_grad(ranks) -> None:
     assert ranks.run(_python_hook_touching_grads, world_size=2) == ["ok", "ok"]
 
 
+def _tripled_sum_hook(state, bucket):
+    """All-reduce (sum) and triple: a hook whose effect shows in every gradient."""
+    return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda f: f.value()[0] * 3)
+
+
+def _hook_between_forward_and_backward(rank: int, world_size: int, hook_name: str) -> None:
+    """A hook registered after a forward and before its backward reduces that backward, as
+    under torch DDP (the wrapper's new reducer is armed as the forward armed the old one)."""
+    hook = {"allreduce": default_hooks.allreduce_hook, "python": _tripled_sum_hook}[hook_name]
+    torch.manual_seed(1234)
+    a, b = mlp(), mlp()
+    b.load_state_dict(a.state_dict())
+    grads = []
+    for model in (fastddp.DDPWrapper(a), TorchDDP(b)):
+        x = torch.full((2, 8), float(rank + 1))
+        out = model(x)
+        model.register_comm_hook(None, hook)
+        out.sum().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for ours, theirs in zip(*grads):
+        assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("hook", ["allreduce", "python"])
+def test_hook_registered_between_forward_and_backward_reduces_that_backward(ranks, hook: str) -> None:
+    ranks.run(_hook_between_forward_and_backward, world_size=2, args=(hook,))
+
+
 def _bad_size_hook(state, bucket):
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(bucket.buffer()[:1].clone())

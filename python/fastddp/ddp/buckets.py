@@ -124,12 +124,6 @@ class Buckets:
                                f"memory: {note}. Pass shm_allreduce=None to fall back to the process "
                                "group's backend.")
 
-    def _replace_reducer(self) -> None:
-        """A new reducer for changed settings (hook, comm_dtype, static_graph), before the first
-        backward, so on the initial buckets. Every rank makes the same call, so the set-up
-        collective of a new reducer matches."""
-        self._build_reducer()
-
     def _shm_wish(self, params: list[torch.Tensor], requested: Optional[bool]) -> Optional[bool]:
         """None: no shared-memory handshake (one process, or not a CPU model). Otherwise this
         rank's wish, agreed with the other ranks' in the handshake."""

@@ -37,7 +37,7 @@ class Pickling:
                                "process_group= or device_mesh=. Copy or save ddp.module (or its state_dict()) "
                                "instead.")
         state = dict(self.__dict__)
-        for name in ("process_group", "_reducer", "_sparse", "device_mesh", "_bucket_visitors"):
+        for name in ("process_group", "_reducer", "_sparse", "device_mesh", "_bucket_visitors", "_armed"):
             state.pop(name, None)
         # torch's copy builds a reducer without the communication hook (plain averaging, and
         # the copy may register one of its own): so does this one.
@@ -73,6 +73,7 @@ class Pickling:
         self._shm_requested = None
         self._is_copy = True
         self._bucket_visitors = []  # the copy's consumers register their own
+        self._armed = (-1, [], False)  # no forward of the copy awaits its backward
         self._run_log = RunLog()  # torch's copy starts a new logger
         # The parameters as the module holds them now (torch's copy rebuilds its list too): one
         # frozen, unfrozen or replaced since the wrapper was built (load_state_dict(assign=True))

@@ -7,6 +7,7 @@ and buffers (broadcast.py)."""
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from typing import Any, Optional
 
@@ -223,6 +224,7 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, ModuleStateSync, Pickling, To
         self._init_hook_state()
         self._init_join_state()
         self._is_copy = False  # made by deepcopy / unpickling (see __setstate__)
+        self._armed: tuple[int, list[weakref.ref], bool] = (-1, [], False)  # see _prepare_reduction
         with diag.phase(diag.Phase.SETUP):  # the shared-memory handshake is a collective
             self._build_reducer()
         if self.static_graph:
@@ -372,9 +374,29 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, ModuleStateSync, Pickling, To
         backwarded through leaves the reduction to that backward; find_unused_parameters walks
         the graph from them; static_graph's first iteration reduces at the end of the outermost
         backward through them."""
-        self._reducer.prepare_for_backward(find_tensors(output) if sync else [], sync)
+        tensors = find_tensors(output) if sync else []
+        self._arm(tensors, sync)
+        # what a reducer replaced before this forward's backward arms again (_replace_reducer);
+        # weak references: the outputs live as long as the script holds them, not longer
+        self._armed = (self._reducer.reductions, [weakref.ref(t) for t in tensors], sync)
+
+    def _arm(self, tensors: list[torch.Tensor], sync: bool) -> None:
+        self._reducer.prepare_for_backward(tensors, sync)
         if sync:
             self._sparse.prepare_for_backward()
+
+    def _replace_reducer(self) -> None:
+        """A new reducer for changed settings (hook, comm_dtype, static_graph), before the first
+        backward, so on the initial buckets. Every rank makes the same call, so the set-up
+        collective of a new reducer matches. A forward that awaits its backward arms the new
+        reducer as it armed the old one: the hook registered in between reduces that backward,
+        as under torch DDP."""
+        reductions, refs, sync = self._armed
+        tensors = [t for t in (ref() for ref in refs) if t is not None]
+        pending = reductions == self._reducer.reductions and len(tensors) == len(refs)
+        self._build_reducer()
+        if pending and (tensors or not sync):
+            self._arm(tensors, sync)
 
     def _reduce_static_first_now(self) -> None:
         """static_graph's armed first iteration reduced at once (torch's
