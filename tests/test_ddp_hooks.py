@@ -497,8 +497,22 @@ def _misuse_raising_hook(rank: int, world_size: int) -> None:
         model(torch.randn(2, 8)).sum().backward()
 
 
+def _misuse_builtin_hook_arguments(rank: int, world_size: int) -> None:
+    """_register_builtin_comm_hook as torch's: anything but a BuiltinCommHookType is its
+    binding's TypeError; a second registration through it is its RuntimeError sentence."""
+    for cls in (TorchDDP, fastddp.DDPWrapper):
+        for wrong in ("ALLREDUCE", 1, None):
+            with pytest.raises(TypeError, match=r"^_register_builtin_comm_hook\(\): incompatible function arguments"):
+                cls(mlp())._register_builtin_comm_hook(wrong)
+        model = cls(mlp())
+        model._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
+        with pytest.raises(RuntimeError, match=r"^register_builtin_comm_hook or register_comm_hook can only be "
+                           r"called once\."):
+            model._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)
+
+
 @pytest.mark.parametrize("case", [
-    _misuse_powersgd_runs, _misuse_twice, _misuse_after_backward, _misuse_conflicting_comm_dtype,
+    _misuse_powersgd_runs, _misuse_builtin_hook_arguments, _misuse_twice, _misuse_after_backward, _misuse_conflicting_comm_dtype,
     _misuse_foreign_state, _misuse_not_callable, _misuse_wrong_arity, _misuse_python_hook_with_comm_dtype,
     _misuse_wrong_size_future, _misuse_raising_hook], ids=lambda f: f.__name__[len("_misuse_"):])
 def test_misused_hooks_are_clear_errors(ranks, case) -> None:

@@ -120,13 +120,17 @@ class CommHooks:
         """torch DDP's C++ built-in hooks (``dist.BuiltinCommHookType``): ``ALLREDUCE`` is
         ``allreduce_hook`` (each gradient divided by the group size), ``FP16_COMPRESS`` is
         ``comm_dtype=torch.float16``."""
-        kind = getattr(comm_hook_type, "name", str(comm_hook_type))
+        if not isinstance(comm_hook_type, dist.BuiltinCommHookType):  # torch's binding's TypeError
+            raise TypeError("_register_builtin_comm_hook(): incompatible function arguments. (DDPWrapper: "
+                            "expected a torch.distributed.BuiltinCommHookType, ALLREDUCE or FP16_COMPRESS; got "
+                            f"{type(comm_hook_type).__name__} {comm_hook_type!r})")
+        if self._comm_hook is not None:  # torch's sentence for this path (scripts match it)
+            raise RuntimeError("register_builtin_comm_hook or register_comm_hook can only be called once. "
+                               f"(DDPWrapper: {hook_name(self._comm_hook)} is registered already.)")
         hooks = {"ALLREDUCE": "allreduce_hook", "FP16_COMPRESS": "fp16_compress_hook"}
-        if kind not in hooks:
-            raise ValueError(f"DDPWrapper._register_builtin_comm_hook: unknown hook type {comm_hook_type!r}; "
-                             "expected dist.BuiltinCommHookType.ALLREDUCE or FP16_COMPRESS.")
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
+        kind = comm_hook_type.name
         self.register_comm_hook(None, getattr(default_hooks, hooks[kind]))
         self._run_log.comm_hook = str(comm_hook_type)  # torch's logger names the built-in type
 
