@@ -641,6 +641,47 @@ def test_a_backward_failed_on_one_rank_is_reported_on_every_rank(ranks, transpor
     assert all(_REFUSED in line for line in failed[1:]) and len(failed) == 3, failed
 
 
+def _hook_failing_at_second_call(state, bucket):
+    state["calls"] += 1
+    if state["calls"] == 2:
+        raise AssertionError("the hook failed")
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
+def _grads_after_refused_forward(rank: int, world_size: int) -> list[list[str]]:
+    """A communication hook that raises in the second backward (caught by the script), which
+    then clears the gradients (``zero_grad(set_to_none=True)``) and tries the next forward:
+    refused by both, and the refusal leaves .grad as the script left it (torch's forward raises
+    before touching it; a refusal that wrote the failed step's buckets back into .grad would
+    let a script that catches it step on them)."""
+    seen = []
+    for cls in (TorchDDP, fastddp.DDPWrapper):
+        torch.manual_seed(0)
+        model = cls(nn.Linear(4, 2))
+        model.register_comm_hook({"calls": 0}, _hook_failing_at_second_call)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x = torch.ones(3, 4) * (rank + 1)
+        said = []
+        for _ in range(3):
+            opt.zero_grad(set_to_none=True)
+            try:
+                model(x).sum().backward()
+                said.append("ok")
+            except Exception as e:
+                said.append(type(e).__name__)
+            said.append(str([p.grad is None for p in model.parameters()]))
+        seen.append(said)
+    return seen
+
+
+def test_a_refused_forward_after_a_failed_backward_leaves_grad_as_the_script_left_it(ranks) -> None:
+    for torch_seen, ours in ranks.run(_grads_after_refused_forward, world_size=2):
+        assert torch_seen[2:] == ["AssertionError", "[False, False]", "RuntimeError", "[True, True]"], torch_seen
+        assert ours == torch_seen, (torch_seen, ours)
+
+
 class _SharedTrunk(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -66,7 +66,7 @@ bool Reducer::awaits_later_backward_locked() const {
   return true;
 }
 
-void Reducer::finalize_locked(bool at_next_forward) {
+void Reducer::finalize_locked(bool at_next_forward, bool write_grads) {
   mark_pending_unused_locked();  // a backward's first gradient marked them, unless none came
   stats_.backward_compute_end = now_ns();
   expect_sync_ = false;
@@ -104,7 +104,7 @@ void Reducer::finalize_locked(bool at_next_forward) {
   if (fingerprint_) check_fingerprints_locked(missing_error);
   finish_buckets_locked();
   average_.reset();
-  write_grads_locked(global_used);
+  if (write_grads) write_grads_locked(global_used);
   stats_.backward_comm_end = now_ns();
   diag::status().step_finished();
   diag::status().enter(diag::Phase::kOutside);
@@ -322,7 +322,7 @@ void Reducer::delay_all_reduce() {
 void Reducer::finish_failed_reduction_locked() {
   callback_queued_ = false;
   try {
-    finalize_locked();
+    finalize_locked(false, /*write_grads=*/false);
   } catch (const std::exception&) {
     // The missing gradients' report: the other ranks raise theirs; this one raises the cause.
   }

@@ -319,7 +319,9 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void finalize_backward();
   // at_next_forward: no backward brought the missing gradients; the report starts with torch
   // DDP's sentence for that moment.
-  void finalize_locked(bool at_next_forward = false);
+  // `write_grads`: false for a reduction a failed backward left (its collectives are issued for
+  // the other ranks; .grad stays as the script left it, as torch DDP leaves it).
+  void finalize_locked(bool at_next_forward = false, bool write_grads = true);
   // The callback ran at the end of a reentrant backward nested in an outer one that brings
   // the rest of this reduction's gradients (see finalize.cpp).
   bool continued_by_outer_backward_locked() const;
