@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import copy
 import inspect
 import os
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import (
     default_hooks,
     post_localSGD_hook,
@@ -403,6 +405,46 @@ def _hook_between_forward_and_backward(rank: int, world_size: int, hook_name: st
 @pytest.mark.parametrize("hook", ["allreduce", "python"])
 def test_hook_registered_between_forward_and_backward_reduces_that_backward(ranks, hook: str) -> None:
     ranks.run(_hook_between_forward_and_backward, world_size=2, args=(hook,))
+
+
+def _allreduce_in_python(state, bucket):
+    return default_hooks.allreduce_hook(state, bucket)
+
+
+def _complex_parameters_under_hooks(rank: int, world_size: int, hook_name: str) -> None:
+    """Complex parameters with compression or a Python hook, as torch DDP: the bucket goes on
+    the wire, and to the hook, as its real view (twice the elements, gradients with a trailing
+    2), so the imaginary parts are reduced too."""
+    torch.manual_seed(7)
+    a = nn.Linear(3, 2, bias=True, dtype=torch.complex64)
+    b = copy.deepcopy(a)
+    x = torch.randn(4, 3, dtype=torch.complex64) * (rank + 1)
+    seen = []
+    for module, cls in ((a, fastddp.DDPWrapper), (b, TorchDDP)):
+        model = cls(module)
+        hook = {"fp16": default_hooks.fp16_compress_hook, "python": _allreduce_in_python}[hook_name]
+        shapes = []
+
+        def recording(state, bucket, hook=hook, shapes=shapes):
+            shapes.append((bucket.buffer().dtype, bucket.buffer().numel(),
+                           [tuple(g.shape) for g in bucket.gradients()]))
+            return hook(state, bucket)
+
+        model.register_comm_hook(None, recording)
+        for _ in range(2):
+            model.zero_grad()
+            model(x).abs().sum().backward()
+        seen.append(([p.grad.clone() for p in model.parameters()], shapes))
+    (ours, our_shapes), (theirs, their_shapes) = seen
+    assert our_shapes == their_shapes, (our_shapes, their_shapes)
+    for g, h in zip(ours, theirs):
+        assert torch.equal(g, h), (g, h)
+        assert h.imag.abs().sum() > 0
+
+
+@pytest.mark.parametrize("hook", ["fp16", "python"])
+def test_complex_parameters_under_hooks_as_torch(ranks, hook: str) -> None:
+    ranks.run(_complex_parameters_under_hooks, world_size=2, args=(hook,))
 
 
 def _bad_size_hook(state, bucket):

@@ -135,7 +135,8 @@ void Reducer::allocate_bucket_locked(Bucket& bucket, const at::Tensor& first, in
     return;
   }
   bucket.buffer = at::empty({total}, options);
-  if (compress) bucket.comm = at::empty({total}, options.dtype(*comm_dtype_));
+  // a complex bucket goes on the wire as its real view (torch's compression hooks cast that)
+  if (compress) bucket.comm = at::empty({real_view(bucket.buffer).numel()}, options.dtype(*comm_dtype_));
 }
 
 void Reducer::make_views_locked(int64_t bucket_index) {

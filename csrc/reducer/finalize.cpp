@@ -166,7 +166,7 @@ void Reducer::finish_buckets_locked() {
     }
     // A compressed bucket's squares were taken of the reduced bf16/fp16 values, which the copy
     // below widens exactly: the same numbers the buffer then holds.
-    if (bucket.comm.defined()) bucket.buffer.copy_(bucket.comm);
+    if (bucket.comm.defined()) real_view(bucket.buffer).copy_(bucket.comm);
     // The bucket is final: visitors read it while the later buckets are still on the wire.
     if (visiting)
       for (const auto& v : visitors_) v->visit(index, bucket.buffer, fused_squares);

@@ -25,7 +25,7 @@ void Reducer::launch_ready_buckets_locked() {
     flush_deferred_locked(bucket);
     if (bucket.comm.defined()) {
       // torch's fp16/bf16 compression hooks: cast, then divide in the wire dtype.
-      bucket.comm.copy_(bucket.buffer);
+      bucket.comm.copy_(real_view(bucket.buffer));
       if (process_group_->getSize() != 1) bucket.comm.div_(static_cast<double>(process_group_->getSize()));
     }
     bucket.launched = std::chrono::steady_clock::now();
@@ -94,8 +94,11 @@ c10::intrusive_ptr<c10::ivalue::Future> Reducer::run_comm_hook_locked(int64_t in
     sizes.push_back(p.sizes());
     params.push_back(p);
   }
-  c10d::GradBucket grad_bucket(static_cast<size_t>(index), buckets_.size(), bucket.buffer, std::move(offsets),
-                               std::move(lengths), std::move(sizes), std::move(params), std::nullopt);
+  // A complex bucket's buffer() is its real view, as torch DDP hands it over (offsets, lengths
+  // and sizes stay the parameters', as in torch's GradBucket).
+  c10d::GradBucket grad_bucket(static_cast<size_t>(index), buckets_.size(), real_view(bucket.buffer),
+                               std::move(offsets), std::move(lengths), std::move(sizes), std::move(params),
+                               std::nullopt);
   auto future = comm_hook_->runHook(grad_bucket);
   TORCH_CHECK(future, "DDPWrapper: the communication hook returned no Future for bucket ", index);
   return future;
@@ -106,11 +109,12 @@ void Reducer::take_comm_hook_result_locked(int64_t index) {
   bucket.hook_future->wait();  // rethrows the hook's error, if its Future holds one
   const at::Tensor result = comm_hook_->parseHookResult(bucket.hook_future->value());
   bucket.hook_future.reset();
-  TORCH_CHECK(result.defined() && result.numel() == bucket.buffer.numel(), "DDPWrapper: the communication hook's "
+  at::Tensor flat = real_view(bucket.buffer);  // what the hook was given as bucket.buffer()
+  TORCH_CHECK(result.defined() && result.numel() == flat.numel(), "DDPWrapper: the communication hook's "
               "Future for bucket ", index, " holds ", result.defined() ? std::to_string(result.numel()) : "no",
-              " elements, but the bucket has ", bucket.buffer.numel(), "; its value must be the reduced "
+              " elements, but the bucket has ", flat.numel(), "; its value must be the reduced "
               "bucket.buffer() (a flat tensor of the same size)");
-  if (!result.is_same(bucket.buffer)) bucket.buffer.copy_(result.reshape({-1}));
+  if (!result.is_same(flat)) flat.copy_(result.reshape({-1}));
 }
 
 at::Tensor Reducer::allreduce_used_locked(const std::vector<char>& used_here) {

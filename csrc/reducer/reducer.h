@@ -14,6 +14,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/intrusive_ptr.h>
 #include <ATen/core/ivalue.h>
+#include <ATen/ops/view_as_real.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/comm.hpp>
@@ -59,6 +60,12 @@ struct Bucket {
   std::chrono::steady_clock::time_point launched;
   double last_allreduce_ms = -1;  // launch to completion seen by the waiting thread
 };
+
+// The flat real view of a complex bucket (twice the elements, the real dtype), which is what
+// torch DDP compresses, hands to a communication hook and reduces; any other tensor itself.
+inline at::Tensor real_view(const at::Tensor& flat) {
+  return flat.is_complex() ? at::view_as_real(flat).view({-1}) : flat;
+}
 
 class Reducer : public std::enable_shared_from_this<Reducer> {
  public:
