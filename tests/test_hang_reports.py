@@ -45,9 +45,16 @@ class Rank:
 
 
 def run_fault(tmp_path: Path, fault: str, shm: bool = True, timeout_s: float = TIMEOUT_S) -> tuple[Rank, Rank]:
+    waiting, bad = run_ranks(tmp_path, fault, 2, shm, timeout_s)
+    return waiting, bad
+
+
+def run_ranks(tmp_path: Path, fault: str, world: int, shm: bool = True,
+              timeout_s: float = TIMEOUT_S) -> list[Rank]:
     env = {**os.environ, "FASTDDP_STALL_THRESHOLD_S": str(THRESHOLD_S), "PYTHONUNBUFFERED": "1"}
     init = tmp_path / "init"
-    ranks = [Rank([fault, str(r), "2", str(init), str(timeout_s), "1" if shm else "0"], env) for r in range(2)]
+    ranks = [Rank([fault, str(r), str(world), str(init), str(timeout_s), "1" if shm else "0"], env)
+             for r in range(world)]
     deadline = time.monotonic() + timeout_s + 40
     try:
         for r in ranks:
@@ -59,8 +66,8 @@ def run_fault(tmp_path: Path, fault: str, shm: bool = True, timeout_s: float = T
         for r in ranks:
             r.proc.wait()
             r.reader.join(timeout=5)
-        assert not left, f"rank(s) still running at the deadline:\n{ranks[0].output}\n---\n{ranks[1].output}"
-    return ranks[0], ranks[1]
+        assert not left, "rank(s) still running at the deadline:\n" + "\n---\n".join(r.output for r in ranks)
+    return ranks
 
 
 def check_reported(waiting: Rank, bad: Rank, place: str) -> None:
@@ -92,6 +99,20 @@ def test_rank_stuck_in_forward(tmp_path: Path, shm: bool) -> None:
 def test_rank_stuck_in_data_loading(tmp_path: Path) -> None:
     waiting, bad = run_fault(tmp_path, "stuck_data")
     check_reported(waiting, bad, "loading data (")
+
+
+def test_ranks_reporting_at_the_same_moment_each_get_every_answer(tmp_path: Path) -> None:
+    """Three ranks, rank 1 stuck in its forward: ranks 0 and 2 wait on it and start their reports
+    together. Each names rank 1 and where it is, and neither says a live rank did not answer
+    (a rank answered only the newest request, and none while it collected its own)."""
+    ranks = run_ranks(tmp_path, "stuck_forward", world=3)
+    for waiting in (ranks[0], ranks[2]):
+        lines = waiting.output.splitlines()
+        start = next(i for i, line in enumerate(lines) if line.startswith("fastddp stall report"))
+        end = next(i for i in range(start, len(lines)) if lines[i].lstrip().startswith("lagging:"))
+        report = "\n".join(lines[start:end + 1])  # the first report, before the timeout's errors
+        assert "lagging: rank 1" in report and "rank 1: forward for" in report, report
+        assert "no answer" not in report and "did not answer" not in report, report
 
 
 def test_rank_in_a_different_collective(tmp_path: Path) -> None:

@@ -223,12 +223,20 @@ void Watchdog::take_shared_report() {
 
 void Watchdog::answer_requests() {
   const int64_t generation = store_->add("request", 0);
-  if (generation <= answered_) return;
-  answered_ = generation;
-  store_->set("status/" + std::to_string(generation) + "/" + std::to_string(options_.rank), bytes(status_line()));
+  int64_t answered = answered_.load();
+  if (generation <= answered) return;
+  // Every request since the last one answered, not only the newest: ranks that wait on each
+  // other start their reports at the same moment, and each collector waits for its own.
+  const auto line = bytes(status_line());
+  const std::string rank = std::to_string(options_.rank);
+  for (int64_t g = std::max(answered + 1, generation - kRequestBacklog + 1); g <= generation; ++g)
+    store_->set("status/" + std::to_string(g) + "/" + rank, line);
+  while (answered < generation && !answered_.compare_exchange_weak(answered, generation)) {
+  }
 }
 
 void Watchdog::watch_own_wait() {
+  if (abort_handled_) return;  // the job is ending with an error already reported: no second report
   const Snapshot mine = status().snapshot();
   if (!waits_on_peers(mine.phase) || mine.seconds_in_phase < options_.threshold_s) return;
   const int64_t since = status().phase_since_ns();
@@ -326,16 +334,17 @@ std::string Watchdog::collect_report(const std::string& headline) {
   std::lock_guard<std::mutex> one_at_a_time(report_mutex_);
   const int64_t generation = store_->add("request", 1);
   const std::string prefix = "status/" + std::to_string(generation) + "/";
-  answered_ = generation;
-  store_->set(prefix + std::to_string(options_.rank), bytes(status_line()));
+  answer_requests();  // this request (this rank's own line) and any other rank's still open
   std::vector<Answer> answers(static_cast<size_t>(options_.world));
   const auto deadline = std::chrono::steady_clock::now() + Seconds(2 * options_.poll_s + options_.stack_timeout_s + 1);
   std::vector<std::string> ended(static_cast<size_t>(options_.world));  // why a rank ended, if it said
   for (int64_t r = 0; r < options_.world; ++r) {
     const std::string key = prefix + std::to_string(r);
     const std::string exit_key = "exit/" + std::to_string(r);  // posted by fastddp.diag's excepthook
-    while (!store_->check({key}) && !store_->check({exit_key}) && std::chrono::steady_clock::now() < deadline)
+    while (!store_->check({key}) && !store_->check({exit_key}) && std::chrono::steady_clock::now() < deadline) {
+      answer_requests();  // a rank collecting its own report at the same time waits for this one's line
       std::this_thread::sleep_for(Seconds(options_.poll_s / 5));
+    }
     if (store_->check({key})) answers[static_cast<size_t>(r)] = parse(text(store_->get(key)));
     else if (store_->check({exit_key})) ended[static_cast<size_t>(r)] = text(store_->get(exit_key));
   }

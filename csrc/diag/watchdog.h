@@ -111,6 +111,8 @@ class Watchdog : public std::enable_shared_from_this<Watchdog> {
   std::string last_report_;
   std::mutex report_mutex_;
   std::atomic<int64_t> answered_{0};  // the last request generation this rank answered
+  // requests answered at most per poll: enough for every rank of a job asking at once
+  static constexpr int64_t kRequestBacklog = 64;
   // This rank posted an abort, printed another's, or ends with its own error: later aborts
   // neither end nor print anything here.
   std::atomic<bool> abort_handled_{false};
