@@ -136,30 +136,37 @@ class TwoHeads(nn.Module):
 
 
 torch.manual_seed(0)
-model = wrap(TwoHeads(), find_unused_parameters=True)
-use_b = sys.argv[3] == "all_used"
-for _ in range(3):
-    model(torch.randn(2, 4), use_b).sum().backward()
-print("DONE", file=sys.stderr, flush=True)
+for use_b in (False, True):  # one parameter unused, then all used (the hint is once a process)
+    model = wrap(TwoHeads(), find_unused_parameters=True)
+    for _ in range(3):
+        model(torch.randn(2, 4), use_b).sum().backward()
+    print("all_used" if use_b else "one_unused", "DONE", file=sys.stderr, flush=True)
 """
 
 
-@pytest.mark.parametrize("used", ["all_used", "one_unused"])
-def test_find_unused_parameters_hint_on_stderr_like_torch_ddp(tmp_path, used: str) -> None:
+def test_find_unused_parameters_hint_on_stderr_like_torch_ddp(tmp_path) -> None:
     """find_unused_parameters=True on a forward that used every parameter: torch DDP prints a
     hint once on stderr (C++, not a Python warning); so does DDPWrapper, in torch's words. With a
-    parameter unused, neither prints it."""
+    parameter unused, neither prints it. One process per wrapper: first the unused case, then
+    the used one."""
     def stderr_of(which: str) -> str:
-        out = subprocess.run([sys.executable, "-c", _UNUSED_HINT_SCRIPT, str(tmp_path / f"init_{which}"), which, used],
+        out = subprocess.run([sys.executable, "-c", _UNUSED_HINT_SCRIPT, str(tmp_path / f"init_{which}"), which],
                              capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONWARNINGS": "error"})
-        assert out.returncode == 0 and "DONE" in out.stderr, out.stderr
+        assert out.returncode == 0 and "all_used DONE" in out.stderr, out.stderr
         return out.stderr
 
-    def hints(stderr: str) -> list[str]:  # the message, without c10's prefix (time, file and line)
-        return [line.split("] Warning: ", 1)[1] for line in stderr.splitlines() if "] Warning: " in line]
+    def hints(stderr: str) -> list[list[str]]:  # per case, the message without c10's prefix
+        cases, current = [], []
+        for line in stderr.splitlines():
+            if line.endswith(" DONE"):
+                cases.append(current)
+                current = []
+            elif "] Warning: " in line:
+                current.append(line.split("] Warning: ", 1)[1])
+        return cases
 
     torch_hints, our_hints = hints(stderr_of("torch")), hints(stderr_of("ours"))
-    assert len(torch_hints) == (1 if used == "all_used" else 0), torch_hints
+    assert [len(h) for h in torch_hints] == [0, 1], torch_hints
     assert our_hints == torch_hints  # torch's words: logs are searched for them
 
 

@@ -141,7 +141,8 @@ def test_rank_killed_during_the_all_reduce(tmp_path: Path, shm: bool) -> None:
     assert "rank 0: all-reduce of bucket 0" in out, out
 
 
-@pytest.mark.parametrize("shm", [True, False], ids=["shm", "gloo"])
+# The gloo path's case runs with --run-slow (CI time): the shared-memory one stays in every run.
+@pytest.mark.parametrize("shm", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["shm", "gloo"])
 def test_rank_ended_by_an_uncaught_exception_is_named_with_it(tmp_path: Path, shm: bool) -> None:
     """Rank 1's script raises: its exception hook posts the exception and its line through the
     store, so rank 0's error says why rank 1 is gone (not "no answer") and where."""
@@ -184,7 +185,8 @@ def test_rank_that_skipped_a_backward_is_named_in_the_stall_report_on_gloo(tmp_p
     assert waiting.proc.returncode != 0 and bad.proc.returncode != 0, bad.output
 
 
-@pytest.mark.parametrize("shm", [True, False], ids=["shm", "gloo"])
+# The gloo path's case runs with --run-slow (CI time): the shared-memory one stays in every run.
+@pytest.mark.parametrize("shm", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["shm", "gloo"])
 def test_rank_whose_script_ended_early_is_named_with_its_steps(tmp_path: Path, shm: bool) -> None:
     """Rank 1 runs out of batches and its script ends normally (uneven inputs without join()):
     rank 0's error says that rank 1 ended without an error after 3 reducing steps."""
