@@ -38,3 +38,22 @@ def test_nan_loss_on_one_rank_is_skipped_by_every_rank(tmp_path, data_path) -> N
     assert len(skipped) == 2 and skipped[0] == skipped[1], out  # the same rank and step
     row = trainer_runs.metrics(tmp_path / "run")[0]
     assert math.isfinite(float(row["val_loss"])) and math.isfinite(float(row["train_loss"])), row
+
+
+def test_weights_that_diverged_stop_the_run_before_they_are_saved(tmp_path, data_path) -> None:
+    """A weight decay that blows the weights up to inf within one epoch, the losses of its
+    steps still finite: the run stops at the epoch's end naming the weights and the fix,
+    exit 1, and saves no checkpoint of them (there was no earlier epoch: no last.pt)."""
+    save = tmp_path / "run"
+    codes, out = trainer_runs.run(save, data_path, ["--epochs", "2", "--weight-decay", "1e30"])
+    assert codes == [1], out
+    assert "error: the model's weights are not finite after epoch 1 (" in out, out
+    assert "lower --lr or --weight-decay" in out, out
+    assert not (save / "last.pt").exists() and not (save / "best.pt").exists()
+
+
+def test_a_non_finite_validation_loss_is_named(tmp_path, data_path) -> None:
+    codes, out = trainer_runs.run(tmp_path / "run", data_path, ["--dataset", "tiny_har:val_nan", "--epochs", "1"])
+    assert codes == [0], out
+    assert "warning: the validation loss of epoch 1 is nan with finite weights: the validation data hold " \
+           "non-finite values" in out, out

@@ -54,6 +54,12 @@ def one_nan():
     train.tensors[0][17, 0, 0] = float("nan")
     return train, test
 
+def val_nan():
+    """make() with one NaN validation sample."""
+    train, test = make()
+    test.tensors[0][3, 0, 0] = float("nan")
+    return train, test
+
 class WithUnused(FlattenMLP):
     """A FlattenMLP with a head that never contributes to the loss."""
     def __init__(self):

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import time
@@ -102,6 +103,7 @@ def end_epoch(r: Run, epoch: int, epoch_time: float, t_start: float) -> None:
              f"acc {row['train_acc']:.4f} | val loss {row['val_loss']:.4f} "
              f"acc {row['val_acc']:.4f} F1 {row['val_f1']:.4f} | {epoch_time:.1f}s "
              f"{row['samples_per_s']:.0f} samples/s")
+    check_finite_outcome(r, row)
     if r.board is not None:  # at the step the epoch ended, on the per-step figures' axis
         r.board.epoch_scalars({k: row[k] for k in ("train_loss", "train_acc", "val_loss", "val_acc",
                                                    "val_f1", "lr")}, state.step)
@@ -116,6 +118,23 @@ def end_epoch(r: Run, epoch: int, epoch_time: float, t_start: float) -> None:
     if ctx.is_main:
         r.saver.write(metrics_csv(state.history), r.save_dir / "metrics.csv")
     inject_fault("EPOCH", epoch + 1, ctx, r.saver)  # reliability tests: die after an epoch
+
+
+def check_finite_outcome(r: Run, row: dict[str, Any]) -> None:
+    """After an epoch: weights that are no longer finite stop the run before they are saved
+    (last.pt keeps the epoch before); a validation loss that is not finite with finite weights
+    (non-finite values in the validation data) is named."""
+    epoch = row["epoch"]
+    bad = [name for name, p in unwrap(r.model).named_parameters() if not bool(torch.isfinite(p).all())]
+    if bad:
+        raise FloatingPointError(
+            f"the model's weights are not finite after epoch {epoch} ({', '.join(bad[:3])}"
+            f"{', ...' if len(bad) > 3 else ''}): training diverged; lower --lr or --weight-decay, or clip "
+            f"with --clip-grad. The checkpoints hold the epoch before (resume from them with the change)")
+    if not math.isfinite(row["val_loss"]):
+        log(r.ctx, f"warning: the validation loss of epoch {epoch} is {row['val_loss']} with finite weights: "
+                   "the validation data hold non-finite values (NaN or inf), whose predictions mean nothing; "
+                   "check the data")
 
 
 def evaluate(r: Run) -> dict[str, float]:
