@@ -299,6 +299,18 @@ def test_a_malformed_launch_variable_is_one_clear_error(monkeypatch, variables, 
     assert str(info.value).startswith(message), str(info.value)
 
 
+def test_a_leading_tilde_is_the_home_directory_where_the_shell_left_it(tmp_path, monkeypatch) -> None:
+    """``--save-dir=~/runs`` (no shell expansion after ``=``) and ``save_dir: ~/runs`` in a config
+    file name the home directory, not a folder called ``~`` in the working directory."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    config = tmp_path / "run.yaml"
+    config.write_text("save_dir: ~/from_config\n")
+    for argv, expected in ((["--save-dir=~/runs"], "runs"), (["--config", str(config)], "from_config")):
+        args = parse_args(argv)
+        validate(args, cuda_count=0)
+        assert args.save_dir == str(tmp_path / "home" / expected), args.save_dir
+
+
 def test_bad_input_exits_2_with_one_line() -> None:
     proc = subprocess.run([sys.executable, "-m", "fastddp.train", "--mode", "nope"],
                           capture_output=True, text=True)

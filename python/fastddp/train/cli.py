@@ -7,7 +7,7 @@ import argparse
 
 from .config import load_config
 from .models import MODES
-from .validate import check_paths_not_empty, under_torchrun
+from .validate import check_paths, under_torchrun
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -130,7 +130,7 @@ def _output_flags(p: argparse.ArgumentParser) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     pre, _ = parser.parse_known_args(argv)
-    check_paths_not_empty(pre)
+    check_paths(pre)
     values: dict = {}
     keys: dict[str, str] = {}
     if pre.config:

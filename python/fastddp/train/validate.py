@@ -87,12 +87,16 @@ PATH_FLAGS = {"save_dir": "a directory for the run's files (default runs/har)",
               "config": "a YAML or JSON file, or leave the flag out"}
 
 
-def check_paths_not_empty(args: argparse.Namespace) -> None:
-    """Refuse an empty (or blank) value of a :data:`PATH_FLAGS` flag, naming what to give."""
+def check_paths(args: argparse.Namespace) -> None:
+    """Refuse an empty (or blank) value of a :data:`PATH_FLAGS` flag, naming what to give; a
+    leading ``~`` or ``~user`` is the home directory, as the shell would have made it (it does
+    not after ``=``, as in ``--save-dir=~/runs``, nor in a config file), not a folder named ``~``."""
     for name, what in PATH_FLAGS.items():
         value = getattr(args, name, None)
         if isinstance(value, str) and not value.strip():
             raise UsageError(f"--{name.replace('_', '-')} is empty ({value!r}); give {what}")
+        if isinstance(value, str) and value.startswith("~"):
+            setattr(args, name, os.path.expanduser(value))
 
 
 def validate(args: argparse.Namespace, cuda_count: int) -> None:
@@ -105,7 +109,7 @@ def validate(args: argparse.Namespace, cuda_count: int) -> None:
 
 
 def _validate(args: argparse.Namespace, cuda_count: int) -> None:
-    check_paths_not_empty(args)  # again: a --config may have set them
+    check_paths(args)  # again: a --config may have set them
     check_exclusive(args)
     if args.mode not in MODES and not args.model:
         raise UsageError(f"unknown --mode {args.mode!r}: choose one of {', '.join(MODES)}",
