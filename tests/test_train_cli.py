@@ -311,6 +311,20 @@ def test_a_leading_tilde_is_the_home_directory_where_the_shell_left_it(tmp_path,
         assert args.save_dir == str(tmp_path / "home" / expected), args.save_dir
 
 
+@pytest.mark.parametrize(("name", "value", "message"), [
+    ("FASTDDP_BATCH_GRAD_COPIES", "banana", "FASTDDP_BATCH_GRAD_COPIES='banana' is not understood; set it to 1, 0 or auto"),
+    ("FASTDDP_STALL_THRESHOLD_S", "abc", "FASTDDP_STALL_THRESHOLD_S must be a number of seconds, got 'abc'"),
+], ids=["batch_copies", "stall_threshold"])
+def test_a_malformed_fastddp_setting_is_one_clear_error(monkeypatch, name, value, message) -> None:
+    """The wrapper's own environment settings, mistyped: one line naming the variable before
+    the run starts (the wrapper's ValueError came as a traceback)."""
+    monkeypatch.setenv(name, value)
+    args = parse_args(["--multi-gpu", "ddp"])
+    with pytest.raises(UsageError) as info:
+        validate(args, cuda_count=0)
+    assert str(info.value).startswith(message), str(info.value)
+
+
 def test_bad_input_exits_2_with_one_line() -> None:
     proc = subprocess.run([sys.executable, "-m", "fastddp.train", "--mode", "nope"],
                           capture_output=True, text=True)

@@ -115,6 +115,13 @@ def not_pairs():
 def empty_test():
     train, _ = _pair(torch.zeros(12, 9, 128), torch.arange(12) % 6)
     return train, TensorDataset(torch.zeros(0, 9, 128), torch.zeros(0, dtype=torch.long))
+
+class Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter([(torch.zeros(9, 128), torch.tensor(0))] * 4)
+
+def iterable():
+    return Stream(), Stream()
 '''
 
 
@@ -127,8 +134,10 @@ def empty_test():
                             "9x128 windows; reshape the data or give your own --model"),
     ("not_pairs", None, "the train set must give (x, y) samples, its first is a Tensor"),
     ("empty_test", None, "the test set is empty"),
+    ("iterable", None, "the train set has no len() (a Stream, e.g. an IterableDataset): fastddp.train "
+                       "splits a data set between the ranks by index"),
 ], ids=["label-9", "label-9-own-model", "label-minus-1", "float-labels", "window-shape",
-        "not-pairs", "empty-test"])
+        "not-pairs", "empty-test", "iterable"])
 def test_dataset_that_does_not_fit_the_task_is_one_clear_error(tmp_path, monkeypatch, factory,
                                                                model, message) -> None:
     from fastddp.train.cli import parse_args

@@ -163,7 +163,9 @@ def check_dataset(data: Any, split: str, args: argparse.Namespace) -> None:
     try:
         size = len(data)
     except TypeError:
-        return  # an iterable data set: nothing to look at before training
+        raise UsageError(f"{where} has no len() (a {type(data).__name__}, e.g. an IterableDataset): "
+                         "fastddp.train splits a data set between the ranks by index (DistributedSampler); "
+                         "give a map-style Dataset with __len__ and __getitem__, such as a TensorDataset") from None
     if size == 0:
         raise UsageError(f"{where} is empty")
     tensors = getattr(data, "tensors", None)

@@ -53,6 +53,22 @@ def launch_variable(name: str) -> int:
         return 0
 
 
+def check_fastddp_environment(args: argparse.Namespace) -> None:
+    """fastddp's own environment settings that a distributed run reads, checked as the wrapper
+    checks them, so a mistyped one is one line naming it (not a traceback from the wrapper)."""
+    if args.multi_gpu != "ddp":
+        return
+    from ..ddp.checks import env_flag
+    from ..diag.watchdog import stall_threshold_s
+
+    try:
+        for name in ("FASTDDP_BATCH_GRAD_COPIES", "FASTDDP_WORLD1_PASSTHROUGH"):
+            env_flag(name)
+        stall_threshold_s(None, float(args.timeout))
+    except ValueError as exc:
+        raise UsageError(str(exc).removeprefix("DDPWrapper: ")) from None
+
+
 def check_launch_environment(args: argparse.Namespace) -> None:
     """torchrun's variables, where a distributed run reads them, are integers that fit
     together: a mistyped one is named instead of failing inside torch with a traceback."""
@@ -176,6 +192,7 @@ def check_devices(args: argparse.Namespace, cuda_count: int) -> None:
     """GPUs, the backend and the world size fit this machine and the way the run was started;
     sets ``args.gpu_list``."""
     check_launch_environment(args)
+    check_fastddp_environment(args)
     args.gpu_list = parse_gpu_ids(args.gpu_ids, cuda_count)
     if args.multi_gpu == "dp" and cuda_count == 0:
         raise UsageError("--multi-gpu dp needs at least one CUDA GPU and none is visible; "
