@@ -115,6 +115,19 @@ def test_ranks_reporting_at_the_same_moment_each_get_every_answer(tmp_path: Path
         assert "no answer" not in report and "did not answer" not in report, report
 
 
+def test_a_timed_out_collective_of_the_script_ends_every_rank_with_a_report(tmp_path: Path) -> None:
+    """The script's own dist.barrier() after each step; rank 1 is stuck before it, outside any
+    collective. Rank 0's barrier times out uncaught: it ends with every rank's status (rank 1
+    named where it is), and rank 1 ends too instead of sleeping on forever."""
+    waiting, bad = run_fault(tmp_path, "sleeps_before_barrier")
+    out = waiting.output
+    assert waiting.proc.returncode != 0 and "What every rank was doing when it failed:" in out, out
+    assert "fastddp: a collective of the script failed on this rank." in out, out
+    assert "rank 1: outside fastddp" in out and "hang_worker.py" in out, out
+    assert bad.proc.returncode != 0, bad.output
+    assert "What every rank was doing when it failed:" in bad.output, bad.output
+
+
 def test_rank_in_a_different_collective(tmp_path: Path) -> None:
     """Rank 0 takes one more step than rank 1, which has gone on to a barrier."""
     waiting, bad = run_fault(tmp_path, "extra_step")

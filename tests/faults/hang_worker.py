@@ -104,6 +104,11 @@ def main() -> None:
         opt.zero_grad()
         loss.backward()
         opt.step()
+        if fault == "sleeps_before_barrier":  # the script's own collective after every step
+            if bad and step == 1:
+                print("FAULT-START", flush=True)
+                time.sleep(600)  # stuck outside any collective (e.g. writing a file)
+            dist.barrier()
     if bad and fault in ("extra_step", "fewer_batches", "ends_early"):
         print("FAULT-START", flush=True)
     if fault == "extra_step":

@@ -97,13 +97,28 @@ def _report_after_uncaught_errors() -> None:
 
     def hook(kind: type, value: BaseException, tb: Any) -> None:
         _post_exit_reason("with an uncaught " + describe_exception(kind, value, tb))
+        told = "What every rank was doing" in str(value) + "".join(getattr(value, "__notes__", []))
+        failed = "" if told else _report_collective_failure(value)
         previous(kind, value, tb)
         report = last_report()
-        told = "What every rank was doing" in str(value) + "".join(getattr(value, "__notes__", []))
-        if report and not told:
+        if failed:
+            print(f"fastddp: a collective of the script failed on this rank.\n{failed}", file=sys.stderr)
+        elif report and not told:
             print(f"fastddp: the latest stall report before this error:\n{report}", file=sys.stderr)
 
     sys.excepthook = hook
+
+
+def _report_collective_failure(error: BaseException) -> str:
+    """For a collective of the script itself (a ``dist.barrier()`` or metric ``all_reduce``
+    that timed out or lost its peer) that ends this rank uncaught: every rank's status, posted
+    so that the other ranks end with it too (a rank stuck outside any collective would
+    otherwise never learn that the job is over). '' for any other error."""
+    from . import _REPORTED, _collective_failure
+
+    if not _collective_failure(error) or _Running.pid != os.getpid():
+        return ""
+    return C.diag_collective_failed(_REPORTED)
 
 
 def _post_exit_reason(line: str) -> None:
