@@ -88,7 +88,8 @@ def test_resume_with_more_epochs_and_other_logging_continues(one_epoch, tmp_path
     assert f"resumed from {save / 'last.pt'} at epoch 2, step 6" in out, out
     # one epoch of warm-up (6 steps): both schedules stand at the peak at step 6
     assert ("note: --epochs 2 continues a finished run of --epochs 1: the learning-rate schedule (a "
-            "cosine to 0) now ends at step 12 instead of 6; at step 6 the rate is 0.001 (the "
+            "cosine to 0) now ends at step 12 instead of 6 (in this run's 6 steps an epoch); at step 6 the rate "
+            "is 0.001 (the "
             "checkpoint's run: 0.001)") in out, out
     assert [row["epoch"] for row in trainer_runs.metrics(save)] == ["1", "2"]
 
@@ -104,7 +105,8 @@ def test_resume_with_fewer_epochs_names_the_schedule_change(tmp_path, data_path)
     codes, out = trainer_runs.run(save, data_path, ["--epochs", "2", *flags])
     assert codes == [0], out
     assert ("note: --epochs 2, where the checkpoint's run had --epochs 3: the learning-rate schedule "
-            "(a cosine to 0) now ends at step 12 instead of 18; at step 6 the rate is 0.0005 (the "
+            "(a cosine to 0) now ends at step 12 instead of 18 (in this run's 6 steps an epoch); at step 6 "
+            "the rate is 0.0005 (the "
             "checkpoint's run: 0.00075). Rerun with --epochs 3 to keep the run's schedule") in out, out
     codes, out = trainer_runs.run(save, data_path, ["--epochs", "3", *flags])  # the checkpoint now says 2
     assert codes == [0] and "note: --epochs 3 continues a finished run of --epochs 2" in out, out
@@ -131,6 +133,9 @@ def test_resume_on_another_world_size_keeps_the_schedule_of_this_world(tmp_path,
     codes, out = trainer_runs.run(save, data_path, ["--epochs", "2"])
     assert codes == [0], out
     assert f"resumed from {save / 'last.pt'} at epoch 2, step 6" in out, out
+    # said once, at an epoch's end too: the samples a step takes, and the steps counted anew
+    assert ("note: world size changed (2 -> 1): a step takes 64 -> 32 samples at the same --lr, and the "
+            "checkpoint's step 3 is step 6 here (6 steps an epoch)") in out, out
     assert "Warning" not in out, out  # the schedule is moved without torch's out-of-order warning
     whole = tmp_path / "whole"
     codes, out = trainer_runs.run(whole, data_path, ["--epochs", "2"])

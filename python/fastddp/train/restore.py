@@ -41,8 +41,11 @@ def restore(r: Run) -> tuple[Optional[Partial], bool]:
     if problem:
         raise UsageError(problem, shared=True)
     mid_epoch = state.load_state_dict(loaded)
-    if loaded.get("world") != ctx.world:
+    saved_world = loaded.get("world")
+    if saved_world != ctx.world:
+        saved_step = state.step
         state.reposition(r.steps_per_epoch)
+        note_world_change(r, saved_world, saved_step)
     check_complete_elsewhere(r, path)
     if ctx.is_main and path.resolve().parent != r.save_dir.resolve():
         carry_best(r, path)
@@ -51,8 +54,8 @@ def restore(r: Run) -> tuple[Optional[Partial], bool]:
     hold_lr(state.optimizer, state.scheduler, ctx.device if r.graphed is not None else None)
     partial = restore_rank_state(state.ranks[ctx.rank], ctx.device) if mid_epoch else None
     if not mid_epoch and not state.epoch_done:
-        log(ctx, f"note: world size changed ({loaded.get('world')} -> {ctx.world}); the "
-                 f"interrupted epoch {state.epoch + 1} restarts from its beginning")
+        log(ctx, f"note: the interrupted epoch {state.epoch + 1} restarts from its beginning (another "
+                 "world size cannot continue its middle)")
     if state.start_epoch < r.args.epochs:
         log(ctx, f"resumed from {path} at epoch {state.start_epoch + 1}, step {state.step}{note}")
         if changed := schedule_change(r.args, loaded.get("epochs"), r.steps_per_epoch, r.lr, state):
@@ -63,6 +66,17 @@ def restore(r: Run) -> tuple[Optional[Partial], bool]:
                  f"by hand, or written after a checkpoint that is gone): kept as {kept.name}; "
                  "metrics.csv is written again from the checkpoint")
     return partial, True
+
+
+def note_world_change(r: Run, saved_world: Any, saved_step: int) -> None:
+    """Resuming on another number of ranks: each step then takes another number of samples at
+    the same --lr, and the steps are counted anew in this world's steps per epoch; said once."""
+    args, world = r.args, r.ctx.world
+    per_rank = args.batch_size * args.grad_accum_steps
+    before = f"{per_rank * saved_world}" if isinstance(saved_world, int) else "an unrecorded number of"
+    log(r.ctx, f"note: world size changed ({saved_world} -> {world}): a step takes {before} -> "
+               f"{per_rank * world} samples at the same --lr, and the checkpoint's step {saved_step} is "
+               f"step {r.state.step} here ({r.steps_per_epoch} steps an epoch)")
 
 
 def _best_metrics(path: Path) -> Optional[dict[str, Any]]:

@@ -214,8 +214,8 @@ def schedule_change(args: argparse.Namespace, saved_epochs: Optional[int], steps
     warmup = int(args.warmup_epochs * spe)
     old, new = (lr * lr_lambda(spe * e, warmup)(step) for e in (saved_epochs, args.epochs))
     change = (f"the learning-rate schedule (a cosine to 0) now ends at step {spe * args.epochs} "
-              f"instead of {spe * saved_epochs}; at step {step} the rate is {new:.3g} (the "
-              f"checkpoint's run: {old:.3g})")
+              f"instead of {spe * saved_epochs} (in this run's {spe} steps an epoch); at step {step} the "
+              f"rate is {new:.3g} (the checkpoint's run: {old:.3g})")
     if state.start_epoch >= saved_epochs:  # a finished run trained further
         return f"--epochs {args.epochs} continues a finished run of --epochs {saved_epochs}: {change}"
     return (f"--epochs {args.epochs}, where the checkpoint's run had --epochs {saved_epochs}: {change}. "
