@@ -96,6 +96,14 @@ def test_rank_stuck_in_forward(tmp_path: Path, shm: bool) -> None:
     assert "hang_worker.py" in waiting.output and "in forward" in waiting.output
 
 
+def test_a_training_loop_in_another_thread_is_described_where_it_trains(tmp_path: Path) -> None:
+    """The wrapper built in the main thread, the loop run in a thread of its own: the report
+    shows each rank's training thread (rank 1 in its forward), not the main thread's join()."""
+    waiting, bad = run_fault(tmp_path, "stuck_forward_in_thread")
+    check_reported(waiting, bad, "rank 1: forward for")
+    assert "in forward" in waiting.output and "in join" not in waiting.output, waiting.output
+
+
 def test_rank_stuck_in_data_loading(tmp_path: Path) -> None:
     waiting, bad = run_fault(tmp_path, "stuck_data")
     check_reported(waiting, bad, "loading data (")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
 from datetime import timedelta
 
@@ -75,7 +76,9 @@ def evaluate_alone(model: nn.Module, x: torch.Tensor) -> None:
 
 
 def main() -> None:
-    fault, rank, world, init_file, timeout_s, shm = sys.argv[1:7]
+    in_thread = sys.argv[1].endswith("_in_thread")  # the wrapper built here, the loop in a thread
+    fault = sys.argv[1].removesuffix("_in_thread")
+    rank, world, init_file, timeout_s, shm = sys.argv[2:7]
     stock = sys.argv[7:] == ["torch"]
     rank, world = int(rank), int(world)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
@@ -84,6 +87,18 @@ def main() -> None:
     net = Net(bad and fault == "stuck_forward", norm=fault == "skips_backward")
     model = (torch.nn.parallel.DistributedDataParallel(net) if stock
              else fastddp.DDPWrapper(net, shm_allreduce=shm == "1"))
+    if not in_thread:
+        train(fault, rank, world, model)
+        return
+    finished = []
+    trainer = threading.Thread(target=lambda: finished.append(train(fault, rank, world, model)), name="trainer")
+    trainer.start()
+    trainer.join()
+    sys.exit(0 if finished else 1)  # an uncaught error ended the thread (reported by its hook)
+
+
+def train(fault: str, rank: int, world: int, model: nn.Module) -> None:
+    bad = rank == 1
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     if bad and fault == "killed":  # dies while the reduction of its first step is in flight
         model.module.a.weight.register_hook(lambda g: os.kill(os.getpid(), signal.SIGKILL))

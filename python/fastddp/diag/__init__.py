@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import torch.distributed as dist
 
 from .._ext import C
-from .watchdog import ensure_started, last_report, stop
+from .watchdog import ensure_started, last_report, note_training_thread, stop
 
 
 class Phase(enum.IntEnum):
@@ -40,6 +40,7 @@ def step_started() -> None:
     starts. Counted before the forward's own collectives (buffer broadcast), so a rank that ran a
     forward more than its peers shows a step more while it waits there."""
     C.diag_step_started()
+    note_training_thread()
 
 
 _REPORTED = "What every rank was doing when it failed:"

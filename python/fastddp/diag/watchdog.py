@@ -34,6 +34,14 @@ class _Running:
     pid: Optional[int] = None  # the process that started it (a forked child is not that rank)
     posted = False  # the reason this rank ended is posted (an uncaught exception comes first)
     hooked = False  # sys.excepthook posts the exception and prints the latest report
+    thread: Optional[int] = None  # the thread that trains: the one that ran the last reducing forward
+
+
+def note_training_thread() -> None:
+    """The calling thread trains (a reducing forward starts in it): its stack goes into the
+    reports. A script that builds the wrapper in one thread and trains in another is described
+    where it trains."""
+    _Running.thread = threading.get_ident()
 
 
 def stall_threshold_s(given: Optional[float], timeout_s: float) -> float:
@@ -80,8 +88,8 @@ def ensure_started(threshold_s: Optional[float] = None) -> Any:
     # Every rank reads the store once a poll: a large world polls less often, so that the
     # store's host serves at most about 256 reads a second.
     options.poll_s = min(threshold / 4, max(0.5, options.world / 256))
-    thread = threading.get_ident()  # the thread that trains: its stack goes into the reports
-    _Running.watchdog = C.Watchdog(store, options, lambda: describe_thread(thread))
+    _Running.thread = threading.get_ident()  # until a reducing forward runs in another thread
+    _Running.watchdog = C.Watchdog(store, options, lambda: describe_thread(_Running.thread))
     _Running.group, _Running.store, _Running.rank = world, store, options.rank
     _Running.pid = os.getpid()
     if not _Running.hooked:
@@ -101,12 +109,21 @@ def _report_after_uncaught_errors() -> None:
         failed = "" if told else _report_collective_failure(value)
         previous(kind, value, tb)
         report = last_report()
-        if failed:
-            print(f"fastddp: a collective of the script failed on this rank.\n{failed}", file=sys.stderr)
-        elif report and not told:
+        if report and not told:
             print(f"fastddp: the latest stall report before this error:\n{report}", file=sys.stderr)
+        elif failed:  # no stall report: the wait was the script's, not fastddp's
+            print(f"fastddp: a collective of the script failed on this rank.\n{failed}", file=sys.stderr)
 
     sys.excepthook = hook
+    previous_threading = threading.excepthook
+
+    def thread_hook(args: Any) -> None:  # an uncaught error in a thread that trains
+        if args.thread is not None and args.thread.ident == _Running.thread and args.exc_type is not SystemExit:
+            hook(args.exc_type, args.exc_value, args.exc_traceback)
+        else:
+            previous_threading(args)
+
+    threading.excepthook = thread_hook
 
 
 def _report_collective_failure(error: BaseException) -> str:
