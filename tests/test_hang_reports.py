@@ -176,6 +176,20 @@ def test_rank_ended_by_an_uncaught_exception_is_named_with_it(tmp_path: Path, sh
     assert "lagging: rank(s) 1 ended (see above)." in out, out
 
 
+def test_rank_whose_process_ended_with_an_error_is_not_said_to_have_destroyed_its_wrapper(tmp_path: Path) -> None:
+    """Rank 1 raises after a reduced backward; rank 0 waits in the next step's shared-memory
+    all-reduce. Its error says that rank 1's process ended (the wrapper went with it), not that
+    rank 1 destroyed its DDPWrapper and rank 0 ran a forward more, and the report names the
+    exception."""
+    waiting, bad = run_fault(tmp_path, "raises_after_backward")
+    assert bad.proc.returncode == 1 and "optimizer step failed (simulated)" in bad.output, bad.output
+    out = waiting.output
+    assert waiting.proc.returncode != 0, out
+    assert "rank 1's process ended (its script returned, exited or raised" in out, out
+    assert "destroyed its DDPWrapper" not in out, out
+    assert "rank 1: ended with an uncaught RuntimeError: optimizer step failed (simulated)" in out, out
+
+
 def test_rank_that_skipped_a_backward_is_named(tmp_path: Path) -> None:
     """Rank 1 skips the backward of one step (after its forward): its next forward's buffer
     broadcast meets rank 0's bucket all-reduce on the shared-memory path, and both ranks raise

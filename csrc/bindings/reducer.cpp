@@ -180,6 +180,8 @@ void bind_reducer_queries(ReducerClass& cls) {
 
 void bind_reducer(py::module_& m) {
   bind_options(m);
+  m.def("shm_process_exiting", &fastddp::reducer::ShmAllreduce::note_process_exiting,
+        "At interpreter exit: a shared-memory peer that waits for this rank is told its process ended.");
   ReducerClass cls(m, "Reducer", "Bucketed gradient all-reduce overlapped with backward (DDPWrapper's core).");
   bind_reducer_lifecycle(cls);
   bind_reducer_queries(cls);

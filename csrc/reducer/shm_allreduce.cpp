@@ -65,6 +65,12 @@ ShmAllreduce::ShmAllreduce(std::shared_ptr<ShmSegment> segment, int rank, int wo
   thread_ = std::thread([this] { run(); });
 }
 
+namespace {
+std::atomic<bool> process_exiting{false};
+}  // namespace
+
+void ShmAllreduce::note_process_exiting() { process_exiting.store(true, std::memory_order_relaxed); }
+
 ShmAllreduce::~ShmAllreduce() {
   if (getpid() != owner_pid_) {  // forked child (e.g. a DataLoader worker): no thread to join
     thread_.detach();
@@ -76,7 +82,8 @@ ShmAllreduce::~ShmAllreduce() {
   }
   cv_.notify_all();
   if (thread_.joinable()) thread_.join();
-  leave(kClosed);  // after its last collective: a peer waiting for another one fails at once
+  // after its last collective: a peer waiting for another one fails at once
+  leave(process_exiting.load(std::memory_order_relaxed) ? kExited : kClosed);
 }
 
 c10::intrusive_ptr<ShmWork> ShmAllreduce::allreduce_sum(const at::Tensor& t, Scaling scale, bool sum_of_squares,

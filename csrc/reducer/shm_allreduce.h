@@ -97,6 +97,10 @@ class ShmAllreduce {
   // the peers (the HAR MLP, 2.8 MiB of gradients, steps 4 % slower with 96 KiB chunks than with
   // 176 KiB ones), every slot resident memory beside a small model's gradients.
   static int64_t chunk_bytes_for(int64_t gradient_bytes, int world);
+  // The process is ending (called at interpreter exit): a wrapper destroyed from now on leaves
+  // its slot as kExited, so a peer still waiting says that this rank's process ended (its
+  // script returned, exited or raised) rather than that it destroyed its wrapper.
+  static void note_process_exiting();
   ~ShmAllreduce();
   ShmAllreduce(const ShmAllreduce&) = delete;
   ShmAllreduce& operator=(const ShmAllreduce&) = delete;
@@ -146,7 +150,7 @@ class ShmAllreduce {
   void describe_own_op(const OpDescriptor& op) const;
   void check_peers_run(uint32_t seq) const;  // every peer described this rank's all-reduce
   void leave(uint32_t state) const;  // marks this rank's slot kFailed or kClosed (SlotState)
-  [[noreturn]] void fail_closed(int peer) const;
+  [[noreturn]] void fail_closed(int peer, bool exited) const;
   OpDescriptor* broadcast_header() const;  // which broadcast rank 0's broadcast region holds
   [[noreturn]] void fail_mismatch(const OpDescriptor& mine, int peer, const OpDescriptor& theirs) const;
   void fail_if_peer_differs(int peer) const;

@@ -70,7 +70,7 @@ void ShmAllreduce::sleep_until_reached(int peer, int which, uint32_t seq) const 
     if (state != kRunning) {
       if (seq_reached(word->load(std::memory_order_acquire), seq)) return;  // published before it left
       fail_if_peer_differs(peer);
-      if (state == kClosed) fail_closed(peer);
+      if (state == kClosed || state == kExited) fail_closed(peer, state == kExited);
       fail("fastddp shared-memory all-reduce: rank " + std::to_string(peer) + " stopped in collective " +
            std::to_string(seq) + ": a collective failed there (its error says why)");
     }
@@ -133,16 +133,21 @@ void ShmAllreduce::fail_if_peer_differs(int peer) const {
        "such forwards on every rank, or on the wrapped module itself (ddp.module) under torch.no_grad().");
 }
 
-[[noreturn]] void ShmAllreduce::fail_closed(int peer) const {
+[[noreturn]] void ShmAllreduce::fail_closed(int peer, bool exited) const {
   const auto& mine = segment_->slot(rank_).op;
   const auto& theirs = segment_->slot(peer).op;
   const std::string me = std::to_string(rank_), them = std::to_string(peer);
-  fail("fastddp shared-memory collectives: rank " + them + " destroyed its DDPWrapper after its last collective (" +
-       (theirs.kind == kNoOp ? std::string("none") : theirs.describe() + ", from collective " +
-                                                         std::to_string(theirs.seq) + " on") +
-       "), while rank " + me + " waits for it in collective " + std::to_string(mine.seq) + ", " + mine.describe() +
-       ": rank " + me + " ran a forward (gradients on) or a backward that rank " + them + " did not. Every rank "
-       "must run the same forwards (with gradients on) and backwards with the wrapper before it is destroyed.");
+  const std::string last = "after its last collective (" +
+                           (theirs.kind == kNoOp ? std::string("none") : theirs.describe() + ", from collective " +
+                                                                             std::to_string(theirs.seq) + " on") +
+                           "), while rank " + me + " waits for it in collective " + std::to_string(mine.seq) +
+                           ", " + mine.describe();
+  if (exited)
+    fail("fastddp shared-memory collectives: rank " + them + "'s process ended (its script returned, exited or "
+         "raised: the report of every rank says which) " + last + ".");
+  fail("fastddp shared-memory collectives: rank " + them + " destroyed its DDPWrapper " + last + ": rank " + me +
+       " ran a forward (gradients on) or a backward that rank " + them + " did not. Every rank must run the same "
+       "forwards (with gradients on) and backwards with the wrapper before it is destroyed.");
 }
 
 void ShmAllreduce::fail(const std::string& what) const { C10_THROW_ERROR(DistBackendError, what); }

@@ -23,7 +23,8 @@ constexpr int64_t kPage = 4096;
 inline int64_t round_up(int64_t v, int64_t to) { return (v + to - 1) / to * to; }
 
 enum OpKind : int32_t { kNoOp = 0, kAllreduceOp = 1, kBroadcastOp = 2 };
-enum SlotState : uint32_t { kRunning = 0, kFailed = 1, kClosed = 2 };
+// kClosed: the rank destroyed its wrapper; kExited: it did so while its process was ending
+enum SlotState : uint32_t { kRunning = 0, kFailed = 1, kClosed = 2, kExited = 3 };
 
 // A collective as a rank announces it in shared memory: its first sequence number, kind, size
 // and dtype. Two ranks at one sequence number with different descriptors issued different

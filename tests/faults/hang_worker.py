@@ -118,6 +118,9 @@ def train(fault: str, rank: int, world: int, model: nn.Module) -> None:
             continue  # e.g. `if not loss.isfinite(): continue` on this rank only
         opt.zero_grad()
         loss.backward()
+        if bad and fault == "raises_after_backward" and step == 2:
+            print("FAULT-START", flush=True)
+            raise RuntimeError("optimizer step failed (simulated)")  # uncaught, after a reduced step
         opt.step()
         if fault == "sleeps_before_barrier":  # the script's own collective after every step
             if bad and step == 1:

@@ -4,6 +4,7 @@ configures it with a :class:`fastddp._C.ReducerOptions` and reports on it."""
 
 from __future__ import annotations
 
+import atexit
 import os
 import warnings
 from typing import Any, Optional
@@ -22,6 +23,10 @@ from .logging_data import bucket_bytes, logging_data
 from .sparse import SparseGradients
 
 _MIB = 1024 * 1024
+
+# At interpreter exit: a shared-memory peer still waiting for this rank is told that this
+# rank's process ended, not that it destroyed its wrapper (the wrapper goes with the process)
+atexit.register(C.shm_process_exiting)
 
 
 def default_first_bucket_mb() -> float:
