@@ -254,6 +254,16 @@ def test_find_unused_parameters(tmp_path, data_path) -> None:
     assert got["step"] == 3
 
 
+def test_a_model_with_the_wrong_number_of_outputs_is_one_clear_error(tmp_path, data_path) -> None:
+    """--model whose output is not (batch, 6) class scores: one line naming the shape it gives
+    and what the loss takes, exit 2, before any training (was the loss's IndexError traceback)."""
+    codes, out = trainer_runs.run(tmp_path / "run", data_path, ["--model", "tiny_har:three_classes"])
+    assert codes == [2], out
+    assert ("fastddp.train: error: --model tiny_har:three_classes: its output for one sample is of shape 1x3, "
+            "but the loss and the metrics take (batch, 6) class scores") in out, out
+    assert "Traceback" not in out, out
+
+
 def test_curves_are_written_like_the_other_files(tmp_path, data_path) -> None:
     """curves.png goes through the run's writer (a temporary file renamed over it), as
     summary.json does: a curves.png that is a link to a full device is replaced, and the run

@@ -30,6 +30,7 @@ from .outputs import (
 from .settings import resume_flags
 from .setup import (
     Context,
+    check_model_outputs,
     class_weights,
     data_identity,
     load_data,
@@ -85,6 +86,8 @@ def build(args: argparse.Namespace, ctx: Context, save_dir: Path,
     seed_everything(args.seed)  # identical initial weights on every rank
     model = wrap_model(args, ctx, build_model(args.mode, args.model).to(ctx.device))
     train_set, test_set = load_data(args)
+    if args.model:
+        check_model_outputs(unwrap(model), train_set, args, ctx.device)
     loader, val_loader = make_loaders(args, ctx, train_set, test_set)
     accum = args.grad_accum_steps
     if len(loader) < accum:

@@ -154,6 +154,27 @@ def data_identity(args: argparse.Namespace, train: Any, test: Any) -> str:
     return f"samples {digest.hexdigest()}"
 
 
+def check_model_outputs(module: nn.Module, data: Any, args: argparse.Namespace, device: torch.device) -> None:
+    """``--model``'s output for the first training sample must be (batch, 6) class scores, as
+    the loss and the metrics take them: anything else would fail inside the first training step
+    with the loss's traceback. One forward in eval mode without gradients, the random state
+    kept as it was (the check draws nothing a run would see)."""
+    x = torch.as_tensor(data[0][0]).unsqueeze(0).to(device)
+    training = module.training
+    module.eval()
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
+            out = module(x)
+    finally:
+        module.train(training)
+    if isinstance(out, torch.Tensor) and out.dim() == 2 and out.shape[1] == CLASSES:
+        return
+    got = (f"of shape {'x'.join(map(str, out.shape)) or 'scalar'}" if isinstance(out, torch.Tensor)
+           else f"a {type(out).__name__}")
+    raise UsageError(f"--model {args.model}: its output for one sample is {got}, but the loss and the metrics "
+                     f"take (batch, {CLASSES}) class scores, one per HAR activity; give the model {CLASSES} outputs")
+
+
 def check_dataset(data: Any, split: str, args: argparse.Namespace) -> None:
     """A ``--dataset`` split must hold (x, y) samples with labels 0..5 (the metrics count six
     classes) and, for the built-in ``--mode`` models, 9x128 windows: anything else would fail
