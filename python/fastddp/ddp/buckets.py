@@ -154,6 +154,22 @@ class Buckets:
         its CPU backend's, else torch's default for process groups."""
         return group_timeout_s(self.process_group)
 
+    def _rebuild_due(self) -> bool:
+        """torch DDP's rule: the buckets are rebuilt once, before the first reducing forward after
+        a reduced backward (with static_graph after the second; never under
+        find_unused_parameters alone: the reducer then records no arrival order)."""
+        return not self._has_rebuilt_buckets and bool(self._reducer.arrival_order())
+
+    def _rebuild_if_due(self) -> bool:
+        """Rebuild the buckets if torch's rule says they are due; True when it did."""
+        if not self._rebuild_due():
+            return False
+        self._rebuild_buckets()
+        return True
+
+    def _graph_static(self) -> bool:
+        return self._reducer.graph_static
+
     def _rebuild_buckets(self) -> None:
         """Once, after the reduced backward whose arrival order the reducer kept (torch DDP's
         rule, layout.h): the reducer re-buckets in that order (group rank 0's, so every rank

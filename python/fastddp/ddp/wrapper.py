@@ -325,22 +325,6 @@ class DDPWrapper(Buckets, CommHooks, UnevenInputs, ModuleStateSync, Pickling, To
         diag.enter(diag.Phase.FORWARD, -1 if grad_enabled else diag.FORWARD_WITHOUT_GRADIENTS)
         return inputs, kwargs, grad_enabled
 
-    def _rebuild_due(self) -> bool:
-        """torch DDP's rule: the buckets are rebuilt once, before the first reducing forward after
-        a reduced backward (with static_graph after the second; never under
-        find_unused_parameters alone: the reducer then records no arrival order)."""
-        return not self._has_rebuilt_buckets and bool(self._reducer.arrival_order())
-
-    def _rebuild_if_due(self) -> bool:
-        """Rebuild the buckets if torch's rule says they are due; True when it did."""
-        if not self._rebuild_due():
-            return False
-        self._rebuild_buckets()
-        return True
-
-    def _graph_static(self) -> bool:
-        return self._reducer.graph_static
-
     @torch.compiler.disable
     def _after_module(self, output: Any, grad_enabled: bool) -> Any:
         """Arm the reducer for this forward's backward; the outputs as torch DDP returns them."""
